@@ -1,0 +1,1 @@
+"""Built-in copy plugins (filled in by the copy layer)."""

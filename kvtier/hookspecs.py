@@ -1,0 +1,76 @@
+"""Hook specifications: the registration hooks every kvtier plugin implements.
+
+Each hook receives a ``register`` callable owned by kvtier's core::
+
+    register(name: str, factory: Callable[..., T], config_model: type[PluginConfig])
+
+``name`` is the value users write as ``type`` in the matching config section;
+``config_model`` is a :class:`kvtier.config.PluginConfig` subclass whose ``type``
+field is ``Literal[name]``. kvtier rejects a second registration of the same
+name, naming both plugins. All hooks run once, in the process that builds the
+plugin manager (the scheduler and every worker each build their own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("kvtier")
+
+Register = Callable[[str, Callable[..., Any], type], None]
+
+
+@hookspec
+def register_layout_resolvers(register: Register) -> None:
+    """Register layout resolvers: engine KV tensors in, a :class:`~kvtier.layout.KVLayout` out.
+
+    The factory is called as ``factory(config)`` with the validated config model
+    and returns a :class:`kvtier.layout.LayoutResolver`. Called in worker processes.
+
+    :param register: ``register(name, factory, config_model)``; call it once per resolver.
+    :return: Nothing; a return value is ignored.
+    """
+
+
+@hookspec
+def register_copy_backends(register: Register) -> None:
+    """Register copy backends that move blocks between engine memory and host slots.
+
+    The factory is called as ``factory(config, layout, host_buffer)`` with the
+    validated config model, the resolved :class:`~kvtier.layout.KVLayout` and the
+    host tier's ``[num_slots, record_bytes]`` uint8 tensor, and returns a
+    :class:`kvtier.copy.CopyBackend`. Called in worker processes.
+
+    :param register: ``register(name, factory, config_model)``; call it once per backend.
+    :return: Nothing; a return value is ignored.
+    """
+
+
+@hookspec
+def register_block_indexes(register: Register) -> None:
+    """Register block indexes (key to slot directories with an eviction policy).
+
+    The factory is called as ``factory(config, num_slots)`` with the validated
+    config model and the tier's slot count, and returns a
+    :class:`kvtier.index.BlockIndex`. Called in the scheduler process.
+
+    :param register: ``register(name, factory, config_model)``; call it once per index.
+    :return: Nothing; a return value is ignored.
+    """
+
+
+@hookspec
+def register_storage_tiers(register: Register) -> None:
+    """Register storage tiers that sit below the host tier (local disk, remote stores).
+
+    The factory is called as ``factory(config, record_bytes)`` with the
+    validated config model and the size of one block record in bytes. Tiers
+    below the host tier are configured by this hook's registrations; none is
+    built in yet. Called in worker processes.
+
+    :param register: ``register(name, factory, config_model)``; call it once per tier.
+    :return: Nothing; a return value is ignored.
+    """

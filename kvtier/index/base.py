@@ -1,0 +1,106 @@
+"""The block-index contract: one tier's directory of ``BlockKey -> slot``.
+
+Primitives, in the order a store and a load call them:
+
+- store: :meth:`BlockIndex.reserve` (slots for new keys, evicting unpinned
+  readable ones), the copy, then :meth:`BlockIndex.commit` (readable from now
+  on) or :meth:`BlockIndex.abort` (the slot is free again).
+- load: :meth:`BlockIndex.lookup` (how many leading keys are readable, no side
+  effects), :meth:`BlockIndex.pin` (slots to read; pinned slots are never
+  evicted or reused), the copy, :meth:`BlockIndex.unpin`.
+
+A slot is in exactly one state: free, writing (reserved, never readable, never
+evicted) or readable (possibly pinned). Events describe what became readable
+and what was evicted, for engines that publish cache events.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+BlockKey = bytes
+
+
+class EventKind(enum.Enum):
+    STORED = "stored"
+    EVICTED = "evicted"
+
+
+@dataclass(frozen=True)
+class IndexEvent:
+    """A key became readable (``STORED``) or left the tier (``EVICTED``)."""
+
+    kind: EventKind
+    key: BlockKey
+
+
+@dataclass(frozen=True)
+class IndexStats:
+    """Slot counts by state; ``pinned`` counts readable slots with a pin."""
+
+    num_slots: int
+    free: int
+    writing: int
+    readable: int
+    pinned: int
+
+
+class BlockIndex(ABC):
+    """Directory of one tier: keys to slots, slot states, pins and an eviction policy."""
+
+    num_slots: int
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        """Return how many leading ``keys`` are readable. Changes nothing."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Tell the policy ``keys`` were used elsewhere (e.g. hit in a faster tier); unknown keys are ignored."""
+
+    @abstractmethod
+    def pin(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Pin readable ``keys`` for reading, count a hit on each, and return their slots.
+
+        Raises ``KeyError`` naming the first key that is not readable; nothing is pinned then.
+        """
+
+    @abstractmethod
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        """Release one pin on each of ``keys``."""
+
+    @abstractmethod
+    def reserve(self, keys: Sequence[BlockKey], parent: BlockKey | None = None) -> list[int | None]:
+        """Reserve write slots for a chain of keys; ``keys[0]``'s prefix parent is ``parent``.
+
+        Returns one entry per key: the reserved slot, or ``None`` when the key is
+        already present (readable or being written), the policy declined to
+        admit it, or no slot could be freed (every remaining key then gets ``None``).
+        """
+
+    @abstractmethod
+    def commit(self, keys: Sequence[BlockKey]) -> None:
+        """Make reserved ``keys`` readable (their stores completed)."""
+
+    @abstractmethod
+    def abort(self, keys: Sequence[BlockKey]) -> None:
+        """Free the slots reserved for ``keys`` (their stores failed or were cancelled)."""
+
+    @abstractmethod
+    def clear(self) -> bool:
+        """Evict every unpinned readable key; return whether the tier is now empty."""
+
+    @abstractmethod
+    def slot_of(self, key: BlockKey) -> int | None:
+        """The slot of a readable key, else ``None``."""
+
+    @abstractmethod
+    def stats(self) -> IndexStats:
+        """Current slot counts."""
+
+    @abstractmethod
+    def take_events(self) -> list[IndexEvent]:
+        """Return and forget the events since the last call."""

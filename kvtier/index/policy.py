@@ -1,0 +1,165 @@
+"""A :class:`BlockIndex` built from slot bookkeeping plus a pluggable :class:`EvictionPolicy`.
+
+The index owns slot states and pins; the policy only ranks keys. A policy sees
+every readable key (``inserted``), every hit (``accessed``), every removal
+(``removed``), and is asked for a victim among the keys the index says are
+evictable (readable and unpinned). A policy may also refuse to admit a key.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+
+from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent, IndexStats
+
+
+class EvictionPolicy(ABC):
+    """Ranks a tier's readable keys for eviction."""
+
+    def admit(self, key: BlockKey, parent: BlockKey | None) -> bool:
+        """Return whether ``key`` (whose prefix parent is ``parent``) is worth a slot."""
+        return True
+
+    @abstractmethod
+    def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
+        """``key`` became readable."""
+
+    @abstractmethod
+    def accessed(self, key: BlockKey) -> None:
+        """``key`` was hit."""
+
+    @abstractmethod
+    def removed(self, key: BlockKey) -> None:
+        """``key`` left the tier."""
+
+    @abstractmethod
+    def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
+        """Choose a key to evict among those for which ``evictable`` is true, or ``None``."""
+
+
+class PolicyIndex(BlockIndex):
+    """Slot table with free, writing and readable states, pins, and a policy for victims."""
+
+    def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"a block index needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.policy = policy
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._readable: dict[BlockKey, int] = {}
+        self._writing: dict[BlockKey, tuple[int, BlockKey | None]] = {}
+        self._pins = [0] * num_slots
+        self._pinned = 0
+        self._events: list[IndexEvent] = []
+
+    def _evictable(self, key: BlockKey) -> bool:
+        slot = self._readable.get(key)
+        return slot is not None and self._pins[slot] == 0
+
+    def _evict(self, key: BlockKey) -> int:
+        slot = self._readable.pop(key)
+        self.policy.removed(key)
+        self._events.append(IndexEvent(EventKind.EVICTED, key))
+        return slot
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        victim = self.policy.victim(self._evictable)
+        if victim is None:
+            return None
+        if not self._evictable(victim):
+            raise RuntimeError(f"{type(self.policy).__name__} chose a key that is not evictable")
+        return self._evict(victim)
+
+    def lookup(self, keys: Sequence[BlockKey]) -> int:
+        readable = self._readable
+        hits = 0
+        for key in keys:
+            if key not in readable:
+                break
+            hits += 1
+        return hits
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            if key in self._readable:
+                self.policy.accessed(key)
+
+    def pin(self, keys: Sequence[BlockKey]) -> list[int]:
+        for key in keys:
+            if key not in self._readable:
+                raise KeyError(f"block {key.hex()} is not readable in this tier")
+        slots = []
+        for key in keys:
+            slot = self._readable[key]
+            if self._pins[slot] == 0:
+                self._pinned += 1
+            self._pins[slot] += 1
+            self.policy.accessed(key)
+            slots.append(slot)
+        return slots
+
+    def unpin(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            slot = self._readable[key]
+            if self._pins[slot] == 0:
+                raise ValueError(f"block {key.hex()} is not pinned")
+            self._pins[slot] -= 1
+            if self._pins[slot] == 0:
+                self._pinned -= 1
+
+    def reserve(self, keys: Sequence[BlockKey], parent: BlockKey | None = None) -> list[int | None]:
+        slots: list[int | None] = []
+        for position, key in enumerate(keys):
+            if key in self._readable or key in self._writing or not self.policy.admit(key, parent):
+                slots.append(None)
+            else:
+                slot = self._take_slot()
+                if slot is None:
+                    slots.extend([None] * (len(keys) - position))
+                    break
+                self._writing[key] = (slot, parent)
+                slots.append(slot)
+            parent = key
+        return slots
+
+    def commit(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            if key not in self._writing:
+                raise KeyError(f"block {key.hex()} has no reserved slot to commit")
+        for key in keys:
+            slot, parent = self._writing.pop(key)
+            self._readable[key] = slot
+            self.policy.inserted(key, parent)
+            self._events.append(IndexEvent(EventKind.STORED, key))
+
+    def abort(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            if key not in self._writing:
+                raise KeyError(f"block {key.hex()} has no reserved slot to abort")
+        for key in keys:
+            slot, _ = self._writing.pop(key)
+            self._free.append(slot)
+
+    def clear(self) -> bool:
+        for key in [key for key in self._readable if self._evictable(key)]:
+            self._free.append(self._evict(key))
+        return not self._readable and not self._writing
+
+    def slot_of(self, key: BlockKey) -> int | None:
+        return self._readable.get(key)
+
+    def stats(self) -> IndexStats:
+        return IndexStats(
+            num_slots=self.num_slots,
+            free=len(self._free),
+            writing=len(self._writing),
+            readable=len(self._readable),
+            pinned=self._pinned,
+        )
+
+    def take_events(self) -> list[IndexEvent]:
+        events, self._events = self._events, []
+        return events

@@ -1,0 +1,1 @@
+"""Built-in layout plugins (filled in by the layout layer)."""
