@@ -75,6 +75,10 @@ class Registry:
             raise PluginError(f"no {kind[:-1].replace('_', ' ')} named {name!r}; installed: {choices}")
         return found[name]
 
+    def build(self, kind: str, config: PluginConfig, *args: Any) -> Any:
+        """Build the implementation ``config.type`` of ``kind`` with its validated config."""
+        return self.get(kind, config.type).factory(config, *args)
+
     def all(self) -> list[Registration]:
         return [reg for kind in KINDS for reg in self.of_kind(kind).values()]
 
