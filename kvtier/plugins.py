@@ -37,6 +37,14 @@ KINDS: dict[str, str] = {
 }
 """Registry kind -> the hook that fills it."""
 
+KIND_TITLES: dict[str, str] = {
+    "layout_resolvers": "layout resolver",
+    "copy_backends": "copy backend",
+    "block_indexes": "block index",
+    "storage_tiers": "storage tier",
+}
+"""Registry kind -> what one of its implementations is called in messages."""
+
 
 class PluginError(Exception):
     """A plugin could not be loaded or registered something invalid."""
@@ -65,6 +73,9 @@ class Registry:
     storage_tiers: Mapping[str, Registration] = field(default_factory=dict)
 
     def of_kind(self, kind: str) -> Mapping[str, Registration]:
+        """Return the registrations of ``kind`` (one of :data:`KINDS`) by name."""
+        if kind not in KINDS:
+            raise PluginError(f"unknown plugin kind {kind!r}; kinds: {', '.join(KINDS)}")
         return typing.cast(Mapping[str, Registration], getattr(self, kind))
 
     def get(self, kind: str, name: str) -> Registration:
@@ -72,7 +83,7 @@ class Registry:
         found = self.of_kind(kind)
         if name not in found:
             choices = ", ".join(sorted(found)) or "none"
-            raise PluginError(f"no {kind[:-1].replace('_', ' ')} named {name!r}; installed: {choices}")
+            raise PluginError(f"no {KIND_TITLES[kind]} named {name!r}; installed: {choices}")
         return found[name]
 
     def build(self, kind: str, config: PluginConfig, *args: Any) -> Any:
@@ -80,6 +91,7 @@ class Registry:
         return self.get(kind, config.type).factory(config, *args)
 
     def all(self) -> list[Registration]:
+        """Return every registration, kind by kind in the order of :data:`KINDS`."""
         return [reg for kind in KINDS for reg in self.of_kind(kind).values()]
 
 
@@ -91,7 +103,9 @@ def _selected_entry_points(env: Mapping[str, str]) -> list[Any]:
     names = {ep.name for ep in eps} | {ep.dist.name for ep in eps if ep.dist is not None}
     for missing in sorted(wanted - names):
         logger.warning("%s names %r, but no such plugin is installed", LOAD_PLUGINS_ENV, missing)
-    return [ep for ep in eps if ep.name in wanted or (ep.dist is not None and ep.dist.name in wanted)]
+    return [
+        ep for ep in eps if ep.name in wanted or (ep.dist is not None and ep.dist.name in wanted)
+    ]
 
 
 def _owner(ep: Any) -> tuple[str, str]:
@@ -143,13 +157,15 @@ def build_plugin_manager(env: Mapping[str, str] | None = None) -> pluggy.PluginM
 def _check_config_model(kind: str, name: str, config_model: Any, owner: str) -> None:
     if not (isinstance(config_model, type) and issubclass(config_model, PluginConfig)):
         raise PluginError(
-            f"{owner} registered {kind[:-1]} {name!r} with config model {config_model!r}, "
+            f"{owner} registered {KIND_TITLES[kind]} {name!r} with config model {config_model!r}, "
             "which is not a kvtier.config.PluginConfig subclass"
         )
     annotation = config_model.model_fields["type"].annotation
-    if typing.get_origin(annotation) is not typing.Literal or typing.get_args(annotation) != (name,):
+    if typing.get_origin(annotation) is not typing.Literal or typing.get_args(annotation) != (
+        name,
+    ):
         raise PluginError(
-            f"{owner} registered {kind[:-1]} {name!r}, but {config_model.__name__}.type is "
+            f"{owner} registered {KIND_TITLES[kind]} {name!r}, but {config_model.__name__}.type is "
             f"{annotation!r}; declare it as Literal[{name!r}]"
         )
 
@@ -160,7 +176,9 @@ def collect(pm: pluggy.PluginManager) -> Registry:
     found: dict[str, dict[str, Registration]] = {kind: {} for kind in KINDS}
     for kind, hook_name in KINDS.items():
         for impl in getattr(pm.hook, hook_name).get_hookimpls():
-            dist, version = owners.get(impl.plugin_name, ("unknown distribution", "unknown version"))
+            dist, version = owners.get(
+                impl.plugin_name, ("unknown distribution", "unknown version")
+            )
             owner = f"plugin {impl.plugin_name!r} ({dist} {version})"
 
             def register(
@@ -175,21 +193,31 @@ def collect(pm: pluggy.PluginManager) -> Registry:
                 _version: str = version,
             ) -> None:
                 if not isinstance(name, str) or not name:
-                    raise PluginError(f"{_owner} registered a {_kind[:-1]} without a name")
+                    raise PluginError(f"{_owner} registered a {KIND_TITLES[_kind]} without a name")
                 if not callable(factory):
-                    raise PluginError(f"{_owner} registered {_kind[:-1]} {name!r} with a non-callable factory")
+                    raise PluginError(
+                        f"{_owner} registered {KIND_TITLES[_kind]} {name!r} "
+                        "with a non-callable factory"
+                    )
                 _check_config_model(_kind, name, config_model, _owner)
                 if name in found[_kind]:
                     first = found[_kind][name]
                     raise PluginError(
-                        f"{_kind[:-1].replace('_', ' ')} {name!r} is registered twice: by plugin "
+                        f"{KIND_TITLES[_kind]} {name!r} is registered twice: by plugin "
                         f"{first.plugin!r} ({first.distribution} {first.version}) and by {_owner}"
                     )
                 found[_kind][name] = Registration(
                     _kind, name, factory, config_model, _impl.plugin_name, _dist, _version
                 )
 
-            impl.function(**{arg: register for arg in impl.argnames})
+            try:
+                impl.function(**{arg: register for arg in impl.argnames})
+            except PluginError:
+                raise
+            except Exception as exc:  # a plugin's hook can raise anything
+                raise PluginError(
+                    f"{owner} failed in {hook_name}: {type(exc).__name__}: {exc}"
+                ) from exc
     return Registry(**found)
 
 
