@@ -1,0 +1,304 @@
+"""The ``kvtier`` command line: installed plugins, config validation, schema, benchmarks.
+
+Subcommands::
+
+    kvtier plugins [--json]          every registered implementation and who provides it
+    kvtier config validate FILE      check a YAML or TOML config (plus KVTIER_* variables)
+    kvtier config show [FILE]        the effective config and where each value came from
+    kvtier config schema             JSON Schema of the config, plugin models included
+    kvtier config reference          the config reference as Markdown
+    kvtier bench copy ...            copy backend benchmark (kvtier.copy.bench)
+    kvtier simulate ...              eviction policy trace replay (kvtier.simulator)
+
+Exit status: 0 on success, 2 for an invalid configuration or command line,
+1 when the plugins cannot be loaded or a delegated command fails to start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from kvtier import __version__
+from kvtier.config import SECTIONS, ConfigError, KVTierConfig, config_model, load_config
+from kvtier.plugins import KIND_TITLES, KINDS, PluginError, Registry, default_registry
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+DELEGATED: dict[tuple[str, ...], tuple[str, str]] = {
+    ("bench", "copy"): ("kvtier.copy.bench", "benchmark copy backends"),
+    ("simulate",): ("kvtier.simulator", "replay a trace through eviction policies"),
+}
+"""Commands implemented elsewhere: words -> (module with add_arguments/run, summary)."""
+
+_SECTION_FIELDS = {section.field: section for section in SECTIONS}
+
+
+def _command_plugins(args: argparse.Namespace) -> int:
+    registry = default_registry()
+    rows = [
+        {
+            "kind": reg.kind,
+            "name": reg.name,
+            "distribution": reg.distribution,
+            "version": reg.version,
+            "plugin": reg.plugin,
+            "config_model": f"{reg.config_model.__module__}.{reg.config_model.__qualname__}",
+        }
+        for reg in registry.all()
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return EXIT_OK
+    table = [["KIND", "NAME", "DISTRIBUTION", "VERSION", "PLUGIN"]]
+    for kind in KINDS:
+        found = [row for row in rows if row["kind"] == kind]
+        if not found:
+            table.append([KIND_TITLES[kind], "(none installed)", "", "", ""])
+        for row in found:
+            table.append(
+                [KIND_TITLES[kind], row["name"], row["distribution"], row["version"], row["plugin"]]
+            )
+    print(_format_table(table))
+    return EXIT_OK
+
+
+def _format_table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def _command_config_validate(args: argparse.Namespace) -> int:
+    load_config(config_file=args.file)
+    print(f"{args.file}: valid kvtier configuration")
+    return EXIT_OK
+
+
+def _command_config_show(args: argparse.Namespace) -> int:
+    config = load_config(config_file=args.file)
+    sources = config.sources()
+    flat = _flatten(config.model_dump(mode="json"))
+    if args.json:
+        print(json.dumps({"config": config.model_dump(mode="json"), "sources": sources}, indent=2))
+        return EXIT_OK
+    table = [["KEY", "VALUE", "SOURCE"]]
+    table.extend([path, json.dumps(value), sources[path]] for path, value in flat.items())
+    print(_format_table(table))
+    return EXIT_OK
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _command_config_schema(args: argparse.Namespace) -> int:
+    print(json.dumps(config_model().model_json_schema(), indent=2))
+    return EXIT_OK
+
+
+def _command_config_reference(args: argparse.Namespace) -> int:
+    distribution = None if args.all else "kvtier"
+    print(config_reference(default_registry(), distribution=distribution), end="")
+    return EXIT_OK
+
+
+def config_reference(registry: Registry, *, distribution: str | None = None) -> str:
+    """Render every config field as Markdown: the root fields, then each implementation's.
+
+    Args:
+        registry: The plugins whose config models to describe.
+        distribution: Describe only implementations from this distribution
+            (``"kvtier"`` for the built-ins); ``None`` describes all.
+
+    Returns:
+        Markdown with one table per model: key, type, default, description.
+    """
+    lines = ["## Top level", "", *_fields_table(KVTierConfig.model_fields, "")]
+    for section in SECTIONS:
+        title = KIND_TITLES[section.kind]
+        lines += [
+            "",
+            f"## `{section.field}`: {title}",
+            "",
+            f"{section.description} Pick one with `{section.field}.type`; "
+            f"the default is `{section.default}`.",
+        ]
+        for reg in registry.of_kind(section.kind).values():
+            if distribution is not None and reg.distribution != distribution:
+                continue
+            model = reg.config_model
+            lines += ["", f"### `{section.field}.type: {reg.name}`", ""]
+            doc = (model.__doc__ or "").strip()
+            if doc:
+                lines += [" ".join(doc.split("\n\n")[0].split()), ""]
+            lines += _fields_table(model.model_fields, f"{section.field}.")
+    return "\n".join(lines) + "\n"
+
+
+def _fields_table(fields: dict[str, FieldInfo], prefix: str) -> list[str]:
+    rows = ["| Key | Type | Default | Description |", "| --- | --- | --- | --- |"]
+    for name, info in fields.items():
+        if prefix and name == "type":
+            continue
+        description = (info.description or "").replace("|", "\\|").replace("\n", " ")
+        is_section = not prefix and name in _SECTION_FIELDS
+        type_text = "section (below)" if is_section else _type_name(info.annotation)
+        default_text = _default_text(name, info)
+        rows.append(f"| `{prefix}{name}` | {type_text} | {default_text} | {description} |")
+    if len(rows) == 2:
+        return ["No settings besides `type`."]
+    return rows
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return " \\| ".join(f"`{value!r}`" for value in typing.get_args(annotation))
+    if origin is typing.Annotated:
+        return _type_name(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(_type_name(arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return "`None`"
+    if isinstance(annotation, type):
+        return f"`{annotation.__name__}`"
+    return f"`{annotation}`"
+
+
+def _default_text(name: str, info: FieldInfo) -> str:
+    section = _SECTION_FIELDS.get(name)
+    if section is not None:
+        return f"`{section.default}`"
+    if info.default is PydanticUndefined:
+        return "required" if info.default_factory is None else "computed"
+    return f"`{info.default!r}`"
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier", description="kvtier: a tiered KV-cache store for LLM inference engines."
+    )
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level (default: WARNING)",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    plugins = commands.add_parser("plugins", help="list the installed plugins")
+    plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plugins.set_defaults(handler=_command_plugins)
+
+    config = commands.add_parser("config", help="validate, show or describe the configuration")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    validate = config_commands.add_parser(
+        "validate", help="check a config file, with KVTIER_* variables applied"
+    )
+    validate.add_argument("file", help="YAML (.yaml, .yml) or TOML (.toml) config file")
+    validate.set_defaults(handler=_command_config_validate)
+    show = config_commands.add_parser(
+        "show", help="print the effective config and where each value came from"
+    )
+    show.add_argument("file", nargs="?", help="config file (default: $KVTIER_CONFIG, if set)")
+    show.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    show.set_defaults(handler=_command_config_show)
+    schema = config_commands.add_parser(
+        "schema", help="print the JSON Schema of the config, plugin models included"
+    )
+    schema.set_defaults(handler=_command_config_schema)
+    reference = config_commands.add_parser(
+        "reference", help="print the config reference as Markdown"
+    )
+    reference.add_argument(
+        "--all", action="store_true", help="include implementations from every installed plugin"
+    )
+    reference.set_defaults(handler=_command_config_reference)
+
+    bench = commands.add_parser("bench", help="run a benchmark")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
+    for words, (_, summary) in DELEGATED.items():
+        group = bench_commands if words[0] == "bench" else commands
+        stub = group.add_parser(words[-1], help=summary, add_help=False)
+        stub.set_defaults(delegate=words)
+    return parser
+
+
+def _run_delegated(words: tuple[str, ...], argv: list[str]) -> int:
+    module_name, summary = DELEGATED[words]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module_name.startswith(exc.name):
+            print(
+                f"kvtier {' '.join(words)}: not available in this installation "
+                f"({module_name} is missing)",
+                file=sys.stderr,
+            )
+            return EXIT_FAILURE
+        raise
+    parser = argparse.ArgumentParser(prog=f"kvtier {' '.join(words)}", description=summary)
+    add_arguments = getattr(module, "add_arguments", None)
+    run = getattr(module, "run", None)
+    if not (callable(add_arguments) and callable(run)):
+        print(
+            f"kvtier {' '.join(words)}: {module_name} does not provide add_arguments(parser) "
+            "and run(args); reinstall kvtier",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    add_arguments(parser)
+    status: int = run(parser.parse_args(argv))
+    return status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``kvtier`` command line.
+
+    Args:
+        argv: Arguments without the program name; ``sys.argv[1:]`` if ``None``.
+
+    Returns:
+        The exit status.
+    """
+    parser = _build_parser()
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
+    delegate = getattr(args, "delegate", None)
+    try:
+        if delegate is not None:
+            return _run_delegated(delegate, rest)
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        handler: Callable[[argparse.Namespace], int] = args.handler
+        return handler(args)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_USAGE
+    except PluginError as exc:
+        print(f"kvtier: cannot load plugins: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
