@@ -1,0 +1,138 @@
+"""Block keys: chained prefix hashes of token ids, and namespacing of engine-supplied hashes.
+
+A :data:`~kvtier.index.BlockKey` names the contents of one block of KV cache.
+Two sources exist:
+
+- Engines that hash prefixes themselves (vLLM does) hand kvtier their chained
+  block hash; :class:`KeyNamespace` prefixes it with a digest of the model, the
+  layout fingerprint, the rank and the kv-cache group, so keys never collide
+  across models, layouts, ranks or groups.
+- Engines and tools that do not get :func:`hash_token_blocks`: block ``i``'s
+  hash covers its tokens and the hash of block ``i - 1``, so equal keys mean
+  equal prefixes. Hashes depend only on the token ids and the algorithm (never
+  on Python's per-process ``hash`` seed), so they agree across processes and
+  machines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.index.base import BlockKey
+
+DEFAULT_HASH_ALGORITHM = "sha256"
+"""Algorithm of :func:`hash_token_blocks` unless one is named."""
+
+_TOKEN_BYTES = 8
+_NAMESPACE_DIGEST_BYTES = 8
+
+
+def hash_token_blocks(
+    token_ids: Sequence[int],
+    block_tokens: int,
+    *,
+    parent: BlockKey | None = None,
+    extra: bytes = b"",
+    algorithm: str = DEFAULT_HASH_ALGORITHM,
+) -> list[BlockKey]:
+    """Hash the full blocks of ``token_ids`` into a chain of keys.
+
+    A trailing partial block is not hashed: only full blocks are ever stored.
+
+    Args:
+        token_ids: The token ids of a sequence, from its first token.
+        block_tokens: Tokens per block (the engine's block size).
+        parent: Hash of the block before ``token_ids[0]``, to continue a chain;
+            ``None`` starts a new one.
+        extra: Bytes mixed into every block's hash (for example a LoRA name or
+            a multimodal input's digest) so otherwise equal prefixes differ.
+        algorithm: A :mod:`hashlib` algorithm name.
+
+    Returns:
+        One key per full block, each the digest of the previous key, ``extra``
+        and the block's token ids as little-endian signed 64-bit integers.
+
+    Raises:
+        ValueError: If ``block_tokens`` is not positive, ``algorithm`` is not
+            available, or a token id does not fit in 64 bits.
+    """
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+    if algorithm not in hashlib.algorithms_available:
+        raise ValueError(
+            f"hash algorithm {algorithm!r} is not available; choose one of "
+            f"{', '.join(sorted(hashlib.algorithms_guaranteed))}"
+        )
+    previous = b"" if parent is None else parent
+    keys: list[BlockKey] = []
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        digest = hashlib.new(algorithm)
+        digest.update(len(previous).to_bytes(1, "little"))
+        digest.update(previous)
+        digest.update(extra)
+        try:
+            digest.update(
+                b"".join(
+                    int(token).to_bytes(_TOKEN_BYTES, "little", signed=True)
+                    for token in token_ids[start : start + block_tokens]
+                )
+            )
+        except OverflowError as exc:
+            raise ValueError(
+                f"a token id in block {start // block_tokens} does not fit in 64 bits"
+            ) from exc
+        previous = digest.digest()
+        keys.append(previous)
+    return keys
+
+
+@dataclass(frozen=True)
+class KeyNamespace:
+    """Turns engine block hashes into keys private to one model, layout, rank and group.
+
+    The namespace is a short digest of its fields; :meth:`key` prepends it and
+    the group to the engine's hash, so lookups cost one concatenation.
+    ``rank=None`` gives keys shared by every rank (what the scheduler's index
+    uses: each rank holds its own shard of the same block in the same slot);
+    lower tiers that store each rank's shard separately set the rank.
+    """
+
+    model: str = ""
+    layout_fingerprint: str = ""
+    rank: int | None = None
+    _prefixes: dict[int, bytes] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def prefix(self, group: int) -> bytes:
+        """The bytes every key of ``group`` starts with."""
+        found = self._prefixes.get(group)
+        if found is None:
+            if group < 0:
+                raise ValueError(f"a kv-cache group index is never negative, got {group}")
+            digest = hashlib.sha256(
+                "\x1f".join(
+                    (
+                        "kvtier-key-v1",
+                        self.model,
+                        self.layout_fingerprint,
+                        "" if self.rank is None else str(self.rank),
+                    )
+                ).encode()
+            ).digest()[:_NAMESPACE_DIGEST_BYTES]
+            found = digest + group.to_bytes(2, "little")
+            self._prefixes[group] = found
+        return found
+
+    def key(self, block_hash: bytes, group: int = 0) -> BlockKey:
+        """Namespace one engine block hash."""
+        return self.prefix(group) + block_hash
+
+    def keys(self, block_hashes: Sequence[bytes], group: int = 0) -> list[BlockKey]:
+        """Namespace a sequence of engine block hashes."""
+        prefix = self.prefix(group)
+        return [prefix + block_hash for block_hash in block_hashes]
+
+    def for_rank(self, rank: int) -> KeyNamespace:
+        """The same namespace for one rank's own shard."""
+        return KeyNamespace(self.model, self.layout_fingerprint, rank)

@@ -1,0 +1,135 @@
+"""Messages between the scheduler-side manager and the worker side: small, typed, picklable.
+
+One :class:`TransferPlan` goes down each engine step (scheduler to every
+worker) and one :class:`WorkerReport` comes back (each worker to the
+scheduler). Both hold only ints, strings, tuples and dicts, so they cross
+process boundaries with plain pickle. Batch ids are unique and increasing over
+the manager's lifetime; loads and stores share one id space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from kvtier.copy.base import Direction
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One batch of block copies in one kv-cache group and one direction.
+
+    A store copies ``device_blocks[i]`` into ``host_slots[i]``; a load copies
+    ``host_slots[i]`` into ``device_blocks[i]``.
+    """
+
+    batch_id: int
+    """Unique id of this batch; workers report completions by it."""
+    direction: Direction
+    """Store (device to host) or load (host to device)."""
+    group: int
+    """The kv-cache group whose device block ids these are."""
+    device_blocks: tuple[int, ...]
+    """Engine block ids, in the group's block-id space."""
+    host_slots: tuple[int, ...]
+    """Host tier slots, one per device block."""
+    request_id: str | None = None
+    """The request a load is for (workers report finished loads by request); ``None`` for stores."""
+
+    def __post_init__(self) -> None:
+        if len(self.device_blocks) != len(self.host_slots):
+            raise ValueError(
+                f"transfer {self.batch_id} pairs {len(self.device_blocks)} device blocks "
+                f"with {len(self.host_slots)} host slots; they must be equal"
+            )
+
+    def __len__(self) -> int:
+        return len(self.device_blocks)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """What every worker does this step.
+
+    Workers execute it in this order: if ``flush``, wait for every copy already
+    in flight (requests were preempted and their device blocks are about to be
+    reused); then submit ``stores`` and ``loads``; then report.
+    """
+
+    stores: tuple[Transfer, ...] = ()
+    """Device-to-host batches to submit."""
+    loads: tuple[Transfer, ...] = ()
+    """Host-to-device batches to submit, one per request and group."""
+    flush: bool = False
+    """Wait for all in-flight copies before touching anything (set after preemptions)."""
+    holds: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Finished requests whose device blocks the engine keeps until these batches complete."""
+    unavailable: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Per request, device blocks promised as tier hits that cannot be loaded: report as failed."""
+
+    @property
+    def empty(self) -> bool:
+        """Whether the plan asks nothing of the workers."""
+        return not (self.stores or self.loads or self.flush or self.holds or self.unavailable)
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """Batches that finished on workers since their last report, by outcome.
+
+    Each value counts workers; reports from several workers (or steps) merge by
+    adding counts, and the manager completes a batch once ``world_size``
+    workers have reported it, counting it failed if any of them failed it.
+    """
+
+    done: Mapping[int, int] = field(default_factory=dict)
+    """Batch id -> number of workers that completed it successfully."""
+    failed: Mapping[int, int] = field(default_factory=dict)
+    """Batch id -> number of workers on which it failed."""
+
+    def merge(self, other: WorkerReport) -> WorkerReport:
+        """Return a report holding both reports' counts."""
+        return WorkerReport(
+            _add_counts(self.done, other.done), _add_counts(self.failed, other.failed)
+        )
+
+    @classmethod
+    def merge_all(cls, reports: Iterable[WorkerReport | None]) -> WorkerReport:
+        """Merge any number of reports, skipping ``None`` (a worker with nothing to say)."""
+        merged = cls()
+        for report in reports:
+            if report is not None:
+                merged = merged.merge(report)
+        return merged
+
+    @property
+    def empty(self) -> bool:
+        """Whether the report holds no batch."""
+        return not (self.done or self.failed)
+
+
+@dataclass(frozen=True)
+class DeviceBlock:
+    """One engine block: its kv-cache group and block id."""
+
+    group: int
+    block_id: int
+
+
+@dataclass(frozen=True)
+class LazyCandidate:
+    """A cached device block near the engine's eviction frontier, offered for a lazy store."""
+
+    block_hash: bytes
+    """The engine's hash of the block (namespaced by the manager)."""
+    group: int
+    """The kv-cache group of ``block_id``."""
+    block_id: int
+    """The engine block holding the data."""
+
+
+def _add_counts(left: Mapping[int, int], right: Mapping[int, int]) -> dict[int, int]:
+    merged = dict(left)
+    for batch_id, count in right.items():
+        merged[batch_id] = merged.get(batch_id, 0) + count
+    return merged
