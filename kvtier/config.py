@@ -247,12 +247,7 @@ class KVTierConfig(KVTierModel):
         Returns:
             ``"explicit"``, ``"env KVTIER_..."``, ``"file <path>"`` or ``"default"``.
         """
-        parts = path.split(".")
-        for end in range(len(parts), 0, -1):
-            source = self._sources.get(".".join(parts[:end]))
-            if source is not None:
-                return source
-        return DEFAULT_SOURCE
+        return self._sources.get(path, DEFAULT_SOURCE)
 
     def sources(self) -> dict[str, str]:
         """Return every leaf value's dotted path mapped to where it came from."""
@@ -366,6 +361,9 @@ def _title(section: Section) -> str:
     return KIND_TITLES[section.kind]
 
 
+_MODELS: dict[int, tuple[Registry, type[KVTierConfig]]] = {}
+
+
 def config_model(registry: Registry | None = None) -> type[KVTierConfig]:
     """Return the :class:`KVTierConfig` subclass that validates against ``registry``'s plugins.
 
@@ -382,6 +380,9 @@ def config_model(registry: Registry | None = None) -> type[KVTierConfig]:
     from kvtier.plugins import default_registry
 
     registry = registry or default_registry()
+    cached = _MODELS.get(id(registry))
+    if cached is not None and cached[0] is registry:
+        return cached[1]
     fields: dict[str, Any] = {}
     for section in SECTIONS:
         registered = registry.of_kind(section.kind)
@@ -400,13 +401,16 @@ def config_model(registry: Registry | None = None) -> type[KVTierConfig]:
         fields[section.field] = (annotation, default)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_COPY_SHADOWS, category=UserWarning)
-        return create_model(  # type: ignore[call-overload,no-any-return]
+        model: type[KVTierConfig] = create_model(  # type: ignore[call-overload]
             "KVTierConfig",
             __base__=KVTierConfig,
             __doc__=KVTierConfig.__doc__,
             __module__=__name__,
             **fields,
         )
+    # One model per registry, so configs validated against the same plugins compare equal.
+    _MODELS[id(registry)] = (registry, model)
+    return model
 
 
 class _Layers:
@@ -686,6 +690,10 @@ def load_config(
     layers.apply(env_values, lambda dotted: f"env {_env_name_for(dotted, env_names)}")
     layers.apply(explicit, lambda dotted: EXPLICIT_SOURCE)
 
+    for section in SECTIONS:
+        given = layers.values.get(section.field)
+        if isinstance(given, dict) and "type" not in given:
+            given["type"] = section.default
     model = config_model(registry)
     try:
         config = model.model_validate(layers.values)

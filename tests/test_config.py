@@ -1,0 +1,327 @@
+"""Tests of kvtier.config: sources, precedence, provenance, and one test per kind of bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import pluggy
+import pytest
+from pydantic import Field
+
+import kvtier
+from kvtier import hookspecs
+from kvtier.config import (
+    DEFAULT_CPU_BYTES,
+    ConfigError,
+    KVTierConfig,
+    PluginConfig,
+    config_model,
+    load_config,
+    parse_bytes,
+)
+from kvtier.index.lru import LRUConfig
+from kvtier.plugins import Registry, collect
+
+
+class TorchConfig(PluginConfig):
+    """Stand-in for the default copy backend's config."""
+
+    type: Literal["torch"] = "torch"
+    streams: int = Field(1, gt=0, description="Copy streams.")
+
+
+class TwinConfig(PluginConfig):
+    """A second copy backend, to switch to."""
+
+    type: Literal["twin"] = "twin"
+    depth: int = Field(2, description="Queue depth.")
+
+
+class AutoConfig(PluginConfig):
+    """Stand-in for the default layout resolver's config."""
+
+    type: Literal["auto"] = "auto"
+
+
+class Sections:
+    @kvtier.hookimpl
+    def register_copy_backends(self, register: hookspecs.Register) -> None:
+        register("torch", lambda config, layout, host: ("torch", config), TorchConfig)
+        register("twin", lambda config, layout, host: ("twin", config), TwinConfig)
+
+    @kvtier.hookimpl
+    def register_layout_resolvers(self, register: hookspecs.Register) -> None:
+        register("auto", lambda config: ("auto", config), AutoConfig)
+
+    @kvtier.hookimpl
+    def register_block_indexes(self, register: hookspecs.Register) -> None:
+        register("lru", lambda config, num_slots: ("lru", num_slots), LRUConfig)
+
+
+def make_registry(*plugins: object) -> Registry:
+    pm = pluggy.PluginManager("kvtier")
+    pm.add_hookspecs(hookspecs)
+    for plugin in plugins:
+        pm.register(plugin)
+    return collect(pm)
+
+
+@pytest.fixture
+def registry() -> Registry:
+    return make_registry(Sections())
+
+
+def lines_of(caught: pytest.ExceptionInfo[ConfigError]) -> list[str]:
+    return caught.value.lines
+
+
+def test_defaults_fill_every_field(registry: Registry) -> None:
+    config = load_config(env={}, registry=registry)
+    assert config.cpu_bytes == DEFAULT_CPU_BYTES
+    assert config.cpu_bytes_per_rank is None
+    assert config.store_mode == "eager"
+    assert (config.index, config.copy, config.layout) == (LRUConfig(), TorchConfig(), AutoConfig())
+    assert set(config.sources().values()) == {"default"}
+    assert isinstance(config, KVTierConfig)
+
+
+def test_config_is_frozen(registry: Registry) -> None:
+    config = load_config(env={}, registry=registry)
+    with pytest.raises(ValueError, match="frozen"):
+        config.cpu_bytes = 1  # type: ignore[misc]
+
+
+def test_explicit_beats_env_beats_file(tmp_path: Path, registry: Registry) -> None:
+    file = tmp_path / "kvtier.yaml"
+    file.write_text("cpu_bytes: 1GiB\nstore_mode: lazy\ncopy:\n  streams: 2\n")
+    env = {"KVTIER_CONFIG": str(file), "KVTIER_STORE_MODE": "eager", "KVTIER_COPY__STREAMS": "3"}
+    config = load_config({"copy": {"streams": 4}}, env=env, registry=registry)
+    assert (config.cpu_bytes, config.store_mode, config.copy) == (
+        1024**3,
+        "eager",
+        TorchConfig(streams=4),
+    )
+    assert config.source_of("cpu_bytes") == f"file {file}"
+    assert config.source_of("store_mode") == "env KVTIER_STORE_MODE"
+    assert config.source_of("copy.streams") == "explicit"
+    assert config.source_of("copy.type") == "default"
+    assert config.source_of("layout.type") == "default"
+
+
+def test_toml_file_named_by_argument_and_by_explicit_key(
+    tmp_path: Path, registry: Registry
+) -> None:
+    file = tmp_path / "kvtier.toml"
+    file.write_text('cpu_bytes_per_rank = "512MiB"\n[copy]\ntype = "twin"\ndepth = 8\n')
+    by_argument = load_config(env={}, registry=registry, config_file=file)
+    by_key = load_config({"config_file": str(file)}, env={}, registry=registry)
+    assert by_argument == by_key
+    assert by_key.cpu_bytes_per_rank == 512 * 1024**2
+    assert by_key.copy == TwinConfig(depth=8)
+
+
+def test_switching_type_drops_the_lower_sources_settings(
+    tmp_path: Path, registry: Registry
+) -> None:
+    file = tmp_path / "kvtier.yaml"
+    file.write_text("copy:\n  type: torch\n  streams: 2\n")
+    config = load_config({"copy": "twin"}, env={}, registry=registry, config_file=file)
+    assert config.copy == TwinConfig()
+    assert config.source_of("copy.depth") == "default"
+    assert config.source_of("copy.type") == "explicit"
+
+
+def test_env_variables_nest_with_double_underscores(registry: Registry) -> None:
+    env = {
+        "KVTIER_COPY__TYPE": "twin",
+        "KVTIER_COPY__DEPTH": "5",
+        "KVTIER_CPU_BYTES": "2 GB",
+        "KVTIER_LOAD_PLUGINS": "",
+        "OTHER": "ignored",
+    }
+    config = load_config(env=env, registry=registry)
+    assert (config.copy, config.cpu_bytes) == (TwinConfig(depth=5), 2 * 1000**3)
+    assert config.source_of("copy.depth") == "env KVTIER_COPY__DEPTH"
+
+
+def test_env_json_value_sets_a_whole_section(registry: Registry) -> None:
+    config = load_config(env={"KVTIER_COPY": '{"type": "twin", "depth": 3}'}, registry=registry)
+    assert config.copy == TwinConfig(depth=3)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("4096", 4096), ("8GiB", 8 * 1024**3), ("512 MB", 512 * 1000**2), ("3kib", 3072), (7, 7)],
+)
+def test_parse_bytes_accepts_units(text: str | int, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+def test_host_slots_split_over_ranks_and_per_rank_override(registry: Registry) -> None:
+    config = load_config({"cpu_bytes": 10_000}, env={}, registry=registry)
+    assert config.host_slots(record_bytes=1000, world_size=1) == 10
+    assert config.host_slots(record_bytes=1000, world_size=4) == 2
+    per_rank = load_config(
+        {"cpu_bytes": 10_000, "cpu_bytes_per_rank": 3000}, env={}, registry=registry
+    )
+    assert per_rank.host_slots(record_bytes=1000, world_size=4) == 3
+
+
+def test_schema_includes_every_plugin_model(registry: Registry) -> None:
+    schema = config_model(registry).model_json_schema()
+    assert {"TorchConfig", "TwinConfig", "AutoConfig", "LRUConfig"} <= set(schema["$defs"])
+    assert schema["properties"]["copy"]["discriminator"]["propertyName"] == "type"
+    assert schema["additionalProperties"] is False
+
+
+def test_direct_construction_needs_plugin_config_instances(registry: Registry) -> None:
+    config = KVTierConfig(index=LRUConfig(), copy=TwinConfig(), layout=AutoConfig())
+    assert config.copy == TwinConfig()
+    with pytest.raises(ValueError, match="load_config"):
+        KVTierConfig(index=LRUConfig(), copy={"type": "twin"}, layout=AutoConfig())
+
+
+# One test per kind of bad input: each gives `<source>: <path>: <message> (got <value>)` lines.
+
+
+def test_unknown_type_lists_the_installed_choices(registry: Registry) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config({"copy": {"type": "turbo"}}, env={}, registry=registry)
+    assert lines_of(caught) == [
+        "explicit: copy.type: unknown copy backend type; installed: torch, twin (got 'turbo')"
+    ]
+    assert str(caught.value).startswith("invalid kvtier configuration: 1 problem\n")
+
+
+def test_unknown_key_at_top_level_and_in_a_section(registry: Registry) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config({"cpu_byte": 5, "copy": {"stream": 2}}, env={}, registry=registry)
+    assert lines_of(caught) == [
+        "explicit: copy.stream: unknown key; valid keys here: streams, type (got 2)",
+        "explicit: cpu_byte: unknown key; valid keys here: copy, cpu_bytes, cpu_bytes_per_rank, "
+        "index, layout, store_mode (got 5)",
+    ]
+    assert str(caught.value).startswith("invalid kvtier configuration: 2 problems\n")
+
+
+@pytest.mark.parametrize("size", [0, -1, "0GiB"])
+def test_zero_or_negative_size(size: int | str, registry: Registry) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config({"cpu_bytes_per_rank": size}, env={}, registry=registry)
+    assert lines_of(caught) == [
+        f"explicit: cpu_bytes_per_rank: Input should be greater than 0 (got {size!r})"
+    ]
+
+
+def test_size_below_one_block_names_cpu_bytes_and_its_source(registry: Registry) -> None:
+    config = load_config(env={"KVTIER_CPU_BYTES": "6000"}, registry=registry)
+    with pytest.raises(ConfigError) as caught:
+        config.host_slots(record_bytes=4096, world_size=2)
+    assert lines_of(caught) == [
+        "env KVTIER_CPU_BYTES: cpu_bytes: 3000 bytes per rank over 2 rank(s) is below one block "
+        "record of 4096 bytes; set it to at least 8192 (got 6000)"
+    ]
+
+
+def test_size_below_one_block_names_cpu_bytes_per_rank(registry: Registry) -> None:
+    config = load_config({"cpu_bytes_per_rank": 100}, env={}, registry=registry)
+    with pytest.raises(ConfigError) as caught:
+        config.host_slots(record_bytes=4096)
+    assert lines_of(caught) == [
+        "explicit: cpu_bytes_per_rank: below one block record of 4096 bytes; "
+        "set it to at least 4096 (got 100)"
+    ]
+
+
+def test_wrong_type(registry: Registry) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(
+            {"store_mode": 3, "cpu_bytes": [1], "copy": {"streams": "many"}},
+            env={},
+            registry=registry,
+        )
+    assert lines_of(caught) == [
+        "explicit: cpu_bytes: Input should be a valid integer (got [1])",
+        "explicit: store_mode: Input should be 'eager' or 'lazy' (got 3)",
+        "explicit: copy.streams: Input should be a valid integer, unable to parse string as an "
+        "integer (got 'many')",
+    ]
+
+
+def test_missing_file(tmp_path: Path, registry: Registry) -> None:
+    missing = tmp_path / "absent.yaml"
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={"KVTIER_CONFIG": str(missing)}, registry=registry)
+    assert lines_of(caught) == [f"env KVTIER_CONFIG: config_file: no such file (got '{missing}')"]
+
+
+def test_unparseable_yaml(tmp_path: Path, registry: Registry) -> None:
+    file = tmp_path / "bad.yaml"
+    file.write_text("copy: [torch\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={}, registry=registry, config_file=file)
+    (line,) = lines_of(caught)
+    assert line.startswith(f"file {file}: (file): cannot parse YAML: ")
+    assert "line 2" in line and line.endswith(f"(got '{file}')")
+
+
+def test_unparseable_toml(tmp_path: Path, registry: Registry) -> None:
+    file = tmp_path / "bad.toml"
+    file.write_text("cpu_bytes = = 3\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={}, registry=registry, config_file=file)
+    (line,) = lines_of(caught)
+    assert line.startswith(f"file {file}: (file): cannot parse TOML: ")
+
+
+def test_file_of_unknown_type_or_shape(tmp_path: Path, registry: Registry) -> None:
+    json_file = tmp_path / "kvtier.json"
+    json_file.write_text("{}")
+    with pytest.raises(ConfigError) as caught:
+        load_config({"config_file": str(json_file)}, env={}, registry=registry)
+    assert lines_of(caught) == [
+        f"explicit: config_file: unknown file type; use .yaml, .yml or .toml (got '{json_file}')"
+    ]
+    list_file = tmp_path / "list.yaml"
+    list_file.write_text("- 1\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={}, registry=registry, config_file=list_file)
+    assert lines_of(caught) == [
+        f"file {list_file}: (file): the top level must be a mapping of config keys (got [1])"
+    ]
+
+
+def test_bad_env_variables(registry: Registry) -> None:
+    env = {
+        "KVTIER_CPU_BYTES": "lots",
+        "KVTIER_COPY__": "x",
+        "KVTIER_BOGUS": "1",
+        "KVTIER_INDEX": "{not json",
+    }
+    with pytest.raises(ConfigError) as caught:
+        load_config(env=env, registry=registry)
+    assert lines_of(caught) == [
+        "env KVTIER_COPY__: copy.: not a config path; write KVTIER_<FIELD>, nesting sections with "
+        "a double underscore, e.g. KVTIER_CPU_BYTES or KVTIER_COPY__TYPE (got 'x')",
+        "env KVTIER_INDEX: index: value looks like JSON but is not: Expecting property name "
+        "enclosed in double quotes: line 1 column 2 (char 1) (got '{not json')",
+        "env KVTIER_CPU_BYTES: cpu_bytes: expected a number of bytes such as 8589934592, '8GiB' "
+        "or '512MB' (got 'lots')",
+        "env KVTIER_BOGUS: bogus: unknown key; valid keys here: copy, cpu_bytes, "
+        "cpu_bytes_per_rank, index, layout, store_mode (got '1')",
+    ]
+
+
+def test_missing_default_implementation_says_what_to_set() -> None:
+    registry = make_registry()
+    with pytest.raises(ConfigError) as caught:
+        load_config({"copy": {"type": "torch"}}, env={}, registry=registry)
+    assert lines_of(caught) == [
+        "default: index: required: the default block index 'lru' is not installed; set "
+        "index.type to one of: none (got nothing)",
+        "explicit: copy: no copy backend is installed; install a plugin that provides one "
+        "(got {'type': 'torch'})",
+        "default: layout: required: the default layout resolver 'auto' is not installed; set "
+        "layout.type to one of: none (got nothing)",
+    ]
