@@ -1,0 +1,380 @@
+"""Contract tests for :class:`~kvtier.index.BlockIndex` implementations.
+
+A block-index author subclasses :class:`BlockIndexContract` in a pytest module
+and provides the ``make_index`` fixture, a callable that builds an empty index
+with a given number of slots::
+
+    import pytest
+    from kvtier.testing.contracts_index import BlockIndexContract
+    from my_plugin import MyPolicy
+    from kvtier.index import PolicyIndex
+
+    class TestMyIndex(BlockIndexContract):
+        @pytest.fixture
+        def make_index(self):
+            return lambda num_slots: PolicyIndex(num_slots, MyPolicy())
+
+Every ``test_*`` method then runs against that index: slot states, pins,
+eviction, events, errors, and a hypothesis state machine that drives random
+reserves, commits, aborts, pins, unpins, touches and clears and checks the
+invariants after every step (no slot leaks, a pinned or writing slot is never
+evicted or reused, a key is never readable before its commit, capacity is
+never exceeded). Indexes whose policy may decline to admit a key set
+``admits_all = False``; the tests that need a particular key admitted then skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent
+
+IndexFactory = Callable[[int], BlockIndex]
+"""Builds an empty index with the given number of slots."""
+
+
+def chain(prefix: str, length: int) -> list[BlockKey]:
+    """``length`` distinct keys, named after ``prefix``, standing for one prefix chain."""
+    return [f"{prefix}/{position}".encode() for position in range(length)]
+
+
+def store(index: BlockIndex, keys: list[BlockKey]) -> list[int | None]:
+    """Reserve ``keys`` as one chain and commit those that got a slot; return the slots."""
+    slots = index.reserve(keys)
+    index.commit([key for key, slot in zip(keys, slots, strict=True) if slot is not None])
+    return slots
+
+
+class BlockIndexContract:
+    """Behaviour every :class:`~kvtier.index.BlockIndex` must have; subclass it in a test module."""
+
+    admits_all: ClassVar[bool] = True
+    """Whether the index admits every new key while it has a free or evictable slot."""
+
+    stateful_examples: ClassVar[int] = 60
+    """How many random programs the state-machine test runs."""
+
+    # Subclasses provide the fixture ``make_index() -> IndexFactory``.
+
+    def _need_admission(self) -> None:
+        if not self.admits_all:
+            pytest.skip("this index may decline to admit keys")
+
+    # ---------------------------------------------------------------- basics
+
+    def test_new_index_is_empty(self, make_index: IndexFactory) -> None:
+        index = make_index(4)
+        assert index.num_slots == 4
+        stats = index.stats()
+        assert (stats.num_slots, stats.free, stats.writing, stats.readable, stats.pinned) == (
+            4,
+            4,
+            0,
+            0,
+            0,
+        )
+        assert index.lookup(chain("a", 3)) == 0
+        assert index.take_events() == []
+
+    def test_reserved_key_is_not_readable_until_commit(self, make_index: IndexFactory) -> None:
+        self._need_admission()
+        index = make_index(4)
+        keys = chain("a", 2)
+        slots = index.reserve(keys)
+        assert all(slot is not None for slot in slots)
+        assert len(set(slots)) == 2 and all(0 <= slot < 4 for slot in slots)  # type: ignore[operator]
+        assert index.lookup(keys) == 0
+        assert index.slot_of(keys[0]) is None
+        assert index.stats().writing == 2
+        with pytest.raises(KeyError):
+            index.pin(keys[:1])
+        index.commit(keys)
+        assert index.lookup(keys) == 2
+        assert [index.slot_of(key) for key in keys] == slots
+        assert index.stats().readable == 2
+        events = index.take_events()
+        assert events == [IndexEvent(EventKind.STORED, key) for key in keys]
+        assert index.take_events() == []
+
+    def test_abort_frees_the_slot(self, make_index: IndexFactory) -> None:
+        self._need_admission()
+        index = make_index(1)
+        key = chain("a", 1)
+        assert index.reserve(key) != [None]
+        index.abort(key)
+        assert index.stats().free == 1
+        assert index.lookup(key) == 0
+        assert index.take_events() == []
+        assert index.reserve(key) != [None]
+
+    def test_reserve_skips_present_keys(self, make_index: IndexFactory) -> None:
+        self._need_admission()
+        index = make_index(4)
+        keys = chain("a", 2)
+        store(index, keys[:1])
+        index.reserve(keys[1:])
+        assert index.reserve(keys) == [None, None]
+        assert index.stats().free == 2
+
+    def test_lookup_counts_the_leading_readable_keys(self, make_index: IndexFactory) -> None:
+        self._need_admission()
+        index = make_index(8)
+        keys = chain("a", 4)
+        store(index, [keys[0], keys[1], keys[3]])
+        assert index.lookup(keys) == 2
+        assert index.lookup(keys[1:]) == 1
+        assert index.lookup(keys[2:]) == 0
+        assert index.lookup([]) == 0
+
+    def test_commit_or_abort_of_unreserved_key_raises(self, make_index: IndexFactory) -> None:
+        index = make_index(2)
+        with pytest.raises(KeyError):
+            index.commit(chain("never", 1))
+        with pytest.raises(KeyError):
+            index.abort(chain("never", 1))
+
+    def test_pin_is_all_or_nothing(self, make_index: IndexFactory) -> None:
+        self._need_admission()
+        index = make_index(4)
+        keys = chain("a", 2)
+        store(index, keys[:1])
+        with pytest.raises(KeyError):
+            index.pin(keys)
+        assert index.stats().pinned == 0
+        slots = index.pin(keys[:1])
+        assert slots == [index.slot_of(keys[0])]
+        assert index.stats().pinned == 1
+        index.unpin(keys[:1])
+        assert index.stats().pinned == 0
+
+    def test_touch_ignores_unknown_keys(self, make_index: IndexFactory) -> None:
+        index = make_index(2)
+        index.touch(chain("unknown", 3))
+        assert index.stats().free == 2
+
+    # -------------------------------------------------------------- eviction
+
+    def test_full_index_evicts_a_readable_key(self, make_index: IndexFactory) -> None:
+        self._need_admission()
+        index = make_index(2)
+        store(index, chain("a", 2))
+        index.take_events()
+        slots = index.reserve(chain("b", 1))
+        if slots == [None]:
+            return  # a policy may decline a newcomer when full; it then evicts nothing
+        assert index.stats().readable == 1
+        events = index.take_events()
+        assert [event.kind for event in events] == [EventKind.EVICTED]
+        assert events[0].key in chain("a", 2)
+        assert index.slot_of(events[0].key) is None
+        assert slots[0] not in {index.slot_of(key) for key in chain("a", 2)}
+
+    def test_pinned_and_writing_slots_are_never_evicted(self, make_index: IndexFactory) -> None:
+        self._need_admission()
+        index = make_index(3)
+        pinned = chain("pinned", 1)
+        store(index, pinned)
+        index.pin(pinned)
+        pinned_slot = index.slot_of(pinned[0])
+        writing = chain("writing", 1)
+        (writing_slot,) = index.reserve(writing)
+        store(index, chain("plain", 1))
+        handed = [
+            slot
+            for attempt in range(4)
+            for slot in index.reserve(chain(f"new{attempt}", 1))
+            if slot is not None
+        ]
+        assert pinned_slot not in handed and writing_slot not in handed
+        assert len(handed) <= 1
+        assert index.slot_of(pinned[0]) == pinned_slot
+        index.commit(writing)
+        assert index.slot_of(writing[0]) == writing_slot
+
+    def test_reserve_returns_none_when_nothing_can_be_evicted(
+        self, make_index: IndexFactory
+    ) -> None:
+        self._need_admission()
+        index = make_index(2)
+        keys = chain("a", 2)
+        store(index, keys[:1])
+        index.pin(keys[:1])
+        index.reserve(keys[1:])
+        assert index.reserve(chain("b", 3)) == [None, None, None]
+        assert index.stats().free == 0
+        assert index.slot_of(keys[0]) is not None
+
+    def test_unpinned_key_becomes_evictable(self, make_index: IndexFactory) -> None:
+        self._need_admission()
+        index = make_index(1)
+        key = chain("a", 1)
+        store(index, key)
+        index.pin(key)
+        index.pin(key)
+        index.unpin(key)
+        assert index.reserve(chain("b", 1)) == [None]
+        index.unpin(key)
+        newcomer = chain("c", 1)
+        slots = index.reserve(newcomer)
+        if slots != [None]:
+            assert index.slot_of(key[0]) is None
+
+    def test_clear_keeps_pinned_and_writing(self, make_index: IndexFactory) -> None:
+        self._need_admission()
+        index = make_index(4)
+        store(index, chain("a", 2))
+        pinned = chain("p", 1)
+        store(index, pinned)
+        index.pin(pinned)
+        writing = chain("w", 1)
+        index.reserve(writing)
+        index.take_events()
+        assert index.clear() is False
+        assert index.stats().readable == 1
+        evicted = {event.key for event in index.take_events() if event.kind is EventKind.EVICTED}
+        assert evicted == set(chain("a", 2))
+        index.unpin(pinned)
+        index.abort(writing)
+        assert index.clear() is True
+        assert index.stats().free == 4
+
+    # ---------------------------------------------------------- state machine
+
+    def test_random_programs_keep_the_invariants(self, make_index: IndexFactory) -> None:
+        machine = _index_machine(make_index, num_slots=6)
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=self.stateful_examples,
+                stateful_step_count=40,
+                deadline=None,
+                suppress_health_check=[HealthCheck.too_slow],
+            ),
+        )
+
+
+def _index_machine(make_index: IndexFactory, num_slots: int) -> type[RuleBasedStateMachine]:
+    """A state machine that checks an index against a model of slot states."""
+
+    key_names = st.integers(min_value=0, max_value=14).map(lambda n: f"k{n}".encode())
+
+    class IndexMachine(RuleBasedStateMachine):
+        writing_keys = Bundle("writing_keys")
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.index = make_index(num_slots)
+            self.readable: dict[BlockKey, int] = {}
+            self.writing: dict[BlockKey, int] = {}
+            self.pins: dict[BlockKey, int] = {}
+
+        def _absorb_events(self) -> set[BlockKey]:
+            evicted = set()
+            for event in self.index.take_events():
+                if event.kind is EventKind.EVICTED:
+                    assert event.key in self.readable, f"evicted {event.key!r}, not readable"
+                    assert self.pins.get(event.key, 0) == 0, f"evicted pinned {event.key!r}"
+                    del self.readable[event.key]
+                    evicted.add(event.key)
+                else:
+                    assert event.key in self.readable, f"stored event for {event.key!r} early"
+            return evicted
+
+        @rule(keys=st.lists(key_names, min_size=1, max_size=4, unique=True))
+        def reserve(self, keys: list[BlockKey]) -> None:
+            before_present = set(self.readable) | set(self.writing)
+            slots = self.index.reserve(keys)
+            assert len(slots) == len(keys)
+            # a key evicted by this very call may be reserved again further down the chain
+            before_present -= self._absorb_events()
+            taken = set(self.readable.values()) | set(self.writing.values())
+            for key, slot in zip(keys, slots, strict=True):
+                if slot is None:
+                    continue
+                assert key not in before_present, f"{key!r} reserved twice"
+                assert 0 <= slot < num_slots
+                assert slot not in taken, f"slot {slot} handed out while in use"
+                taken.add(slot)
+                self.writing[key] = slot
+
+        @rule(data=st.data())
+        def commit(self, data: st.DataObject) -> None:
+            if not self.writing:
+                return
+            key = data.draw(st.sampled_from(sorted(self.writing)))
+            self.index.commit([key])
+            self.readable[key] = self.writing.pop(key)
+            events = self.index.take_events()
+            assert IndexEvent(EventKind.STORED, key) in events
+
+        @rule(data=st.data())
+        def abort(self, data: st.DataObject) -> None:
+            if not self.writing:
+                return
+            key = data.draw(st.sampled_from(sorted(self.writing)))
+            self.index.abort([key])
+            del self.writing[key]
+
+        @rule(data=st.data())
+        def pin(self, data: st.DataObject) -> None:
+            if not self.readable:
+                return
+            key = data.draw(st.sampled_from(sorted(self.readable)))
+            assert self.index.pin([key]) == [self.readable[key]]
+            self.pins[key] = self.pins.get(key, 0) + 1
+
+        @rule(data=st.data())
+        def unpin(self, data: st.DataObject) -> None:
+            pinned = sorted(key for key, count in self.pins.items() if count)
+            if not pinned:
+                return
+            key = data.draw(st.sampled_from(pinned))
+            self.index.unpin([key])
+            self.pins[key] -= 1
+
+        @rule(key=key_names)
+        def pin_unreadable_raises(self, key: BlockKey) -> None:
+            if key in self.readable:
+                return
+            with pytest.raises(KeyError):
+                self.index.pin([key])
+
+        @rule(keys=st.lists(key_names, max_size=4))
+        def touch(self, keys: list[BlockKey]) -> None:
+            self.index.touch(keys)
+
+        @rule()
+        def clear(self) -> None:
+            empty = self.index.clear()
+            self._absorb_events()
+            assert all(self.pins.get(key, 0) for key in self.readable)
+            assert empty == (not self.readable and not self.writing)
+
+        @invariant()
+        def matches_model(self) -> None:
+            stats = self.index.stats()
+            assert stats.num_slots == num_slots
+            assert stats.readable == len(self.readable)
+            assert stats.writing == len(self.writing)
+            assert stats.free + stats.readable + stats.writing == num_slots, "slot leak"
+            assert stats.pinned == sum(1 for count in self.pins.values() if count)
+            for key, slot in self.readable.items():
+                assert self.index.slot_of(key) == slot
+                assert self.index.lookup([key]) == 1
+            for key in self.writing:
+                assert self.index.slot_of(key) is None, f"{key!r} readable before commit"
+                assert self.index.lookup([key]) == 0
+
+    return IndexMachine

@@ -1,0 +1,30 @@
+"""The built-in and registered block indexes against the block-index contract suite."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.config import PluginConfig
+from kvtier.index.base import BlockIndex
+from kvtier.plugins import default_registry
+from kvtier.testing.contracts_index import BlockIndexContract, IndexFactory
+
+REGISTERED = sorted(default_registry().block_indexes)
+
+
+class TestRegisteredIndexes(BlockIndexContract):
+    """Every registered block index, built from its default config."""
+
+    @pytest.fixture(params=REGISTERED)
+    def make_index(self, request: pytest.FixtureRequest) -> IndexFactory:
+        registration = default_registry().get("block_indexes", request.param)
+        config: PluginConfig = registration.config_model()
+
+        def build(num_slots: int) -> BlockIndex:
+            return registration.factory(config, num_slots)  # type: ignore[no-any-return]
+
+        return build
+
+
+def test_lru_is_registered() -> None:
+    assert "lru" in REGISTERED
