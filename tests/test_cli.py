@@ -1,0 +1,205 @@
+"""Tests of the ``kvtier`` command line, run in-process against a small plugin registry."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+from test_config import Sections, make_registry
+
+from kvtier import cli, plugins
+from kvtier.plugins import PluginError, Registry
+
+
+@pytest.fixture(autouse=True)
+def registry(monkeypatch: pytest.MonkeyPatch) -> Registry:
+    """Make the test registry the process default and clear any KVTIER_* variables."""
+    registry = make_registry(Sections())
+    monkeypatch.setattr(plugins, "_default_registry", registry)
+    for name in [name for name in os.environ if name.startswith("KVTIER_")]:
+        monkeypatch.delenv(name)
+    return registry
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_plugins_table_lists_every_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "plugins")
+    assert status == 0
+    rows = [line.split() for line in out.splitlines()]
+    assert rows[0] == ["KIND", "NAME", "DISTRIBUTION", "VERSION", "PLUGIN"]
+    assert ["copy", "backend", "twin", "unknown"] == rows[3][:4]
+    assert rows[-1] == ["storage", "tier", "(none", "installed)"]
+
+
+def test_plugins_json(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "plugins", "--json")
+    assert status == 0
+    entries = {(row["kind"], row["name"]): row for row in json.loads(out)}
+    assert set(entries) == {
+        ("layout_resolvers", "auto"),
+        ("copy_backends", "torch"),
+        ("copy_backends", "twin"),
+        ("block_indexes", "lru"),
+    }
+    assert entries[("block_indexes", "lru")]["config_model"] == "kvtier.index.lru.LRUConfig"
+
+
+def test_plugin_failure_is_one_line_and_status_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken() -> Registry:
+        raise PluginError("plugin 'x' (kvtier-x 1.0) failed to import x: ImportError: nope")
+
+    monkeypatch.setattr(cli, "default_registry", broken)
+    status, _, err = run(capsys, "plugins")
+    assert status == 1
+    assert err == (
+        "kvtier: cannot load plugins: plugin 'x' (kvtier-x 1.0) failed to import x: "
+        "ImportError: nope\n"
+    )
+
+
+def test_validate_accepts_a_good_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "kvtier.yaml"
+    file.write_text("cpu_bytes: 64GiB\nstore_mode: lazy\ncopy:\n  type: twin\n  depth: 4\n")
+    status, out, err = run(capsys, "config", "validate", str(file))
+    assert (status, out, err) == (0, f"{file}: valid kvtier configuration\n", "")
+
+
+BAD_FILES = {
+    "unknown type": (
+        "copy:\n  type: turbo\n",
+        "copy.type: unknown copy backend type; installed: torch, twin (got 'turbo')",
+    ),
+    "unknown key": (
+        "cpu_bytez: 1\n",
+        "cpu_bytez: unknown key; valid keys here: copy, cpu_bytes, cpu_bytes_per_rank, index, "
+        "layout, store_mode (got 1)",
+    ),
+    "negative size": ("cpu_bytes: -8\n", "cpu_bytes: Input should be greater than 0 (got -8)"),
+    "zero size": ("cpu_bytes_per_rank: 0\n", "cpu_bytes_per_rank: Input should be greater than 0"),
+    "wrong type": ("store_mode: [eager]\n", "store_mode: Input should be 'eager' or 'lazy'"),
+    "unparseable": ("copy: {type: torch\n", "(file): cannot parse YAML: "),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_FILES))
+def test_validate_rejects_bad_file_with_status_2(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    text, expected = BAD_FILES[case]
+    file = tmp_path / "kvtier.yaml"
+    file.write_text(text)
+    status, out, err = run(capsys, "config", "validate", str(file))
+    header, line = err.splitlines()
+    assert (status, out, header) == (2, "", "invalid kvtier configuration: 1 problem")
+    assert line.startswith(f"file {file}: {expected}")
+    assert "Traceback" not in err
+
+
+def test_validate_rejects_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "absent.toml"
+    status, _, err = run(capsys, "config", "validate", str(missing))
+    assert status == 2
+    assert err.splitlines()[1] == (
+        f"argument config_file: config_file: no such file (got '{missing}')"
+    )
+
+
+def test_validate_rejects_bad_env_variable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file = tmp_path / "kvtier.toml"
+    file.write_text("store_mode = 'lazy'\n")
+    monkeypatch.setenv("KVTIER_STORE_MODE", "sometimes")
+    monkeypatch.setenv("KVTIER_CPU_BYTES", "0")
+    status, _, err = run(capsys, "config", "validate", str(file))
+    assert status == 2
+    assert err.splitlines() == [
+        "invalid kvtier configuration: 2 problems",
+        "env KVTIER_CPU_BYTES: cpu_bytes: Input should be greater than 0 (got '0')",
+        "env KVTIER_STORE_MODE: store_mode: Input should be 'eager' or 'lazy' (got 'sometimes')",
+    ]
+
+
+def test_show_reports_each_value_and_its_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file = tmp_path / "kvtier.yaml"
+    file.write_text("cpu_bytes: 1GiB\n")
+    monkeypatch.setenv("KVTIER_COPY__STREAMS", "2")
+    status, out, _ = run(capsys, "config", "show", str(file))
+    assert status == 0
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[1:]}
+    assert rows["cpu_bytes"] == ["1073741824", "file", str(file)]
+    assert rows["copy.streams"] == ["2", "env", "KVTIER_COPY__STREAMS"]
+    assert rows["store_mode"] == ['"eager"', "default"]
+    status, out, _ = run(capsys, "config", "show", "--json")
+    shown = json.loads(out)
+    assert shown["config"]["copy"] == {"type": "torch", "streams": 2}
+    assert shown["sources"]["cpu_bytes"] == "default"
+
+
+def test_schema_includes_plugin_models(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "config", "schema")
+    schema = json.loads(out)
+    assert status == 0
+    assert {"TorchConfig", "TwinConfig", "AutoConfig", "LRUConfig"} <= set(schema["$defs"])
+
+
+def test_reference_renders_every_field(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "config", "reference", "--all")
+    assert status == 0
+    for key in ("cpu_bytes", "cpu_bytes_per_rank", "store_mode", "copy.streams", "copy.depth"):
+        assert f"| `{key}` |" in out
+    assert "### `copy.type: twin`" in out
+
+
+def test_delegated_command_gets_its_own_parser(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[argparse.Namespace] = []
+    module = types.ModuleType("fake_bench")
+    module.add_arguments = lambda parser: parser.add_argument("--block-bytes", type=int)  # type: ignore[attr-defined]
+    module.run = lambda args: seen.append(args) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_bench", module)
+    monkeypatch.setitem(cli.DELEGATED, ("bench", "copy"), ("fake_bench", "benchmark"))
+    assert run(capsys, "bench", "copy", "--block-bytes", "4096")[0] == 0
+    assert seen == [argparse.Namespace(block_bytes=4096)]
+
+
+def test_missing_delegated_module_is_reported(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(cli.DELEGATED, ("simulate",), ("kvtier_no_such_module", "replay"))
+    status, _, err = run(capsys, "simulate", "trace.jsonl")
+    assert status == 1
+    assert "kvtier simulate: not available in this installation" in err
+
+
+def test_unknown_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["plugins", "--yaml"])
+    assert caught.value.code == 2
+    assert "unrecognized arguments: --yaml" in capsys.readouterr().err
+
+
+def test_python_dash_m_kvtier_runs_the_cli() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtier", "--help"], capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0
+    assert "usage: kvtier" in result.stdout
+    for command in ("plugins", "config", "bench", "simulate"):
+        assert command in result.stdout
