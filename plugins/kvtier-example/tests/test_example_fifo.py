@@ -9,6 +9,16 @@ from kvtier_example import FIFOConfig, build_fifo_index
 
 from kvtier.config import ConfigError, load_config
 from kvtier.plugins import build_plugin_manager, collect
+from kvtier.testing.contracts_index import BlockIndexContract, IndexFactory
+
+
+class TestFIFOContract(BlockIndexContract):
+    """kvtier's block-index contract suite, run on both variants of the index."""
+
+    @pytest.fixture(params=[False, True], ids=["plain", "second-chance"])
+    def make_index(self, request: pytest.FixtureRequest) -> IndexFactory:
+        config = FIFOConfig(second_chance=request.param)
+        return lambda num_slots: build_fifo_index(config, num_slots)
 
 
 def keys(*names: str) -> list[bytes]:
