@@ -1,0 +1,101 @@
+"""``arc``: Adaptive Replacement Cache (Megiddo and Modha, FAST 2003).
+
+Keys live in one of two LRU lists: ``t1`` holds keys seen once since they
+arrived, ``t2`` keys hit again. The keys each list evicted are remembered
+(without slots) in the ghost lists ``b1`` and ``b2``; storing a key again that
+a ghost list remembers moves the target size ``p`` of ``t1`` towards the list
+that would have kept it. Victims come from ``t1`` while it is above its target,
+else from ``t2``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Literal
+
+from kvtier.config import PluginConfig
+from kvtier.index.base import BlockKey
+from kvtier.index.policy import EvictionPolicy, PolicyIndex
+
+
+class ARCConfig(PluginConfig):
+    """Adaptive Replacement Cache eviction; no settings (it tunes itself)."""
+
+    type: Literal["arc"] = "arc"
+
+
+def first_evictable(
+    order: OrderedDict[BlockKey, object], evictable: Callable[[BlockKey], bool]
+) -> BlockKey | None:
+    """The oldest key of ``order`` that ``evictable`` accepts, else ``None``."""
+    for key in order:
+        if evictable(key):
+            return key
+    return None
+
+
+class ARCPolicy(EvictionPolicy):
+    """ARC over the tier's readable keys; ``num_slots`` sizes the ghost lists."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.target_t1 = 0.0
+        self._t1: OrderedDict[BlockKey, None] = OrderedDict()
+        self._t2: OrderedDict[BlockKey, None] = OrderedDict()
+        self._b1: OrderedDict[BlockKey, None] = OrderedDict()
+        self._b2: OrderedDict[BlockKey, None] = OrderedDict()
+        self._incoming_in_b2 = False
+
+    def admit(self, key: BlockKey, parent: BlockKey | None) -> bool:
+        # ARC adapts on the miss, before choosing the victim that makes room for ``key``.
+        b1, b2 = len(self._b1), len(self._b2)
+        self._incoming_in_b2 = key in self._b2
+        if key in self._b1:
+            self.target_t1 = min(float(self.num_slots), self.target_t1 + max(1.0, b2 / b1))
+        elif self._incoming_in_b2:
+            self.target_t1 = max(0.0, self.target_t1 - max(1.0, b1 / b2))
+        return True
+
+    def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
+        if key in self._b1:
+            del self._b1[key]
+            self._t2[key] = None
+        elif key in self._b2:
+            del self._b2[key]
+            self._t2[key] = None
+        else:
+            self._t1[key] = None
+
+    def accessed(self, key: BlockKey) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._t2[key] = None
+        else:
+            self._t2.move_to_end(key)
+
+    def removed(self, key: BlockKey) -> None:
+        if key in self._t1:
+            del self._t1[key]
+            self._b1[key] = None
+        else:
+            del self._t2[key]
+            self._b2[key] = None
+        if len(self._t1) + len(self._b1) > self.num_slots and self._b1:
+            self._b1.popitem(last=False)
+        total = len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2)
+        if total > 2 * self.num_slots and self._b2:
+            self._b2.popitem(last=False)
+
+    def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
+        t1 = len(self._t1)
+        from_t1 = t1 > 0 and (
+            t1 > self.target_t1 or (self._incoming_in_b2 and t1 == int(self.target_t1))
+        )
+        first, second = (self._t1, self._t2) if from_t1 else (self._t2, self._t1)
+        key = first_evictable(first, evictable)
+        return key if key is not None else first_evictable(second, evictable)
+
+
+def build(config: ARCConfig, num_slots: int) -> PolicyIndex:
+    return PolicyIndex(num_slots, ARCPolicy(num_slots))

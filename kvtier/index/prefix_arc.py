@@ -1,0 +1,188 @@
+"""``prefix_arc``: ARC adapted to prefix chains of KV blocks.
+
+A KV tier is not a generic cache: a block is only readable through its whole
+prefix (lookup stops at the first missing block), every request walks its chain
+root first, and reuse comes in long gaps. Three changes to ARC (see
+:mod:`kvtier.index.arc`) use that:
+
+- **Tail first.** A request touches its chain root to leaf, so a plain recency
+  order ranks the root oldest and evicts it first, which cuts off every block
+  after it. Here each request's chain is re-ranked leaf to root: the deepest
+  block of the least recent chain goes first and the chain shrinks from its end.
+- **Orphans first.** When a block leaves, its cached children can no longer be
+  reached by a prefix lookup; they move to an orphan queue that is evicted
+  before anything else (a hit, possible once the parent is stored again, takes
+  a block back out of it).
+- **Long memory.** Reuse gaps in serving traces are often many times the tier's
+  size, beyond what ARC's ghost lists (one tier's worth) remember. Keys that
+  fall off the ghost lists are kept in a longer history (``history_factor``
+  times the slot count); a key stored again while remembered there is known to
+  be reused and goes straight to the frequent list.
+
+Everything is O(1) amortized per operation: ordered dicts for the lists, and
+each chain is re-ranked at most a few times per request.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import Field
+
+from kvtier.config import PluginConfig
+from kvtier.index.arc import first_evictable
+from kvtier.index.base import BlockKey
+from kvtier.index.policy import EvictionPolicy, PolicyIndex
+
+
+class PrefixARCConfig(PluginConfig):
+    """ARC with tail-first chains, orphan eviction and a long reuse history."""
+
+    type: Literal["prefix_arc"] = "prefix_arc"
+    history_factor: float = Field(
+        default=4.0,
+        ge=0.0,
+        description=(
+            "Evicted keys remembered beyond ARC's ghost lists, as a multiple of the slot count "
+            "(about 16 bytes of memory per remembered key plus the key itself); a remembered key "
+            "stored again is treated as reused."
+        ),
+    )
+
+
+class PrefixARCPolicy(EvictionPolicy):
+    """ARC over prefix chains; ``num_slots`` sizes the ghost lists and the history."""
+
+    def __init__(self, num_slots: int, history_factor: float = 4.0) -> None:
+        self.num_slots = num_slots
+        self.history_size = int(num_slots * history_factor)
+        self.target_t1 = 0.0
+        self._parent: dict[BlockKey, BlockKey | None] = {}
+        self._children: dict[BlockKey, set[BlockKey]] = {}
+        self._t1: OrderedDict[BlockKey, None] = OrderedDict()
+        self._t2: OrderedDict[BlockKey, None] = OrderedDict()
+        self._orphans: OrderedDict[BlockKey, None] = OrderedDict()
+        self._b1: OrderedDict[BlockKey, None] = OrderedDict()
+        self._b2: OrderedDict[BlockKey, None] = OrderedDict()
+        self._history: OrderedDict[BlockKey, None] = OrderedDict()
+        self._incoming_in_b2 = False
+        # The chain being touched (root first) and how much of it is already ranked leaf first.
+        self._chain: list[BlockKey] = []
+        self._ranked = 0
+
+    # Chain ranking.
+
+    def _follow(self, key: BlockKey) -> None:
+        """Start a new chain unless ``key`` continues the current one."""
+        chain = self._chain
+        if chain and self._parent.get(key) != chain[-1]:
+            self._rank_chain()
+            chain.clear()
+            self._ranked = 0
+        chain.append(key)
+
+    def _rank_chain(self) -> None:
+        if self._ranked == len(self._chain):
+            return
+        t1, t2 = self._t1, self._t2
+        for key in reversed(self._chain):
+            if key in t1:
+                t1.move_to_end(key)
+            elif key in t2:
+                t2.move_to_end(key)
+        self._ranked = len(self._chain)
+
+    # EvictionPolicy.
+
+    def admit(self, key: BlockKey, parent: BlockKey | None) -> bool:
+        # As in ARC, a ghost hit moves the target before the victim for ``key`` is chosen.
+        b1, b2 = len(self._b1), len(self._b2)
+        self._incoming_in_b2 = key in self._b2
+        if key in self._b1:
+            self.target_t1 = min(float(self.num_slots), self.target_t1 + max(1.0, b2 / b1))
+        elif self._incoming_in_b2:
+            self.target_t1 = max(0.0, self.target_t1 - max(1.0, b1 / b2))
+        return True
+
+    def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
+        self._parent[key] = parent
+        if parent is not None and parent not in self._parent:
+            # Its parent was evicted while it was being written: unreachable from the start.
+            self._orphans[key] = None
+            return
+        if parent is not None:
+            self._children.setdefault(parent, set()).add(key)
+        self._follow(key)
+        for ghosts in (self._b1, self._b2, self._history):
+            if key in ghosts:
+                del ghosts[key]
+                self._t2[key] = None
+                return
+        self._t1[key] = None
+
+    def accessed(self, key: BlockKey) -> None:
+        self._follow(key)
+        if key in self._t2:
+            self._t2.move_to_end(key)
+            return
+        if key in self._t1:
+            del self._t1[key]
+        else:
+            # A hit on an orphan means its parent was stored again: it is reachable once more.
+            del self._orphans[key]
+            parent = self._parent[key]
+            if parent is not None:
+                self._children.setdefault(parent, set()).add(key)
+        self._t2[key] = None
+
+    def removed(self, key: BlockKey) -> None:
+        parent = self._parent.pop(key)
+        siblings = self._children.get(parent) if parent is not None else None
+        if siblings is not None:
+            siblings.discard(key)
+            if not siblings:
+                del self._children[parent]
+        for child in self._children.pop(key, ()):
+            self._t1.pop(child, None)
+            self._t2.pop(child, None)
+            self._orphans[child] = None
+        if key in self._orphans:
+            del self._orphans[key]
+        elif key in self._t1:
+            del self._t1[key]
+            self._b1[key] = None
+        else:
+            del self._t2[key]
+            self._b2[key] = None
+        if len(self._t1) + len(self._b1) > self.num_slots and self._b1:
+            self._remember(self._b1.popitem(last=False)[0])
+        total = len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2)
+        if total > 2 * self.num_slots and self._b2:
+            self._remember(self._b2.popitem(last=False)[0])
+
+    def _remember(self, key: BlockKey) -> None:
+        if self.history_size == 0:
+            return
+        self._history[key] = None
+        if len(self._history) > self.history_size:
+            self._history.popitem(last=False)
+
+    def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
+        if self._orphans:
+            key = first_evictable(self._orphans, evictable)
+            if key is not None:
+                return key
+        self._rank_chain()
+        t1 = len(self._t1)
+        from_t1 = t1 > 0 and (
+            t1 > self.target_t1 or (self._incoming_in_b2 and t1 == int(self.target_t1))
+        )
+        first, second = (self._t1, self._t2) if from_t1 else (self._t2, self._t1)
+        key = first_evictable(first, evictable)
+        return key if key is not None else first_evictable(second, evictable)
+
+
+def build(config: PrefixARCConfig, num_slots: int) -> PolicyIndex:
+    return PolicyIndex(num_slots, PrefixARCPolicy(num_slots, config.history_factor))
