@@ -1,0 +1,331 @@
+"""``torch``: the copy backend built on plain torch tensor operations, for CPU and CUDA.
+
+On CPU, :meth:`TorchCopyBackend.submit` copies synchronously and returns a
+handle that is already done: the copy is a memory-bandwidth-bound loop either
+way, and running it in the caller's thread is the fastest correct choice (no
+hand-off, no second thread competing for the same cores). Each region is
+copied with whichever of three plans costs least for the batch's shape:
+
+- *gather*: the destinations form few runs of consecutive rows (stores into
+  freshly allocated slots, loads into a fresh range of blocks): one
+  ``torch.index_select(..., out=...)`` per run, straight into the destination;
+- *scatter*: the sources form few runs: each run is scattered into its
+  destination rows by numpy fancy assignment on rows viewed as one opaque
+  item each (a ``memcpy`` per row, without torch's per-byte indexing);
+- *staged*: both sides are scattered: a cache-sized chunk is gathered with
+  ``index_select`` and then scattered as above.
+
+On CUDA, a batch runs on a side stream that first waits for the caller's
+current stream: blocks are gathered into (or scattered from) a device staging
+buffer with ``index_select`` / ``index_copy_``, and whole host records move
+with ``non_blocking`` copies, one per run of consecutive slots. A CUDA event
+recorded after the last copy tells completion. The host buffer should be
+pinned; otherwise those copies are synchronous.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from kvtier.config import PluginConfig
+from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
+from kvtier.copy.planner import batch_arrays
+from kvtier.layout.base import KVLayout
+
+logger = logging.getLogger(__name__)
+
+CPU_CHUNK_BYTES = 1 << 20
+"""Staging chunk of the CPU *staged* plan: small enough to stay in cache between its two passes."""
+
+_CALL_S = 4e-6
+"""Rough fixed cost of one torch or numpy call on a slice, for choosing a CPU plan."""
+_ROW_S = 0.15e-6
+"""Rough extra cost per row of a numpy scatter."""
+
+
+class TorchCopyConfig(PluginConfig):
+    """Copies with plain torch operations on CPU or CUDA."""
+
+    type: Literal["torch"] = Field(default="torch", description="Use the torch copy backend.")
+    cuda_staging_bytes: int = Field(
+        default=256 << 20,
+        gt=0,
+        description=(
+            "Largest device staging buffer a CUDA batch uses at a time, in bytes; larger "
+            "batches are copied in chunks of this size. Unused on CPU."
+        ),
+    )
+
+
+def _void_rows(matrix: torch.Tensor) -> np.ndarray:
+    """View a ``[rows, n]`` uint8 CPU tensor with contiguous rows as ``rows`` opaque items."""
+    rows = matrix.numpy()
+    return rows.view(np.dtype((np.void, rows.shape[1])))[:, 0]
+
+
+def _runs(ids: np.ndarray) -> np.ndarray:
+    """Start positions of the runs of consecutive ids (``ids[k + 1] == ids[k] + 1``)."""
+    if ids.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(np.concatenate(([True], np.diff(ids) != 1)))
+
+
+@dataclass(frozen=True)
+class _Side:
+    """One region's rows on both sides: the engine view and its column slice of the host buffer."""
+
+    device: torch.Tensor
+    host: torch.Tensor
+
+
+class TorchCopyBackend(CopyBackend):
+    """Moves blocks with torch tensor operations; see the module docstring for the strategy."""
+
+    def __init__(
+        self, config: TorchCopyConfig, layout: KVLayout, host_buffer: torch.Tensor
+    ) -> None:
+        """Bind the backend to ``layout`` and a ``[num_slots, record_bytes]`` host buffer.
+
+        Raises:
+            ValueError: If the host buffer is not a CPU uint8 matrix with contiguous
+                rows of at least ``layout.record_bytes`` bytes, or the regions are
+                not all on one CPU or CUDA device.
+        """
+        if host_buffer.dtype != torch.uint8 or host_buffer.dim() != 2:
+            raise ValueError(
+                f"the host buffer must be a [num_slots, record_bytes] uint8 tensor, got "
+                f"{host_buffer.dtype} of shape {tuple(host_buffer.shape)}"
+            )
+        if host_buffer.device.type != "cpu":
+            raise ValueError(f"the host buffer must be in CPU memory, got {host_buffer.device}")
+        if host_buffer.shape[1] != layout.record_bytes or not host_buffer.is_contiguous():
+            raise ValueError(
+                f"the host buffer must be a contiguous [num_slots, {layout.record_bytes}] tensor "
+                f"(one layout record per row), got shape {tuple(host_buffer.shape)} with stride "
+                f"{host_buffer.stride()}"
+            )
+        devices = {region.view.device for region in layout.regions}
+        if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
+            raise ValueError(
+                f"the torch backend copies from one CPU or CUDA device; the layout's regions "
+                f"are on {sorted(map(str, devices))}"
+            )
+        self.config = config
+        self.layout = layout
+        self.host_buffer = host_buffer
+        self.device = layout.device
+        self.num_slots = int(host_buffer.shape[0])
+        self._sides = tuple(
+            _Side(region.view, host_buffer[:, offset : offset + region.bytes_per_block])
+            for region, offset in zip(layout.regions, layout.record_offsets, strict=True)
+        )
+        self._next_id = 0
+        self._pending: dict[int, tuple[torch.cuda.Event, list[torch.Tensor]]] = {}
+        self._closed = False
+        if self.device.type == "cpu":
+            self._void = tuple((_void_rows(s.device), _void_rows(s.host)) for s in self._sides)
+            max_row = max(region.bytes_per_block for region in layout.regions)
+            self._staging = torch.empty(
+                (max(1, CPU_CHUNK_BYTES // max_row), max_row), dtype=torch.uint8
+            )
+        else:
+            self._stream = torch.cuda.Stream(device=self.device, priority=0)
+            if not host_buffer.is_pinned():
+                logger.warning(
+                    "the host buffer is not pinned: copies to and from %s will not overlap "
+                    "with compute",
+                    self.device,
+                )
+
+    def submit(self, batch: CopyBatch) -> CopyHandle:
+        """Copy ``batch`` (at once on CPU; queued on a side stream on CUDA).
+
+        Raises:
+            CopyError: If the backend is closed, the batch names an id out of
+                range or a destination twice, or the copy could not be issued.
+        """
+        if self._closed:
+            raise CopyError("the torch copy backend is closed; build a new one")
+        blocks, slots = batch_arrays(batch, self.layout.num_blocks, self.num_slots)
+        handle = CopyHandle(self._next_id, batch.direction, len(batch))
+        self._next_id += 1
+        if blocks.shape[0] == 0:
+            return handle
+        try:
+            if self.device.type == "cpu":
+                self._copy_cpu(batch.direction, blocks, slots)
+            else:
+                self._pending[handle.id] = self._submit_cuda(batch.direction, blocks, slots)
+        except (RuntimeError, ValueError) as exc:
+            raise CopyError(
+                f"{batch.direction.value} of {len(batch)} blocks failed: {exc}"
+            ) from exc
+        return handle
+
+    def done(self, handle: CopyHandle) -> bool:
+        """Return whether ``handle`` finished.
+
+        Raises:
+            CopyError: If the copy failed on the device.
+            ValueError: If this backend did not issue ``handle``.
+        """
+        pending = self._lookup(handle)
+        if pending is None:
+            return True
+        try:
+            finished = bool(pending[0].query())
+        except RuntimeError as exc:
+            del self._pending[handle.id]
+            raise CopyError(f"{handle.direction.value} batch {handle.id} failed: {exc}") from exc
+        if finished:
+            del self._pending[handle.id]
+        return finished
+
+    def wait(self, handle: CopyHandle) -> None:
+        """Block until ``handle`` finished.
+
+        Raises:
+            CopyError: If the copy failed on the device.
+            ValueError: If this backend did not issue ``handle``.
+        """
+        pending = self._lookup(handle)
+        if pending is None:
+            return
+        del self._pending[handle.id]
+        try:
+            pending[0].synchronize()
+        except RuntimeError as exc:
+            raise CopyError(f"{handle.direction.value} batch {handle.id} failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Wait for every batch in flight; later submits fail. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        pending, self._pending = self._pending, {}
+        for handle_id, (event, _) in pending.items():
+            try:
+                event.synchronize()
+            except RuntimeError:
+                logger.exception("batch %d failed while the torch copy backend closed", handle_id)
+
+    def _lookup(self, handle: CopyHandle) -> tuple[torch.cuda.Event, list[torch.Tensor]] | None:
+        if not 0 <= handle.id < self._next_id:
+            raise ValueError(f"copy handle {handle.id} was not issued by this backend")
+        return self._pending.get(handle.id)
+
+    def _copy_cpu(self, direction: Direction, blocks: np.ndarray, slots: np.ndarray) -> None:
+        src, dst = (blocks, slots) if direction is Direction.STORE else (slots, blocks)
+        by_dst = np.argsort(dst, kind="stable")
+        dst_sorted, src_by_dst = dst[by_dst], src[by_dst]
+        dst_runs = _runs(dst_sorted)
+        by_src = np.argsort(src, kind="stable")
+        src_sorted, dst_by_src = src[by_src], dst[by_src]
+        src_runs = _runs(src_sorted)
+        n = src.shape[0]
+        src_index = torch.from_numpy(src_by_dst)
+        for side, (device_void, host_void) in zip(self._sides, self._void, strict=True):
+            if direction is Direction.STORE:
+                src_rows, dst_rows, src_void, dst_void = (
+                    side.device,
+                    side.host,
+                    device_void,
+                    host_void,
+                )
+            else:
+                src_rows, dst_rows, src_void, dst_void = (
+                    side.host,
+                    side.device,
+                    host_void,
+                    device_void,
+                )
+            row_bytes = src_rows.shape[1]
+            chunk_rows = self._staging.shape[0] * self._staging.shape[1] // row_bytes
+            costs = {
+                "gather": dst_runs.shape[0] * _CALL_S,
+                "scatter": src_runs.shape[0] * _CALL_S + n * _ROW_S,
+                "staged": math.ceil(n / chunk_rows) * 2 * _CALL_S + n * _ROW_S,
+            }
+            plan = min(costs, key=costs.__getitem__)
+            if plan == "gather":
+                ends = np.append(dst_runs[1:], n)
+                for start, end in zip(dst_runs.tolist(), ends.tolist(), strict=True):
+                    first = int(dst_sorted[start])
+                    torch.index_select(
+                        src_rows,
+                        0,
+                        src_index[start:end],
+                        out=dst_rows[first : first + end - start],
+                    )
+            elif plan == "scatter":
+                ends = np.append(src_runs[1:], n)
+                for start, end in zip(src_runs.tolist(), ends.tolist(), strict=True):
+                    first = int(src_sorted[start])
+                    dst_void[dst_by_src[start:end]] = src_void[first : first + end - start]
+            else:
+                staging = self._staging.view(-1)[: chunk_rows * row_bytes].view(
+                    chunk_rows, row_bytes
+                )
+                staging_void = _void_rows(staging)
+                for start in range(0, n, chunk_rows):
+                    end = min(start + chunk_rows, n)
+                    torch.index_select(
+                        src_rows, 0, src_index[start:end], out=staging[: end - start]
+                    )
+                    dst_void[dst_sorted[start:end]] = staging_void[: end - start]
+
+    def _submit_cuda(
+        self, direction: Direction, blocks: np.ndarray, slots: np.ndarray
+    ) -> tuple[torch.cuda.Event, list[torch.Tensor]]:
+        order = np.argsort(slots, kind="stable")
+        blocks, slots = blocks[order], slots[order]
+        record_bytes = self.layout.record_bytes
+        chunk_rows = max(1, self.config.cuda_staging_bytes // record_bytes)
+        keep: list[torch.Tensor] = []
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for start in range(0, blocks.shape[0], chunk_rows):
+                chunk_blocks = torch.from_numpy(blocks[start : start + chunk_rows])
+                chunk_slots = slots[start : start + chunk_rows]
+                index = chunk_blocks.to(self.device, non_blocking=True)
+                staging = torch.empty(
+                    (chunk_blocks.shape[0], record_bytes), dtype=torch.uint8, device=self.device
+                )
+                keep.extend((chunk_blocks, index, staging))
+                slot_runs = _runs(chunk_slots)
+                ends = np.append(slot_runs[1:], chunk_slots.shape[0])
+                runs = [
+                    (begin, end, int(chunk_slots[begin]))
+                    for begin, end in zip(slot_runs.tolist(), ends.tolist(), strict=True)
+                ]
+                if direction is Direction.STORE:
+                    for side, offset in zip(self._sides, self.layout.record_offsets, strict=True):
+                        width = side.device.shape[1]
+                        staging[:, offset : offset + width].copy_(
+                            side.device.index_select(0, index)
+                        )
+                    for begin, end, slot in runs:
+                        host_rows = self.host_buffer[slot : slot + end - begin]
+                        host_rows.copy_(staging[begin:end], non_blocking=True)
+                else:
+                    for begin, end, slot in runs:
+                        host_rows = self.host_buffer[slot : slot + end - begin]
+                        staging[begin:end].copy_(host_rows, non_blocking=True)
+                    for side, offset in zip(self._sides, self.layout.record_offsets, strict=True):
+                        width = side.device.shape[1]
+                        side.device.index_copy_(0, index, staging[:, offset : offset + width])
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return event, keep
+
+
+def build(config: TorchCopyConfig, layout: KVLayout, host_buffer: torch.Tensor) -> TorchCopyBackend:
+    """Build the ``torch`` copy backend."""
+    return TorchCopyBackend(config, layout, host_buffer)
