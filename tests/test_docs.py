@@ -1,0 +1,103 @@
+"""Documentation tests: every hook and config field is documented, and the examples are valid."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from kvtier import hookspecs
+from kvtier.config import KVTierConfig, load_config
+from kvtier.plugins import default_registry
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+EXAMPLE_PLUGIN = ROOT / "plugins" / "kvtier-example"
+
+
+def load_docs_hooks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kvtier_docs_hooks", DOCS / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hook_specs() -> dict[str, list[str]]:
+    return {
+        name: list(inspect.signature(function).parameters)
+        for name, function in inspect.getmembers(hookspecs, inspect.isfunction)
+        if hasattr(function, "kvtier_spec")
+    }
+
+
+def test_there_are_hooks_to_document() -> None:
+    assert "register_copy_backends" in hook_specs()
+
+
+@pytest.mark.parametrize("name", sorted(hook_specs()))
+def test_hook_is_documented_with_its_arguments(name: str) -> None:
+    page = (DOCS / "plugin-hooks.md").read_text()
+    arguments = ", ".join(hook_specs()[name])
+    assert f"### `{name}({arguments})`" in page
+    assert f"::: kvtier.hookspecs.{name}\n" in page
+
+
+@pytest.fixture(scope="module")
+def configuration_page() -> str:
+    source = (DOCS / "configuration.md").read_text()
+    hooks = load_docs_hooks()
+    assert hooks.MARKER in source
+    return str(hooks.on_page_markdown(source, page=None, config=None, files=None))
+
+
+@pytest.mark.parametrize("field", sorted(KVTierConfig.model_fields))
+def test_top_level_field_is_documented(field: str, configuration_page: str) -> None:
+    description = KVTierConfig.model_fields[field].description
+    assert description
+    assert f"| `{field}` |" in configuration_page
+    assert description in configuration_page
+
+
+BUILTINS = [
+    (kind, name)
+    for kind in ("layout_resolvers", "copy_backends", "block_indexes", "storage_tiers")
+    for name, reg in default_registry().of_kind(kind).items()
+    if reg.distribution == "kvtier"
+]
+
+
+@pytest.mark.parametrize(("kind", "name"), BUILTINS)
+def test_builtin_plugin_fields_are_documented(
+    kind: str, name: str, configuration_page: str
+) -> None:
+    section = {"layout_resolvers": "layout", "copy_backends": "copy", "block_indexes": "index"}[
+        kind
+    ]
+    model = default_registry().get(kind, name).config_model
+    assert f"#### `{section}.type: {name}`" in configuration_page
+    for field, info in model.model_fields.items():
+        if field == "type":
+            continue
+        assert info.description, f"{model.__name__}.{field} has no description"
+        assert f"| `{section}.{field}` |" in configuration_page
+        assert info.description.replace("|", "\\|") in configuration_page
+
+
+EXAMPLES = sorted(path.name for path in (DOCS / "examples").iterdir())
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_documented_example_config_is_valid(name: str) -> None:
+    config = load_config(env={}, config_file=DOCS / "examples" / name)
+    assert set(config.sources().values()) >= {f"file {DOCS / 'examples' / name}"}
+
+
+def test_tutorial_includes_every_file_of_the_example_plugin() -> None:
+    tutorial = (DOCS / "writing-a-plugin.md").read_text()
+    files = [EXAMPLE_PLUGIN / "pyproject.toml", *sorted(EXAMPLE_PLUGIN.rglob("*.py"))]
+    for file in files:
+        assert f'--8<-- "{file.relative_to(ROOT)}"' in tutorial
