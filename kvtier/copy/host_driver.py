@@ -369,23 +369,19 @@ class HostDriver(CudaDriver):
             self._queue(stream, "call", lambda: self._emulate_copy_segments(grid, values))
 
     def _emulate_copy_segments(self, grid: tuple[int, int, int], values: tuple[int, ...]) -> None:
-        """The copy kernel: block ``(x, y)`` copies chunk ``y`` of segment ``x``."""
-        table_address, num_segments, chunk_bytes = values
+        """The copy kernel: thread block ``x`` copies row ``x`` of the mapped segment table."""
+        table_address, num_rows = values
         host_table = self._mapped_to_host(table_address)
         if host_table is None:
             raise CudaError(
                 f"kernel read its segment table from unmapped address {table_address:#x}"
             )
         table = np.frombuffer(
-            (ctypes.c_uint64 * (3 * num_segments)).from_address(host_table), dtype=np.uint64
-        ).reshape(num_segments, 3)
-        for x in range(min(grid[0], num_segments)):
-            src, dst, nbytes = (int(value) for value in table[x])
-            src, dst = self._kernel_address(src), self._kernel_address(dst)
-            for y in range(grid[1]):
-                start = y * chunk_bytes
-                if start < nbytes:
-                    ctypes.memmove(dst + start, src + start, min(chunk_bytes, nbytes - start))
+            (ctypes.c_uint64 * (3 * num_rows)).from_address(host_table), dtype=np.uint64
+        ).reshape(num_rows, 3)
+        for row in range(min(grid[0], num_rows)):
+            src, dst, nbytes = (int(value) for value in table[row])
+            ctypes.memmove(self._kernel_address(dst), self._kernel_address(src), nbytes)
 
     def _kernel_address(self, address: int) -> int:
         host = self._mapped_to_host(address)
