@@ -1,0 +1,98 @@
+"""Summaries of replay results: ratios to LRU and to the Belady bound, a text table, a plot."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvtier.simulator.replay import ReplayResult
+from kvtier.simulator.traces import TraceRequest
+
+BELADY = "belady"
+"""Name of the Belady bound in results."""
+BASELINE = "lru"
+"""Policy the others are compared with."""
+
+
+def summarize(
+    trace: str, requests: Sequence[TraceRequest], results: Sequence[ReplayResult]
+) -> dict[str, Any]:
+    """Collect results with each one's ratio to LRU and fraction of Belady at its capacity.
+
+    Args:
+        trace: Where the trace came from (a path or a synthetic workload name).
+        requests: The replayed trace.
+        results: The replays, as returned by :func:`kvtier.simulator.simulate`.
+
+    Returns:
+        A JSON-ready dict: the trace's size and one row per result, with
+        ``vs_lru`` and ``of_belady`` (``None`` where that reference was not replayed).
+    """
+    by_key = {(r.policy, r.capacity_blocks): r.hit_rate for r in results}
+    rows = []
+    for result in results:
+        lru = by_key.get((BASELINE, result.capacity_blocks))
+        belady = by_key.get((BELADY, result.capacity_blocks))
+        rows.append(
+            {
+                **result.as_dict(),
+                "vs_lru": result.hit_rate / lru if lru else None,
+                "of_belady": result.hit_rate / belady if belady else None,
+            }
+        )
+    return {
+        "trace": trace,
+        "requests": len(requests),
+        "blocks": sum(len(request.keys) for request in requests),
+        "distinct_blocks": len({key for request in requests for key in request.keys}),
+        "results": rows,
+    }
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """Render a summary as a Markdown table, one row per capacity and policy."""
+    lines = [
+        f"trace {summary['trace']}: {summary['requests']} requests, {summary['blocks']} "
+        f"blocks requested, {summary['distinct_blocks']} distinct",
+        "",
+        "| capacity | policy | hit rate | x lru | of belady | stored | loaded | evicted "
+        "| seconds |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in summary["results"]:
+        lines.append(
+            f"| {row['capacity_blocks']} | {row['policy']} | {row['hit_rate']:.4f} "
+            f"| {_ratio(row['vs_lru'])} | {_ratio(row['of_belady'])} | {row['stored']} "
+            f"| {row['tier_hits']} | {row['evicted']} | {row['seconds']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_hit_rates(summary: dict[str, Any], path: str) -> None:
+    """Plot hit rate against capacity (log scale), one line per policy, to a PNG file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in summary["results"]:
+        series.setdefault(row["policy"], []).append((row["capacity_blocks"], row["hit_rate"]))
+    figure, axes = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    for policy, points in series.items():
+        points.sort()
+        style = {"linestyle": "--", "color": "black"} if policy == BELADY else {"marker": "o"}
+        axes.plot([c for c, _ in points], [h for _, h in points], label=policy, **style)
+    axes.set_xscale("log")
+    axes.set_xlabel("tier capacity (blocks)")
+    axes.set_ylabel("prefix hit rate")
+    axes.set_title(f"{summary['trace']} ({summary['requests']} requests)", fontsize=9)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
