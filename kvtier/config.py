@@ -238,6 +238,11 @@ class KVTierConfig(KVTierModel):
                 )
         return self
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The validating subclass is built at run time, so pickle by value: the receiving
+        # process validates again against its own plugins (vLLM's workers build their own).
+        return (_restore_config, (self.model_dump(), dict(self._sources)))
+
     def source_of(self, path: str) -> str:
         """Return where the value at dotted ``path`` came from.
 
@@ -300,6 +305,12 @@ class KVTierConfig(KVTierModel):
                 f"of {record_bytes} bytes; set it to at least {record_bytes * world_size}"
             )
         raise ConfigError([Problem(self.source_of(field), field, message, value)])
+
+
+def _restore_config(values: dict[str, Any], sources: dict[str, str]) -> KVTierConfig:
+    config = config_model().model_validate(values)
+    config._sources = sources
+    return config
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 from typing import Literal
 
@@ -10,7 +11,7 @@ import pytest
 from pydantic import Field
 
 import kvtier
-from kvtier import hookspecs
+from kvtier import hookspecs, plugins
 from kvtier.config import (
     DEFAULT_CPU_BYTES,
     ConfigError,
@@ -90,6 +91,16 @@ def test_config_is_frozen(registry: Registry) -> None:
     config = load_config(env={}, registry=registry)
     with pytest.raises(ValueError, match="frozen"):
         config.cpu_bytes = 1  # type: ignore[misc]
+
+
+def test_config_pickles_with_its_sources(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plugins, "_default_registry", registry)
+    config = load_config({"copy": "twin", "cpu_bytes": "1GiB"}, env={}, registry=registry)
+    restored = pickle.loads(pickle.dumps(config))
+    assert restored == config
+    assert restored.source_of("copy.type") == "explicit"
 
 
 def test_explicit_beats_env_beats_file(tmp_path: Path, registry: Registry) -> None:
