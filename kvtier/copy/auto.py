@@ -38,7 +38,10 @@ logger = logging.getLogger(__name__)
 class AutoCopyConfig(PluginConfig):
     """Config of the ``auto`` copy backend."""
 
-    type: Literal["auto"] = "auto"
+    type: Literal["auto"] = Field(
+        default="auto",
+        description="Use the auto copy backend (kernel or dma per batch, by segment size).",
+    )
     stream_priority: int | None = Field(
         default=None,
         description=(

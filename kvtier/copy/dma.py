@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 class DmaCopyConfig(PluginConfig):
     """Config of the ``dma`` copy backend."""
 
-    type: Literal["dma"] = "dma"
+    type: Literal["dma"] = Field(
+        default="dma", description="Use the dma copy backend (batched CUDA DMA)."
+    )
     stream_priority: int | None = Field(
         default=None,
         description=(

@@ -96,7 +96,10 @@ MAX_GRID_X = (1 << 31) - 1
 class KernelCopyConfig(PluginConfig):
     """Config of the ``kernel`` copy backend."""
 
-    type: Literal["kernel"] = "kernel"
+    type: Literal["kernel"] = Field(
+        default="kernel",
+        description="Use the kernel copy backend (one CUDA gather/scatter kernel per batch).",
+    )
     stream_priority: int | None = Field(
         default=None,
         description=(
