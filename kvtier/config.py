@@ -87,7 +87,7 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "index",
         "block_indexes",
-        "lru",
+        "prefix_arc",
         "Block index of the host tier: maps block keys to slots and picks eviction victims.",
     ),
     Section(

@@ -51,6 +51,7 @@ def test_plugins_json(capsys: pytest.CaptureFixture[str]) -> None:
         ("copy_backends", "torch"),
         ("copy_backends", "twin"),
         ("block_indexes", "lru"),
+        ("block_indexes", "prefix_arc"),
     }
     assert entries[("block_indexes", "lru")]["config_model"] == "kvtier.index.lru.LRUConfig"
 

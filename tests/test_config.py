@@ -22,6 +22,7 @@ from kvtier.config import (
     parse_bytes,
 )
 from kvtier.index.lru import LRUConfig
+from kvtier.index.prefix_arc import PrefixARCConfig
 from kvtier.plugins import Registry, collect
 
 
@@ -58,6 +59,7 @@ class Sections:
     @kvtier.hookimpl
     def register_block_indexes(self, register: hookspecs.Register) -> None:
         register("lru", lambda config, num_slots: ("lru", num_slots), LRUConfig)
+        register("prefix_arc", lambda config, num_slots: ("prefix_arc", num_slots), PrefixARCConfig)
 
 
 def make_registry(*plugins: object) -> Registry:
@@ -82,7 +84,8 @@ def test_defaults_fill_every_field(registry: Registry) -> None:
     assert config.cpu_bytes == DEFAULT_CPU_BYTES
     assert config.cpu_bytes_per_rank is None
     assert config.store_mode == "eager"
-    assert (config.index, config.copy, config.layout) == (LRUConfig(), TorchConfig(), AutoConfig())
+    defaults = (PrefixARCConfig(), TorchConfig(), AutoConfig())
+    assert (config.index, config.copy, config.layout) == defaults
     assert set(config.sources().values()) == {"default"}
     assert isinstance(config, KVTierConfig)
 
@@ -329,7 +332,7 @@ def test_missing_default_implementation_says_what_to_set() -> None:
     with pytest.raises(ConfigError) as caught:
         load_config({"copy": {"type": "torch"}}, env={}, registry=registry)
     assert lines_of(caught) == [
-        "default: index: required: the default block index 'lru' is not installed; set "
+        "default: index: required: the default block index 'prefix_arc' is not installed; set "
         "index.type to one of: none (got nothing)",
         "explicit: copy: no copy backend is installed; install a plugin that provides one "
         "(got {'type': 'torch'})",
