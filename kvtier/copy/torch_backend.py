@@ -77,6 +77,26 @@ def _runs(ids: np.ndarray) -> np.ndarray:
     return np.flatnonzero(np.concatenate(([True], np.diff(ids) != 1)))
 
 
+def choose_cpu_plan(num_rows: int, dst_runs: int, src_runs: int, chunk_rows: int) -> str:
+    """Pick the cheapest CPU plan for copying one region's rows.
+
+    Args:
+        num_rows: Rows (blocks) in the batch.
+        dst_runs: Runs of consecutive destination rows, once sorted.
+        src_runs: Runs of consecutive source rows, once sorted.
+        chunk_rows: Rows of this region that fit in one staging chunk.
+
+    Returns:
+        ``"gather"``, ``"scatter"`` or ``"staged"`` (see the module docstring).
+    """
+    costs = {
+        "gather": dst_runs * _CALL_S,
+        "scatter": src_runs * _CALL_S + num_rows * _ROW_S,
+        "staged": math.ceil(num_rows / chunk_rows) * 2 * _CALL_S + num_rows * _ROW_S,
+    }
+    return min(costs, key=costs.__getitem__)
+
+
 @dataclass(frozen=True)
 class _Side:
     """One region's rows on both sides: the engine view and its column slice of the host buffer."""
@@ -248,12 +268,7 @@ class TorchCopyBackend(CopyBackend):
                 )
             row_bytes = src_rows.shape[1]
             chunk_rows = self._staging.shape[0] * self._staging.shape[1] // row_bytes
-            costs = {
-                "gather": dst_runs.shape[0] * _CALL_S,
-                "scatter": src_runs.shape[0] * _CALL_S + n * _ROW_S,
-                "staged": math.ceil(n / chunk_rows) * 2 * _CALL_S + n * _ROW_S,
-            }
-            plan = min(costs, key=costs.__getitem__)
+            plan = choose_cpu_plan(n, dst_runs.shape[0], src_runs.shape[0], chunk_rows)
             if plan == "gather":
                 ends = np.append(dst_runs[1:], n)
                 for start, end in zip(dst_runs.tolist(), ends.tolist(), strict=True):

@@ -1,0 +1,167 @@
+"""The torch copy backend: the copy contract on CPU (and CUDA when present), and its own rules."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.copy.base import CopyBatch, CopyError, CopyHandle, Direction
+from kvtier.copy.torch_backend import (
+    CPU_CHUNK_BYTES,
+    TorchCopyBackend,
+    TorchCopyConfig,
+    choose_cpu_plan,
+)
+from kvtier.layout.base import KVLayout
+from kvtier.layout.resolvers import AutoResolver, PerLayerResolver
+from kvtier.plugins import build_plugin_manager, collect
+from kvtier.testing.contracts_copy import BackendFactory, CopyBackendContract
+from kvtier.testing.contracts_layout import flash_attn_case, vllm_cpu_packed_case
+
+
+def _torch_factory(layout: KVLayout, host_buffer: torch.Tensor) -> TorchCopyBackend:
+    return TorchCopyBackend(TorchCopyConfig(), layout, host_buffer)
+
+
+class TestTorchBackendOnCpu(CopyBackendContract):
+    @pytest.fixture
+    def backend_factory(self) -> BackendFactory:
+        return _torch_factory
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+class TestTorchBackendOnCuda(CopyBackendContract):
+    @pytest.fixture
+    def device(self) -> str:
+        return "cuda"
+
+    @pytest.fixture
+    def backend_factory(self) -> BackendFactory:
+        return lambda layout, host: TorchCopyBackend(
+            TorchCopyConfig(cuda_staging_bytes=3 * layout.record_bytes), layout, host
+        )
+
+
+def _layout(num_blocks: int = 64, **kwargs: object) -> KVLayout:
+    case = flash_attn_case(num_blocks=num_blocks, **kwargs)  # type: ignore[arg-type]
+    layout = PerLayerResolver("flash_attn").resolve(case.kv_caches)
+    for index, region in enumerate(layout.regions):
+        region.view.copy_(torch.randint(0, 256, tuple(region.view.shape)).to(torch.uint8))
+        region.view[:, 0] = index
+    return layout
+
+
+def _count_runs(ids: np.ndarray) -> int:
+    return 1 + int((np.diff(np.sort(ids)) != 1).sum())
+
+
+def _records(layout: KVLayout, blocks: list[int]) -> torch.Tensor:
+    return torch.cat([region.view[blocks] for region in layout.regions], dim=1)
+
+
+@pytest.mark.parametrize(
+    "blocks, slots, plan",
+    [
+        (np.random.default_rng(0).permutation(1024)[:256], np.arange(256), "gather"),
+        (np.arange(100, 356), np.random.default_rng(1).permutation(2048)[:256], "scatter"),
+        (
+            np.random.default_rng(2).permutation(1024)[:256],
+            np.random.default_rng(3).permutation(2048)[:256],
+            "staged",
+        ),
+    ],
+    ids=["random_blocks_to_slot_run", "block_run_to_random_slots", "random_to_random"],
+)
+def test_each_cpu_plan_is_chosen_and_copies_correctly(
+    blocks: np.ndarray, slots: np.ndarray, plan: str
+) -> None:
+    layout = _layout(num_blocks=1024, num_layers=1, block_tokens=4)
+    host = torch.zeros((2048, layout.record_bytes), dtype=torch.uint8)
+    backend = TorchCopyBackend(TorchCopyConfig(), layout, host)
+    rows = CPU_CHUNK_BYTES // layout.regions[0].bytes_per_block
+    store_plan = choose_cpu_plan(len(blocks), _count_runs(slots), _count_runs(blocks), rows)
+    assert store_plan == plan
+    backend.wait(backend.submit(CopyBatch(Direction.STORE, blocks.tolist(), slots.tolist())))
+    assert torch.equal(host[slots.tolist()], _records(layout, blocks.tolist()))
+    expected = _records(layout, blocks.tolist())
+    for region in layout.regions:
+        region.view.zero_()
+    backend.wait(backend.submit(CopyBatch(Direction.LOAD, blocks.tolist(), slots.tolist())))
+    assert torch.equal(_records(layout, blocks.tolist()), expected)
+
+
+def test_strided_regions_and_host_columns() -> None:
+    layout = AutoResolver().resolve(vllm_cpu_packed_case(False, num_blocks=40).kv_caches)
+    assert len(layout.regions) == 4
+    host = torch.zeros((50, layout.record_bytes), dtype=torch.uint8)
+    backend = TorchCopyBackend(TorchCopyConfig(), layout, host)
+    for region in layout.regions:
+        region.view.copy_(torch.randint(0, 256, tuple(region.view.shape)).to(torch.uint8))
+    blocks = list(range(39, -1, -1))
+    backend.wait(backend.submit(CopyBatch(Direction.STORE, blocks, list(range(5, 45)))))
+    assert torch.equal(host[5:45], _records(layout, blocks))
+
+
+def test_cpu_submit_returns_a_finished_handle() -> None:
+    layout = _layout()
+    backend = TorchCopyBackend(
+        TorchCopyConfig(), layout, torch.zeros((8, layout.record_bytes), dtype=torch.uint8)
+    )
+    handle = backend.submit(CopyBatch(Direction.STORE, [1], [2]))
+    assert backend.done(handle)
+    assert backend.done(handle)
+
+
+def test_a_handle_from_elsewhere_is_rejected() -> None:
+    layout = _layout()
+    backend = TorchCopyBackend(
+        TorchCopyConfig(), layout, torch.zeros((8, layout.record_bytes), dtype=torch.uint8)
+    )
+    with pytest.raises(ValueError, match="not issued by this backend"):
+        backend.done(CopyHandle(3, Direction.STORE, 1))
+
+
+@pytest.mark.parametrize(
+    "host, message",
+    [
+        (torch.zeros((8, 5), dtype=torch.uint8), r"contiguous \[num_slots, \d+\]"),
+        (torch.zeros((8, 4), dtype=torch.int32), "uint8"),
+        (torch.zeros(8, dtype=torch.uint8), "uint8 tensor"),
+    ],
+)
+def test_bad_host_buffers_are_rejected(host: torch.Tensor, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TorchCopyBackend(TorchCopyConfig(), _layout(), host)
+
+
+def test_non_contiguous_host_buffer_is_rejected() -> None:
+    layout = _layout()
+    host = torch.zeros((8, 2 * layout.record_bytes), dtype=torch.uint8)[:, : layout.record_bytes]
+    with pytest.raises(ValueError, match="contiguous"):
+        TorchCopyBackend(TorchCopyConfig(), layout, host)
+
+
+def test_registered_as_torch() -> None:
+    registry = collect(build_plugin_manager(env={"KVTIER_LOAD_PLUGINS": ""}))
+    layout = _layout()
+    host = torch.zeros((8, layout.record_bytes), dtype=torch.uint8)
+    config = registry.get("copy_backends", "torch").config_model()
+    backend = registry.build("copy_backends", config, layout, host)
+    assert isinstance(backend, TorchCopyBackend)
+
+
+def test_config_rejects_a_non_positive_staging_size() -> None:
+    with pytest.raises(ValueError, match="cuda_staging_bytes"):
+        TorchCopyConfig(cuda_staging_bytes=0)
+
+
+def test_submit_after_close_names_the_backend() -> None:
+    layout = _layout()
+    backend = TorchCopyBackend(
+        TorchCopyConfig(), layout, torch.zeros((8, layout.record_bytes), dtype=torch.uint8)
+    )
+    backend.close()
+    with pytest.raises(CopyError, match="closed"):
+        backend.submit(CopyBatch(Direction.STORE, [0], [0]))
