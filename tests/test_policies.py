@@ -1,0 +1,141 @@
+"""Behaviour of the arc, s3fifo and prefix_arc eviction policies beyond the index contract."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kvtier.index.arc import ARCPolicy
+from kvtier.index.base import BlockKey, EventKind
+from kvtier.index.lru import LRUPolicy
+from kvtier.index.policy import EvictionPolicy, PolicyIndex
+from kvtier.index.prefix_arc import PrefixARCConfig, PrefixARCPolicy
+from kvtier.index.s3fifo import S3FIFOConfig, S3FIFOPolicy
+from kvtier.plugins import default_registry
+
+
+def store(index: PolicyIndex, keys: list[BlockKey], parent: BlockKey | None = None) -> None:
+    slots = index.reserve(keys, parent)
+    index.commit([key for key, slot in zip(keys, slots, strict=True) if slot is not None])
+
+
+def hit(index: PolicyIndex, keys: list[BlockKey]) -> None:
+    index.pin(keys)
+    index.unpin(keys)
+
+
+def evicted(index: PolicyIndex) -> list[BlockKey]:
+    return [event.key for event in index.take_events() if event.kind is EventKind.EVICTED]
+
+
+def new_keys(prefix: str, count: int) -> list[BlockKey]:
+    return [f"{prefix}{n}".encode() for n in range(count)]
+
+
+@pytest.mark.parametrize("name", ["arc", "s3fifo", "prefix_arc"])
+def test_registered_with_a_default_config(name: str) -> None:
+    registry = default_registry()
+    config = registry.get("block_indexes", name).config_model()
+    index = registry.build("block_indexes", config, 8)
+    assert isinstance(index, PolicyIndex)
+    assert index.num_slots == 8
+
+
+def test_config_bounds_are_checked() -> None:
+    with pytest.raises(ValidationError):
+        S3FIFOConfig(small_fraction=1.0)
+    with pytest.raises(ValidationError):
+        PrefixARCConfig(history_factor=-1)
+
+
+def scan_survivor(policy: EvictionPolicy) -> bool:
+    """Store one key, hit it twice, then store one-time keys; is the hit key still there?"""
+    index = PolicyIndex(4, policy)
+    store(index, [b"hot"])
+    hit(index, [b"hot"])
+    hit(index, [b"hot"])
+    for key in new_keys("scan", 10):
+        store(index, [key])
+    return index.slot_of(b"hot") is not None
+
+
+@pytest.mark.parametrize(
+    "policy", [ARCPolicy(4), S3FIFOPolicy(4), PrefixARCPolicy(4)], ids=["arc", "s3fifo", "prefix"]
+)
+def test_reused_key_survives_a_scan(policy: EvictionPolicy) -> None:
+    assert scan_survivor(policy)
+
+
+def test_lru_does_not_survive_the_same_scan() -> None:
+    assert not scan_survivor(LRUPolicy())
+
+
+def test_prefix_arc_evicts_a_chain_from_its_tail() -> None:
+    index = PolicyIndex(3, PrefixARCPolicy(3))
+    store(index, [b"a", b"b", b"c"])
+    store(index, [b"x"])
+    assert evicted(index) == [b"c"]
+    assert index.lookup([b"a", b"b"]) == 2
+
+
+def test_prefix_arc_evicts_orphans_first() -> None:
+    index = PolicyIndex(4, PrefixARCPolicy(4))
+    store(index, [b"a", b"b"])
+    store(index, [b"x"])
+    store(index, [b"y"])
+    index.pin([b"b"])
+    store(index, [b"z"])
+    assert evicted(index) == [b"a"]
+    index.unpin([b"b"])
+    # ``b`` is unreachable without ``a``: it goes before the older root ``x``.
+    store(index, [b"w"])
+    assert evicted(index) == [b"b"]
+    assert index.slot_of(b"x") is not None
+
+
+def test_prefix_arc_remembers_reuse_beyond_the_ghost_lists() -> None:
+    def survives(history_factor: float) -> bool:
+        index = PolicyIndex(4, PrefixARCPolicy(4, history_factor))
+        store(index, [b"doc"])
+        for key in new_keys("first", 12):
+            store(index, [key])
+        store(index, [b"doc"])
+        for key in new_keys("second", 6):
+            store(index, [key])
+        return index.slot_of(b"doc") is not None
+
+    assert survives(history_factor=4.0)
+    assert not survives(history_factor=0.0)
+
+
+def test_s3fifo_one_hit_keys_leave_through_the_small_queue() -> None:
+    index = PolicyIndex(10, S3FIFOPolicy(10, small_fraction=0.2))
+    store(index, [b"kept"])
+    hit(index, [b"kept"])
+    hit(index, [b"kept"])
+    for key in new_keys("once", 30):
+        store(index, [key])
+    assert index.slot_of(b"kept") is not None
+    assert index.lookup([b"once0"]) == 0
+
+
+def test_arc_moves_its_target_towards_the_list_that_missed() -> None:
+    policy = ARCPolicy(4)
+    index = PolicyIndex(4, policy)
+    for key in new_keys("k", 5):
+        store(index, [key])
+    assert policy.target_t1 == 0.0
+    store(index, [b"k0"])  # remembered by the recency ghost list
+    assert policy.target_t1 > 0.0
+
+
+@pytest.mark.parametrize(
+    "policy", [ARCPolicy(3), S3FIFOPolicy(3), PrefixARCPolicy(3)], ids=["arc", "s3fifo", "prefix"]
+)
+def test_no_victim_while_everything_is_pinned(policy: EvictionPolicy) -> None:
+    index = PolicyIndex(3, policy)
+    store(index, [b"a", b"b", b"c"])
+    index.pin([b"a", b"b", b"c"])
+    assert index.reserve([b"d"]) == [None]
+    index.unpin([b"a", b"b", b"c"])
+    assert index.reserve([b"d"]) != [None]

@@ -1,0 +1,184 @@
+"""Trace loading, generation, replay, the Belady bound and the ``kvtier simulate`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier.index.lru import LRUPolicy
+from kvtier.index.policy import PolicyIndex
+from kvtier.keys import hash_token_blocks
+from kvtier.simulator import add_arguments, run, simulate
+from kvtier.simulator.generate import generate_records, generate_trace
+from kvtier.simulator.replay import replay
+from kvtier.simulator.traces import TraceError, TraceRequest, load_trace, mooncake_key
+
+MOONCAKE_TRACE = (
+    Path(__file__).resolve().parents[1]
+    / ".."
+    / "shared"
+    / "traces"
+    / "mooncake_synthetic_trace.jsonl"
+)
+
+
+def write_lines(path: Path, records: list[object]) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def requests_of(*chains: list[int]) -> list[TraceRequest]:
+    return [TraceRequest(0.0, tuple(mooncake_key(h) for h in chain)) for chain in chains]
+
+
+def test_loads_both_formats(tmp_path: Path) -> None:
+    path = write_lines(
+        tmp_path / "trace.jsonl",
+        [
+            {"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [1, 2]},
+            {"timestamp": 7, "token_ids": list(range(40))},
+        ],
+    )
+    mooncake, tokens = load_trace(path, block_tokens=16)
+    assert mooncake.keys == (mooncake_key(1), mooncake_key(2))
+    assert tokens.timestamp_ms == 7.0
+    assert list(tokens.keys) == hash_token_blocks(list(range(40)), 16)
+    assert len(tokens.keys) == 2
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('{"timestamp": 0}', "needs 'hash_ids'"),
+        ('{"hash_ids": [1, -2]}', "'hash_ids' must be a list of integers"),
+        ('{"hash_ids": [1], "timestamp": "soon"}', "'timestamp' must be a number"),
+    ],
+)
+def test_bad_lines_are_named(tmp_path: Path, line: str, message: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"hash_ids": [1]}\n' + line + "\n")
+    with pytest.raises(TraceError, match=message) as caught:
+        load_trace(path)
+    assert f"{path}:2" in str(caught.value)
+
+
+def test_replay_counts_hits_stores_and_evictions() -> None:
+    trace = requests_of([1, 2, 3], [1, 2, 4], [5, 6], [1, 2, 3])
+    result = replay(trace, PolicyIndex(4, LRUPolicy()), policy_name="lru")
+    # [1 2 3] stored; [1 2] hit, 4 stored; 5 and 6 evict 3 and 1; then 1 misses, so 1, 2 and 3
+    # are stored again, evicting 2, 4 and 5.
+    assert result.blocks == 11
+    assert result.tier_hits == 2
+    assert result.stored == 9
+    assert result.evicted == 5
+    assert result.hit_rate == pytest.approx(2 / 11)
+
+
+def test_lazy_store_only_stores_what_the_device_cache_evicts() -> None:
+    trace = generate_trace("chat", 300, seed=1)
+    eager = replay(trace, PolicyIndex(500, LRUPolicy()), policy_name="lru", device_blocks=200)
+    lazy = replay(
+        trace,
+        PolicyIndex(500, LRUPolicy()),
+        policy_name="lru",
+        device_blocks=200,
+        store_mode="lazy",
+    )
+    assert eager.device_hits == lazy.device_hits > 0
+    assert lazy.stored < eager.stored
+    with pytest.raises(ValueError, match="device cache"):
+        replay(trace, PolicyIndex(5, LRUPolicy()), policy_name="lru", store_mode="lazy")
+
+
+def test_belady_bounds_every_policy() -> None:
+    trace = generate_trace("rag", 400, seed=3)
+    results = simulate(trace, ["lru", "arc", "s3fifo", "prefix_arc"], [300, 1500])
+    for capacity in (300, 1500):
+        rates = {r.policy: r.hit_rate for r in results if r.capacity_blocks == capacity}
+        assert max(rate for name, rate in rates.items() if name != "belady") <= rates["belady"]
+
+
+def test_generated_traces_are_deterministic_and_prefix_consistent() -> None:
+    for workload in ("chat", "rag"):
+        records = generate_records(workload, 200, seed=5)
+        assert records == generate_records(workload, 200, seed=5)
+        assert records != generate_records(workload, 200, seed=6)
+        parents: dict[int, int | None] = {}
+        for record in records:
+            for parent, block in zip([None, *record["hash_ids"]], record["hash_ids"], strict=False):
+                assert parents.setdefault(block, parent) == parent
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_command_prints_json_and_writes_a_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plot = tmp_path / "rates.png"
+    args = parse("synthetic:chat", "--synthetic-requests", "200", "--policies", "lru,prefix_arc")
+    args.capacities = "100,400"
+    args.json = True
+    args.plot = str(plot)
+    assert run(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    rows = {(row["policy"], row["capacity_blocks"]): row for row in summary["results"]}
+    assert set(rows) == {(p, c) for p in ("lru", "prefix_arc", "belady") for c in (100, 400)}
+    assert rows[("lru", 100)]["vs_lru"] == 1.0
+    assert 0.0 < rows[("lru", 400)]["of_belady"] <= 1.0
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
+def test_command_capacity_in_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse(
+        "synthetic:rag",
+        "--synthetic-requests",
+        "50",
+        "--policies",
+        "lru",
+        "--capacity-bytes",
+        "1MiB",
+        "--block-bytes",
+        "4KiB",
+        "--no-belady",
+    )
+    assert run(args) == 0
+    assert "| 256 | lru |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["synthetic:chat", "--policies", "nope"], "no block index named 'nope'"),
+        (["synthetic:chat", "--capacities", "10,x"], "--capacities must be whole numbers"),
+        (["synthetic:chat", "--capacity-bytes", "1GiB"], "needs --block-bytes"),
+        (["synthetic:other"], "unknown synthetic workload"),
+        (["synthetic:chat", "--store-mode", "lazy"], "needs a device cache"),
+        (["missing.jsonl"], "no such trace file"),
+    ],
+)
+def test_command_usage_errors_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert run(parse(*argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not MOONCAKE_TRACE.exists(), reason=f"{MOONCAKE_TRACE} is not present")
+def test_default_policy_never_below_lru_on_the_mooncake_trace() -> None:
+    trace = load_trace(MOONCAKE_TRACE)
+    results = simulate(trace, ["lru", "prefix_arc"], [500, 1000, 4000, 32000], belady=False)
+    rates = {(r.policy, r.capacity_blocks): r.hit_rate for r in results}
+    for capacity in (500, 1000, 4000, 32000):
+        assert rates[("prefix_arc", capacity)] >= rates[("lru", capacity)]
+    assert rates[("prefix_arc", 1000)] >= 1.08 * rates[("lru", 1000)]
+    assert rates[("prefix_arc", 4000)] >= 1.12 * rates[("lru", 4000)]
+    assert max(r.seconds for r in results) < 10.0
