@@ -20,7 +20,6 @@ batch's copies on a stream. The life of a batch:
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -93,6 +92,8 @@ class StreamCopyBackend(CopyBackend):
         driver: The CUDA driver of the layout's device.
         owns_driver: Close ``driver`` with the backend.
         stream_priority: Priority of the copy streams; ``None`` for the lowest.
+
+    Any thread may submit; each handle is polled or waited from one thread at a time.
     """
 
     def __init__(
@@ -112,7 +113,7 @@ class StreamCopyBackend(CopyBackend):
         self._driver = driver
         self._owns_driver = owns_driver
         self._lock = threading.Lock()
-        self._ids = itertools.count()
+        self._issued = 0
         self._jobs: dict[int, _Job] = {}
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._closed = False
@@ -201,7 +202,8 @@ class StreamCopyBackend(CopyBackend):
                     with self._driver.activated():
                         self._driver.event_destroy(ready_event)
                 raise CopyError(f"the {self._executor.name} copy backend is closed")
-            handle = CopyHandle(next(self._ids), batch.direction, len(batch))
+            handle = CopyHandle(self._issued, batch.direction, len(batch))
+            self._issued += 1
             job = _Job(handle, blocks, slots, ready_event=ready_event, error=error)
             self._jobs[handle.id] = job
             if error is None:
@@ -249,22 +251,28 @@ class StreamCopyBackend(CopyBackend):
         except CudaError as exc:
             job.error = job.error or exc
 
-    def _job(self, handle: CopyHandle) -> _Job:
+    def _job(self, handle: CopyHandle) -> _Job | None:
+        """The pending job of ``handle``; ``None`` once it finished (or failed and was reported)."""
         with self._lock:
+            issued = 0 <= handle.id < self._issued
             job = self._jobs.get(handle.id)
-        if job is None or job.handle != handle:
-            raise ValueError(
-                f"copy handle {handle.id} is unknown to this {self._executor.name} backend: "
-                "it was issued by another backend or has already completed or failed"
-            )
+        if not issued or (job is not None and job.handle != handle):
+            raise ValueError(f"copy handle {handle.id} was not issued by this backend")
         return job
 
     def done(self, handle: CopyHandle) -> bool:
         """Whether ``handle`` finished; raise :class:`CopyError` if it failed.
 
-        Once this returns ``True`` or raises, the handle is spent.
+        A failure is raised once; after that (or after success) the handle
+        reports done.
+
+        Raises:
+            CopyError: The batch failed; none of its destination blocks may be trusted.
+            ValueError: This backend did not issue ``handle``.
         """
         job = self._job(handle)
+        if job is None:
+            return True
         if not job.queued.is_set():
             return False
         if job.done_event is not None:
@@ -280,9 +288,13 @@ class StreamCopyBackend(CopyBackend):
     def wait(self, handle: CopyHandle) -> None:
         """Block until ``handle`` finished; raise :class:`CopyError` if it failed.
 
-        The handle is spent afterwards.
+        Raises:
+            CopyError: The batch failed; none of its destination blocks may be trusted.
+            ValueError: This backend did not issue ``handle``.
         """
         job = self._job(handle)
+        if job is None:
+            return
         job.queued.wait()
         if job.done_event is not None:
             try:
@@ -294,7 +306,8 @@ class StreamCopyBackend(CopyBackend):
 
     def _finish(self, job: _Job) -> None:
         with self._lock:
-            self._jobs.pop(job.handle.id, None)
+            if self._jobs.pop(job.handle.id, None) is None:
+                return  # another thread finished it concurrently
         try:
             with self._driver.activated():
                 for event in (job.ready_event, job.done_event):
