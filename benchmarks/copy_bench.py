@@ -1,0 +1,27 @@
+"""Copy-backend bandwidth, 4 KiB to 2 MiB per block, against a contiguous copy in the same run.
+
+A thin wrapper over :mod:`kvtier.copy.bench` (the same as ``kvtier bench copy``)
+that prints JSON to stdout and a progress bar to stderr. Any option of
+``kvtier bench copy`` is accepted, e.g.::
+
+    python benchmarks/copy_bench.py
+    python benchmarks/copy_bench.py --regions 2 --pattern scattered
+    python benchmarks/copy_bench.py --backend dma --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvtier.copy import bench
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench.add_arguments(parser)
+    return bench.run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
