@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvtier.copy.cuda_driver import CudaUnavailable, compile_cubin
+from kvtier.copy.cuda_driver import CudaError, CudaUnavailable, compile_cubin
 from kvtier.copy.host_driver import MAPPED_OFFSET, HostDriver
 from kvtier.copy.kernel import (
     KERNEL_NAME,
@@ -89,3 +89,15 @@ def test_kernel_source_compiles_with_nvrtc(compute_capability: tuple[int, int]) 
         pytest.skip(f"NVRTC is not installed here: {exc}")
     assert cubin[:4] == b"\x7fELF"
     assert KERNEL_NAME.encode() in cubin
+
+
+def test_a_compile_error_carries_the_nvrtc_log() -> None:
+    source = 'extern "C" __global__ void broken() { undeclared_name = 1; }'
+    try:
+        compile_cubin(source, (9, 0))
+    except CudaUnavailable as exc:
+        pytest.skip(f"NVRTC is not installed here: {exc}")
+    except CudaError as exc:
+        assert "sm_90" in str(exc) and "undeclared_name" in str(exc)
+    else:
+        pytest.fail("a kernel with an undeclared name compiled")

@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib
 import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -269,6 +271,53 @@ def nvrtc_arch_option(compute_capability: tuple[int, int]) -> str:
     return f"--gpu-architecture=sm_{major}{minor}"
 
 
+NVRTC_LIBRARY_DIRS: tuple[tuple[str, str], ...] = (
+    ("nvidia.cuda_nvrtc", "lib"),  # nvidia-cuda-nvrtc-cu12, which PyTorch's CUDA 12 wheels use
+    ("nvidia.cu13", "lib"),  # nvidia-cuda-nvrtc for CUDA 13
+)
+"""Where pip's NVRTC wheels put ``libnvrtc.so``: (package, subdirectory)."""
+
+
+@functools.cache
+def _preload_pip_nvrtc() -> bool:
+    """Load NVRTC from a pip wheel globally, so bindings that look it up by name find it.
+
+    Returns:
+        Whether a library was loaded (at most once per process).
+    """
+    for package, subdirectory in NVRTC_LIBRARY_DIRS:
+        try:
+            module = importlib.import_module(package)
+        except ImportError:
+            continue
+        for directory in getattr(module, "__path__", []):
+            for library in sorted(Path(directory, subdirectory).glob("libnvrtc.so.*")):
+                try:
+                    ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+                except OSError as exc:
+                    logger.debug("could not load %s: %s", library, exc)
+                    continue
+                logger.info("loaded NVRTC from %s", library)
+                return True
+    return False
+
+
+def _create_program(nvrtc: Any, source: str) -> Any:
+    """``nvrtcCreateProgram``, loading NVRTC from a pip wheel first if the bindings cannot."""
+    try:
+        return nvrtc.nvrtcCreateProgram(source.encode(), b"kvtier_copy.cu", 0, [], [])
+    except (RuntimeError, OSError) as exc:  # the bindings' loader error when libnvrtc is absent
+        if _preload_pip_nvrtc():
+            try:
+                return nvrtc.nvrtcCreateProgram(source.encode(), b"kvtier_copy.cu", 0, [], [])
+            except (RuntimeError, OSError):
+                pass
+        raise CudaUnavailable(
+            f"needs CUDA: the NVRTC library could not be loaded ({type(exc).__name__}: {exc}); "
+            "install nvidia-cuda-nvrtc matching the driver"
+        ) from exc
+
+
 @functools.lru_cache(maxsize=16)
 def compile_cubin(source: str, compute_capability: tuple[int, int]) -> bytes:
     """Compile CUDA C++ ``source`` to a CUBIN for ``compute_capability`` with NVRTC; cached.
@@ -280,13 +329,7 @@ def compile_cubin(source: str, compute_capability: tuple[int, int]) -> bytes:
         CudaError: The compilation failed; the message carries NVRTC's log.
     """
     _, nvrtc = _cuda_bindings()
-    try:
-        created = nvrtc.nvrtcCreateProgram(source.encode(), b"kvtier_copy.cu", 0, [], [])
-    except (RuntimeError, OSError) as exc:  # the bindings' loader error when libnvrtc is absent
-        raise CudaUnavailable(
-            f"needs CUDA: the NVRTC library could not be loaded ({type(exc).__name__}: {exc}); "
-            "install nvidia-cuda-nvrtc matching the driver"
-        ) from exc
+    created = _create_program(nvrtc, source)
     program = _check("nvrtcCreateProgram", created)
     try:
         options = [nvrtc_arch_option(compute_capability).encode(), b"--std=c++17", b"-lineinfo"]
@@ -417,9 +460,14 @@ class BindingsDriver(CudaDriver):
         _check("cuMemHostUnregister", self._cu.cuMemHostUnregister(address))
 
     def host_device_pointer(self, address: int) -> int:
-        return int(
-            _check("cuMemHostGetDevicePointer", self._cu.cuMemHostGetDevicePointer(address, 0))
+        # cuPointerGetAttribute, unlike cuMemHostGetDevicePointer, is specified for any address
+        # inside a registration, not only for its start.
+        attribute = self._cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+        pointer = _check(
+            "cuPointerGetAttribute(DEVICE_POINTER)",
+            self._cu.cuPointerGetAttribute(attribute, self._cu.CUdeviceptr(address)),
         )
+        return int(pointer)
 
     def host_alloc_mapped(self, nbytes: int) -> int:
         flags = self._cu.CU_MEMHOSTALLOC_PORTABLE | self._cu.CU_MEMHOSTALLOC_DEVICEMAP
@@ -528,8 +576,8 @@ class BindingsDriver(CudaDriver):
         with self._lock:
             function = self._kernels.get((source, name))
             if function is None:
-                cubin = compile_cubin(source, self.compute_capability())
-                module = _check("cuModuleLoadData", self._cu.cuModuleLoadData(cubin))
+                cubin = np.frombuffer(compile_cubin(source, self.compute_capability()), np.uint8)
+                module = _check("cuModuleLoadData", self._cu.cuModuleLoadData(cubin.ctypes.data))
                 self._modules.append(module)
                 function = _check(
                     "cuModuleGetFunction", self._cu.cuModuleGetFunction(module, name.encode())
