@@ -236,7 +236,7 @@ class KernelExecutor(SegmentExecutor):
         if len(rows) > MAX_GRID_X:
             raise ValueError(f"a batch of {len(rows)} rows exceeds one launch ({MAX_GRID_X})")
         host_column = 1 if direction is Direction.STORE else 0
-        rows[:, host_column] += np.uint64(self._host_offset)
+        rows[:, host_column] += np.uint64(self._host_offset % (1 << 64))  # wraps like pointers
         table = self._pool.acquire(rows.nbytes)
         ctypes.memmove(table.address, rows.ctypes.data, rows.nbytes)
         driver.launch_kernel(
