@@ -6,8 +6,10 @@ model for SMs and stalls on host latency). ``auto`` looks at each batch's
 mean merged segment size and sends it to whichever side of
 ``kernel_below_bytes`` it falls; both share one worker thread and one stream
 per direction, so batches stay in submission order. The default threshold
-sits between the block sizes where each target is met; ``benchmarks/gpu_check.sh``
-measures the crossover on a given machine (see docs/gpu.md).
+(128 KiB) lies between the block sizes at which each is meant to win (the
+kernel at 16-32 KiB, DMA from 256 KiB); it is not a measurement. Replace it
+with the crossover that ``benchmarks/gpu_check.sh`` reports for the machine
+(``auto_kernel_below_bytes_measured`` in its ``targets.json``; see docs/gpu.md).
 
 If the kernel cannot be used (host buffer not pinned and mapped, NVRTC
 missing), ``auto`` says so once and uses ``dma`` for every batch.
