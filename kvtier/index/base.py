@@ -59,7 +59,10 @@ class BlockIndex(ABC):
 
     @abstractmethod
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        """Tell the policy ``keys`` were used elsewhere (e.g. hit in a faster tier); unknown keys are ignored."""
+        """Tell the policy ``keys`` were used elsewhere (e.g. hit in a faster tier).
+
+        Keys this tier does not hold are ignored.
+        """
 
     @abstractmethod
     def pin(self, keys: Sequence[BlockKey]) -> list[int]:
