@@ -292,8 +292,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self.manager is None:
             return 0, False
         self._lookup_base[request.request_id] = num_computed_tokens
+        # The manager leaves the last token to the engine. vLLM recomputes the last token of
+        # a fully loaded request itself (it rewinds num_computed_tokens by one after an
+        # asynchronous load), so the tier may also serve the block holding that token.
         hit_tokens = self.manager.lookup(
-            request.request_id, request.block_hashes, num_computed_tokens, request.num_tokens
+            request.request_id, request.block_hashes, num_computed_tokens, request.num_tokens + 1
         )
         return hit_tokens, hit_tokens > 0
 

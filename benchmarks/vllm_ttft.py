@@ -1,0 +1,148 @@
+"""Time to first token on vLLM (CPU): cold prefill vs vLLM prefix-cache hit vs kvtier tier hit.
+
+Also measures throughput at a 0% hit rate with and without the connector, so
+the cost of storing every block is visible. All arms run in one process on the
+same random-weight model; the output is JSON with ratios against the peers.
+
+    python benchmarks/vllm_ttft.py [--prompt-tokens 4096] [--repeats 7] [--throughput-rounds 3]
+
+Times are medians over repeats; the throughput ratio is the median of
+per-round ratios, each round running both arms back to back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvtier.testing.models import TinyLlamaSpec, write_tiny_llama
+
+MODEL = TinyLlamaSpec(
+    num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1024
+)
+
+
+def _prompt(rng: random.Random, tokens: int) -> list[int]:
+    return [rng.randrange(MODEL.vocab_size) for _ in range(tokens)]
+
+
+def _timed(llm: object, prompts: list[list[int]], max_tokens: int) -> float:
+    from kvtier.integrations.vllm.offline import generate
+
+    started = time.perf_counter()
+    generate(llm, prompts, max_tokens)  # type: ignore[arg-type]
+    return time.perf_counter() - started
+
+
+def measure_ttft(model_dir: Path, prompt_tokens: int, repeats: int) -> dict[str, float]:
+    """Median seconds to the first token for each kind of prefix."""
+    from vllm import LLM
+
+    from kvtier.integrations.vllm.offline import engine_kwargs, reset_device_cache, shutdown
+
+    blocks = 4 * prompt_tokens // 32
+    llm = LLM(
+        **engine_kwargs(
+            model_dir,
+            kvtier={"cpu_bytes": "1GiB"},
+            num_device_blocks=blocks,
+            max_model_len=2 * prompt_tokens,
+        )
+    )
+    rng = random.Random(0)
+    _timed(llm, [_prompt(rng, prompt_tokens)], 1)  # warm-up
+    cold, device, tier = [], [], []
+    for _ in range(repeats):
+        prompt = _prompt(rng, prompt_tokens)
+        cold.append(_timed(llm, [prompt], 1))
+        device.append(_timed(llm, [prompt], 1))
+        reset_device_cache(llm)
+        tier.append(_timed(llm, [prompt], 1))
+    shutdown(llm)
+    return {
+        "cold_s": statistics.median(cold),
+        "device_hit_s": statistics.median(device),
+        "tier_hit_s": statistics.median(tier),
+    }
+
+
+def measure_throughput(
+    model_dir: Path, with_kvtier: bool, prompts: int, prompt_tokens: int, output_tokens: int
+) -> float:
+    """Tokens per second (prompt and output) for unique prompts: a 0% hit rate."""
+    from vllm import LLM
+
+    from kvtier.integrations.vllm.offline import engine_kwargs, shutdown
+
+    llm = LLM(
+        **engine_kwargs(
+            model_dir,
+            kvtier={"cpu_bytes": "1GiB"} if with_kvtier else None,
+            num_device_blocks=prompts * (prompt_tokens + output_tokens) // 32 + 64,
+            max_model_len=2 * prompt_tokens,
+        )
+    )
+    rng = random.Random(1)
+    _timed(llm, [_prompt(rng, prompt_tokens) for _ in range(2)], output_tokens)  # warm-up
+    batch = [_prompt(rng, prompt_tokens) for _ in range(prompts)]
+    elapsed = _timed(llm, batch, output_tokens)
+    shutdown(llm)
+    return prompts * (prompt_tokens + output_tokens) / elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt-tokens", type=int, default=4096)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--throughput-rounds", type=int, default=3)
+    parser.add_argument("--throughput-prompts", type=int, default=16)
+    parser.add_argument("--throughput-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--output-tokens", type=int, default=16)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as scratch:
+        model_dir = write_tiny_llama(Path(scratch) / "model", MODEL)
+        ttft = measure_ttft(model_dir, args.prompt_tokens, args.repeats)
+        shape = (args.throughput_prompts, args.throughput_prompt_tokens, args.output_tokens)
+        # Alternate the arms so load from other processes on the machine hits both alike.
+        plain, tiered = [], []
+        for _ in range(args.throughput_rounds):
+            plain.append(measure_throughput(model_dir, False, *shape))
+            tiered.append(measure_throughput(model_dir, True, *shape))
+    result = {
+        "model": {
+            "layers": MODEL.num_layers,
+            "hidden": MODEL.hidden_size,
+            "kv_heads": MODEL.num_kv_heads,
+            "head_dim": MODEL.head_dim,
+        },
+        "prompt_tokens": args.prompt_tokens,
+        **ttft,
+        "tier_hit_over_device_hit": ttft["tier_hit_s"] / ttft["device_hit_s"],
+        "tier_hit_over_cold": ttft["tier_hit_s"] / ttft["cold_s"],
+        "zero_hit_tokens_per_s_without": statistics.median(plain),
+        "zero_hit_tokens_per_s_with": statistics.median(tiered),
+        "zero_hit_throughput_ratio": statistics.median(
+            t / p for t, p in zip(tiered, plain, strict=True)
+        ),
+        "targets": {
+            "tier_hit_over_device_hit_max": 1.5,
+            "tier_hit_over_cold_max": 0.05,
+            "zero_hit_throughput_ratio_min": 0.97,
+        },
+    }
+    json.dump(result, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
