@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import threading
+from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -65,3 +68,117 @@ def test_bindings_driver_without_cuda_says_it_needs_cuda() -> None:
         BindingsDriver(0)
     with pytest.raises(CudaUnavailable, match="^needs CUDA: "):
         open_driver()
+
+
+def _offline_bindings_driver() -> BindingsDriver:
+    """A BindingsDriver whose handles are made up: its calls reach the bindings, not a GPU."""
+    bindings = pytest.importorskip("cuda.bindings.driver")
+    if torch.cuda.is_available():
+        pytest.skip("checks argument conversion where no driver can be loaded")
+    driver = object.__new__(BindingsDriver)
+    driver._cu = bindings
+    driver._context = bindings.CUcontext(0)
+    driver._device = bindings.CUdevice(0)
+    driver.device_index = 0
+    driver._lock = threading.Lock()
+    driver._modules = []
+    driver._kernels = {}
+    driver._closed = False
+    driver._memcpy_batch_abi = None
+    driver._memcpy_batch_fn = None
+    driver._attrs = cuda_driver._MemcpyAttributes(srcAccessOrder=1, flags=1)
+    driver._attrs_index = ctypes.c_size_t(0)
+    return driver
+
+
+CALLS: dict[str, Callable[[BindingsDriver], object]] = {
+    "activated": lambda d: d.activated().__enter__(),
+    "bind_thread": lambda d: d.bind_thread(),
+    "driver_version": lambda d: d.driver_version(),
+    "compute_capability": lambda d: d.compute_capability(),
+    "host_register": lambda d: d.host_register(0x10000, 4096),
+    "host_unregister": lambda d: d.host_unregister(0x10000),
+    "host_device_pointer": lambda d: d.host_device_pointer(0x10000),
+    "host_alloc_mapped": lambda d: d.host_alloc_mapped(4096),
+    "host_free": lambda d: d.host_free(0x10000),
+    "lowest_stream_priority": lambda d: d.lowest_stream_priority(),
+    "stream_create": lambda d: d.stream_create(0),
+    "stream_destroy": lambda d: d.stream_destroy(0x1234),
+    "event_create": lambda d: d.event_create(),
+    "event_destroy": lambda d: d.event_destroy(0x1234),
+    "event_record": lambda d: d.event_record(0x1234, 0x5678),
+    "stream_wait_event": lambda d: d.stream_wait_event(0x5678, 0x1234),
+    "event_query": lambda d: d.event_query(0x1234),
+    "event_synchronize": lambda d: d.event_synchronize(0x1234),
+    "memcpy_async": lambda d: d.memcpy_async(0x1000, 0x2000, 64, 0x5678),
+    "launch_kernel": lambda d: d.launch_kernel(
+        0x4321, (3, 1, 1), (256, 1, 1), (ctypes.c_uint64(5), ctypes.c_uint32(3)), 0x5678
+    ),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+def test_bindings_accept_the_arguments_the_driver_passes(call: str) -> None:
+    """Without a GPU the bindings fail loading libcuda, which they do only after
+    converting the arguments: a TypeError here is a call the GPU would reject too."""
+    driver = _offline_bindings_driver()
+    with pytest.raises(RuntimeError):
+        CALLS[call](driver)
+
+
+@pytest.mark.parametrize("abi", [12080, 13000])
+def test_memcpy_batch_marshals_arrays_attributes_and_stream(abi: int) -> None:
+    driver = _offline_bindings_driver()
+    seen: dict[str, object] = {}
+
+    def fake_memcpy_batch(*args: int) -> int:
+        dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, *rest = args
+
+        def read(address: int) -> list[int]:
+            return list((ctypes.c_uint64 * count).from_address(address))
+
+        attributes = cuda_driver._MemcpyAttributes.from_address(attrs)
+        seen.update(
+            dsts=read(dsts),
+            srcs=read(srcs),
+            sizes=read(sizes),
+            order=attributes.srcAccessOrder,
+            flags=attributes.flags,
+            first_index=ctypes.c_size_t.from_address(attrs_idxs).value,
+            num_attrs=num_attrs,
+            stream=rest[-1],
+            rest=len(rest),
+        )
+        return 0
+
+    callback = cuda_driver._MEMCPY_BATCH_PROTOTYPES[abi](fake_memcpy_batch)
+    driver._memcpy_batch_abi, driver._memcpy_batch_fn = abi, callback
+    dsts, srcs, sizes = (np.array(v, dtype=np.uint64) for v in ([10, 20], [30, 40], [5, 6]))
+    driver.memcpy_batch(dsts, srcs, sizes, 0xBEEF)
+    assert seen == {
+        "dsts": [10, 20],
+        "srcs": [30, 40],
+        "sizes": [5, 6],
+        "order": 1,  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: after the wait on the ready event
+        "flags": 1,
+        "first_index": 0,
+        "num_attrs": 1,
+        "stream": 0xBEEF,
+        "rest": 2 if abi == 12080 else 1,  # (failIdx, stream) or (stream)
+    }
+
+
+def test_memcpy_batch_failure_names_the_error_and_the_failing_copy() -> None:
+    driver = _offline_bindings_driver()
+
+    def fake_memcpy_batch(*args: int) -> int:
+        ctypes.c_size_t.from_address(args[7]).value = 1
+        return 1
+
+    prototype = cuda_driver._MEMCPY_BATCH_PROTOTYPES[12080]
+    driver._memcpy_batch_abi, driver._memcpy_batch_fn = 12080, prototype(fake_memcpy_batch)
+    array = np.array([1, 2], dtype=np.uint64)
+    with pytest.raises(CudaError, match=r"CUDA_ERROR_INVALID_VALUE \(1\), first failing copy 1"):
+        driver.memcpy_batch(array, array.copy(), array.copy(), 7)
+    with pytest.raises(ValueError, match="contiguous uint64"):
+        driver.memcpy_batch(array.astype(np.int64), array, array, 7)
