@@ -86,7 +86,10 @@ def _offline_bindings_driver() -> BindingsDriver:
     driver._closed = False
     driver._memcpy_batch_abi = None
     driver._memcpy_batch_fn = None
-    driver._attrs = cuda_driver._MemcpyAttributes(srcAccessOrder=1, flags=1)
+    driver._attrs = cuda_driver._MemcpyAttributes(
+        srcAccessOrder=cuda_driver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        flags=cuda_driver.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+    )
     driver._attrs_index = ctypes.c_size_t(0)
     return driver
 
@@ -182,3 +185,13 @@ def test_memcpy_batch_failure_names_the_error_and_the_failing_copy() -> None:
         driver.memcpy_batch(array, array.copy(), array.copy(), 7)
     with pytest.raises(ValueError, match="contiguous uint64"):
         driver.memcpy_batch(array.astype(np.int64), array, array, 7)
+
+
+def test_abi_constants_match_the_bindings() -> None:
+    bindings = pytest.importorskip("cuda.bindings.driver")
+    order = bindings.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    overlap = bindings.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    default = bindings.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
+    assert int(order) == cuda_driver.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+    assert int(overlap) == cuda_driver.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+    assert int(default) == cuda_driver.CU_GET_PROC_ADDRESS_DEFAULT

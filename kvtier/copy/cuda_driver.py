@@ -50,6 +50,14 @@ MEMCPY_BATCH_ABI_VERSIONS: tuple[int, ...] = (13000, 12080)
 
 KernelArg = ctypes.c_uint64 | ctypes.c_uint32 | ctypes.c_int32
 
+# ABI constants of cuda.h, spelled out so that cuda-python releases older than the
+# CUDA 12.8 headers (which lack these enums) still drive the per-segment fallback.
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+"""Sources of a batched copy are read in stream order (after the wait on the ready event)."""
+CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
+"""Hint that batched copies should overlap with compute kernels."""
+CU_GET_PROC_ADDRESS_DEFAULT = 0
+
 
 class CudaError(RuntimeError):
     """A CUDA driver or NVRTC call failed; the message names the call and the error code."""
@@ -395,8 +403,8 @@ class BindingsDriver(CudaDriver):
         if self._memcpy_batch_abi is not None:
             self._memcpy_batch_fn = self._resolve_memcpy_batch(self._memcpy_batch_abi)
         self._attrs = _MemcpyAttributes(
-            srcAccessOrder=int(cu.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM),
-            flags=int(cu.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE),
+            srcAccessOrder=CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            flags=CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
         )
         self._attrs_index = ctypes.c_size_t(0)
         logger.debug(
@@ -408,8 +416,7 @@ class BindingsDriver(CudaDriver):
 
     def _resolve_memcpy_batch(self, abi: int) -> Any:
         cu = self._cu
-        flags = cu.CUdriverProcAddress_flags.CU_GET_PROC_ADDRESS_DEFAULT
-        result = cu.cuGetProcAddress(b"cuMemcpyBatchAsync", abi, flags)
+        result = cu.cuGetProcAddress(b"cuMemcpyBatchAsync", abi, CU_GET_PROC_ADDRESS_DEFAULT)
         status, address = result[0], result[1]
         if int(status) != 0 or not int(address):
             logger.warning(
