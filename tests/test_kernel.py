@@ -101,3 +101,19 @@ def test_a_compile_error_carries_the_nvrtc_log() -> None:
         assert "sm_90" in str(exc) and "undeclared_name" in str(exc)
     else:
         pytest.fail("a kernel with an undeclared name compiled")
+
+
+def test_kernel_moves_16_byte_vectors_with_streaming_hints() -> None:
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    try:
+        _, program = nvrtc.nvrtcCreateProgram(KERNEL_SOURCE.encode(), b"k.cu", 0, [], [])
+    except RuntimeError as exc:
+        pytest.skip(f"NVRTC is not installed here: {exc}")
+    options = [b"--gpu-architecture=compute_90"]
+    assert int(nvrtc.nvrtcCompileProgram(program, len(options), options)[0]) == 0
+    _, size = nvrtc.nvrtcGetPTXSize(program)
+    ptx = b" " * size
+    nvrtc.nvrtcGetPTX(program, ptx)
+    nvrtc.nvrtcDestroyProgram(program)
+    instructions = {line.split()[0] for line in ptx.decode().splitlines() if ".v4." in line}
+    assert {"ld.global.cs.v4.u32", "st.global.cs.v4.u32"} <= instructions

@@ -41,7 +41,9 @@ KERNEL_SOURCE = r"""
 // (src address, dst address, bytes) in mapped host memory. Either side may be
 // device memory or mapped pinned host memory; rows whose ends are 16-byte
 // aligned move in 16-byte vectors, with four loads in flight per thread
-// before their stores to keep the interconnect busy.
+// before their stores to keep the interconnect busy. Streaming (evict-first)
+// cache hints: every byte is touched once, so it should not displace the
+// model's working set in L2. Mapped host memory lies in the global window.
 extern "C" __global__ void kvtier_copy_segments(
     const unsigned long long* __restrict__ table, unsigned int num_rows)
 {
@@ -62,17 +64,17 @@ extern "C" __global__ void kvtier_copy_segments(
         const unsigned long long vectors = nbytes >> 4;
         unsigned long long i = threadIdx.x;
         for (; i + 3 * step < vectors; i += 4 * step) {
-            const uint4 a = src4[i];
-            const uint4 b = src4[i + step];
-            const uint4 c = src4[i + 2 * step];
-            const uint4 d = src4[i + 3 * step];
-            dst4[i] = a;
-            dst4[i + step] = b;
-            dst4[i + 2 * step] = c;
-            dst4[i + 3 * step] = d;
+            const uint4 a = __ldcs(src4 + i);
+            const uint4 b = __ldcs(src4 + i + step);
+            const uint4 c = __ldcs(src4 + i + 2 * step);
+            const uint4 d = __ldcs(src4 + i + 3 * step);
+            __stcs(dst4 + i, a);
+            __stcs(dst4 + i + step, b);
+            __stcs(dst4 + i + 2 * step, c);
+            __stcs(dst4 + i + 3 * step, d);
         }
         for (; i < vectors; i += step) {
-            dst4[i] = src4[i];
+            __stcs(dst4 + i, __ldcs(src4 + i));
         }
         tail = vectors << 4;
     }
