@@ -7,12 +7,8 @@ import pytest
 import torch
 
 from kvtier.copy.base import CopyBatch, CopyError, CopyHandle, Direction
-from kvtier.copy.torch_backend import (
-    CPU_CHUNK_BYTES,
-    TorchCopyBackend,
-    TorchCopyConfig,
-    choose_cpu_plan,
-)
+from kvtier.copy.cpu_rows import choose_plan, sort_ids
+from kvtier.copy.torch_backend import TorchCopyBackend, TorchCopyConfig
 from kvtier.layout.base import KVLayout
 from kvtier.layout.resolvers import AutoResolver, PerLayerResolver
 from kvtier.plugins import build_plugin_manager, collect
@@ -53,14 +49,11 @@ def _layout(num_blocks: int = 64, **kwargs: object) -> KVLayout:
     return layout
 
 
-def _count_runs(ids: np.ndarray) -> int:
-    return 1 + int((np.diff(np.sort(ids)) != 1).sum())
-
-
 def _records(layout: KVLayout, blocks: list[int]) -> torch.Tensor:
     return torch.cat([region.view[blocks] for region in layout.regions], dim=1)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(
     "blocks, slots, plan",
     [
@@ -75,14 +68,14 @@ def _records(layout: KVLayout, blocks: list[int]) -> torch.Tensor:
     ids=["random_blocks_to_slot_run", "block_run_to_random_slots", "random_to_random"],
 )
 def test_each_cpu_plan_is_chosen_and_copies_correctly(
-    blocks: np.ndarray, slots: np.ndarray, plan: str
+    blocks: np.ndarray, slots: np.ndarray, plan: str, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    layout = _layout(num_blocks=1024, num_layers=1, block_tokens=4)
+    monkeypatch.setattr("kvtier.copy.cpu_rows.PARALLEL_MIN_BYTES", 0)
+    layout = _layout(num_blocks=1024, num_layers=2, block_tokens=4)
     host = torch.zeros((2048, layout.record_bytes), dtype=torch.uint8)
-    backend = TorchCopyBackend(TorchCopyConfig(), layout, host)
-    rows = CPU_CHUNK_BYTES // layout.regions[0].bytes_per_block
-    store_plan = choose_cpu_plan(len(blocks), _count_runs(slots), _count_runs(blocks), rows)
-    assert store_plan == plan
+    backend = TorchCopyBackend(TorchCopyConfig(cpu_threads=threads), layout, host)
+    runs = len(sort_ids(slots).runs), len(sort_ids(blocks).runs)
+    assert choose_plan(len(blocks), *runs) == plan
     backend.wait(backend.submit(CopyBatch(Direction.STORE, blocks.tolist(), slots.tolist())))
     assert torch.equal(host[slots.tolist()], _records(layout, blocks.tolist()))
     expected = _records(layout, blocks.tolist())
@@ -90,6 +83,24 @@ def test_each_cpu_plan_is_chosen_and_copies_correctly(
         region.view.zero_()
     backend.wait(backend.submit(CopyBatch(Direction.LOAD, blocks.tolist(), slots.tolist())))
     assert torch.equal(_records(layout, blocks.tolist()), expected)
+    backend.close()
+
+
+@pytest.mark.parametrize(
+    "ids, runs",
+    [
+        (np.array([5, 3, 4, 2]), [2]),
+        (np.array([1, 2, 3, 7, 8]), [1, 7]),
+        (np.array([9, 1, 2, 5]), [1, 5, 9]),
+        (np.array([4]), [4]),
+    ],
+    ids=["permutation_of_a_range", "already_sorted", "unsorted", "single"],
+)
+def test_sort_ids(ids: np.ndarray, runs: list[int]) -> None:
+    result = sort_ids(ids)
+    assert result.ids.tolist() == sorted(ids.tolist())
+    assert ids[result.order].tolist() == sorted(ids.tolist())
+    assert result.ids[result.runs].tolist() == runs
 
 
 def test_strided_regions_and_host_columns() -> None:
@@ -152,9 +163,11 @@ def test_registered_as_torch() -> None:
     assert isinstance(backend, TorchCopyBackend)
 
 
-def test_config_rejects_a_non_positive_staging_size() -> None:
+def test_config_rejects_non_positive_sizes() -> None:
     with pytest.raises(ValueError, match="cuda_staging_bytes"):
         TorchCopyConfig(cuda_staging_bytes=0)
+    with pytest.raises(ValueError, match="cpu_threads"):
+        TorchCopyConfig(cpu_threads=0)
 
 
 def test_submit_after_close_names_the_backend() -> None:

@@ -1,19 +1,11 @@
 """``torch``: the copy backend built on plain torch tensor operations, for CPU and CUDA.
 
 On CPU, :meth:`TorchCopyBackend.submit` copies synchronously and returns a
-handle that is already done: the copy is a memory-bandwidth-bound loop either
-way, and running it in the caller's thread is the fastest correct choice (no
-hand-off, no second thread competing for the same cores). Each region is
-copied with whichever of three plans costs least for the batch's shape:
-
-- *gather*: the destinations form few runs of consecutive rows (stores into
-  freshly allocated slots, loads into a fresh range of blocks): one
-  ``torch.index_select(..., out=...)`` per run, straight into the destination;
-- *scatter*: the sources form few runs: each run is scattered into its
-  destination rows by numpy fancy assignment on rows viewed as one opaque
-  item each (a ``memcpy`` per row, without torch's per-byte indexing);
-- *staged*: both sides are scattered: a cache-sized chunk is gathered with
-  ``index_select`` and then scattered as above.
+handle that is already done: the copy is bound by memory bandwidth, and doing
+it at once, on the caller's thread plus ``cpu_threads - 1`` helpers, is the
+fastest correct choice (no hand-off, no queue). The rows move through
+:class:`kvtier.copy.cpu_rows.RowCopier`, which picks a gather, scatter or
+staged plan per batch and copies a row per ``memcpy``.
 
 On CUDA, a batch runs on a side stream that first waits for the caller's
 current stream: blocks are gathered into (or scattered from) a device staging
@@ -26,7 +18,6 @@ pinned; otherwise those copies are synchronous.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,24 +27,25 @@ from pydantic import Field
 
 from kvtier.config import PluginConfig
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
+from kvtier.copy.cpu_rows import RowCopier, run_starts
 from kvtier.copy.planner import batch_arrays
 from kvtier.layout.base import KVLayout
 
 logger = logging.getLogger(__name__)
-
-CPU_CHUNK_BYTES = 1 << 20
-"""Staging chunk of the CPU *staged* plan: small enough to stay in cache between its two passes."""
-
-_CALL_S = 4e-6
-"""Rough fixed cost of one torch or numpy call on a slice, for choosing a CPU plan."""
-_ROW_S = 0.15e-6
-"""Rough extra cost per row of a numpy scatter."""
 
 
 class TorchCopyConfig(PluginConfig):
     """Copies with plain torch operations on CPU or CUDA."""
 
     type: Literal["torch"] = Field(default="torch", description="Use the torch copy backend.")
+    cpu_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Threads that copy one large batch on CPU, the caller's included; by default "
+            "torch's intra-op thread count (at most 16). Unused on CUDA."
+        ),
+    )
     cuda_staging_bytes: int = Field(
         default=256 << 20,
         gt=0,
@@ -62,39 +54,6 @@ class TorchCopyConfig(PluginConfig):
             "batches are copied in chunks of this size. Unused on CPU."
         ),
     )
-
-
-def _void_rows(matrix: torch.Tensor) -> np.ndarray:
-    """View a ``[rows, n]`` uint8 CPU tensor with contiguous rows as ``rows`` opaque items."""
-    rows = matrix.numpy()
-    return rows.view(np.dtype((np.void, rows.shape[1])))[:, 0]
-
-
-def _runs(ids: np.ndarray) -> np.ndarray:
-    """Start positions of the runs of consecutive ids (``ids[k + 1] == ids[k] + 1``)."""
-    if ids.shape[0] == 0:
-        return np.zeros(0, dtype=np.int64)
-    return np.flatnonzero(np.concatenate(([True], np.diff(ids) != 1)))
-
-
-def choose_cpu_plan(num_rows: int, dst_runs: int, src_runs: int, chunk_rows: int) -> str:
-    """Pick the cheapest CPU plan for copying one region's rows.
-
-    Args:
-        num_rows: Rows (blocks) in the batch.
-        dst_runs: Runs of consecutive destination rows, once sorted.
-        src_runs: Runs of consecutive source rows, once sorted.
-        chunk_rows: Rows of this region that fit in one staging chunk.
-
-    Returns:
-        ``"gather"``, ``"scatter"`` or ``"staged"`` (see the module docstring).
-    """
-    costs = {
-        "gather": dst_runs * _CALL_S,
-        "scatter": src_runs * _CALL_S + num_rows * _ROW_S,
-        "staged": math.ceil(num_rows / chunk_rows) * 2 * _CALL_S + num_rows * _ROW_S,
-    }
-    return min(costs, key=costs.__getitem__)
 
 
 @dataclass(frozen=True)
@@ -149,12 +108,10 @@ class TorchCopyBackend(CopyBackend):
         self._next_id = 0
         self._pending: dict[int, tuple[torch.cuda.Event, list[torch.Tensor]]] = {}
         self._closed = False
+        self._rows: RowCopier | None = None
         if self.device.type == "cpu":
-            self._void = tuple((_void_rows(s.device), _void_rows(s.host)) for s in self._sides)
-            max_row = max(region.bytes_per_block for region in layout.regions)
-            self._staging = torch.empty(
-                (max(1, CPU_CHUNK_BYTES // max_row), max_row), dtype=torch.uint8
-            )
+            threads = config.cpu_threads or min(torch.get_num_threads(), 16)
+            self._rows = RowCopier([(side.device, side.host) for side in self._sides], threads)
         else:
             self._stream = torch.cuda.Stream(device=self.device, priority=0)
             if not host_buffer.is_pinned():
@@ -179,8 +136,8 @@ class TorchCopyBackend(CopyBackend):
         if blocks.shape[0] == 0:
             return handle
         try:
-            if self.device.type == "cpu":
-                self._copy_cpu(batch.direction, blocks, slots)
+            if self._rows is not None:
+                self._rows.copy(batch.direction, blocks, slots)
             else:
                 self._pending[handle.id] = self._submit_cuda(batch.direction, blocks, slots)
         except (RuntimeError, ValueError) as exc:
@@ -229,6 +186,8 @@ class TorchCopyBackend(CopyBackend):
         if self._closed:
             return
         self._closed = True
+        if self._rows is not None:
+            self._rows.close()
         pending, self._pending = self._pending, {}
         for handle_id, (event, _) in pending.items():
             try:
@@ -240,61 +199,6 @@ class TorchCopyBackend(CopyBackend):
         if not 0 <= handle.id < self._next_id:
             raise ValueError(f"copy handle {handle.id} was not issued by this backend")
         return self._pending.get(handle.id)
-
-    def _copy_cpu(self, direction: Direction, blocks: np.ndarray, slots: np.ndarray) -> None:
-        src, dst = (blocks, slots) if direction is Direction.STORE else (slots, blocks)
-        by_dst = np.argsort(dst, kind="stable")
-        dst_sorted, src_by_dst = dst[by_dst], src[by_dst]
-        dst_runs = _runs(dst_sorted)
-        by_src = np.argsort(src, kind="stable")
-        src_sorted, dst_by_src = src[by_src], dst[by_src]
-        src_runs = _runs(src_sorted)
-        n = src.shape[0]
-        src_index = torch.from_numpy(src_by_dst)
-        for side, (device_void, host_void) in zip(self._sides, self._void, strict=True):
-            if direction is Direction.STORE:
-                src_rows, dst_rows, src_void, dst_void = (
-                    side.device,
-                    side.host,
-                    device_void,
-                    host_void,
-                )
-            else:
-                src_rows, dst_rows, src_void, dst_void = (
-                    side.host,
-                    side.device,
-                    host_void,
-                    device_void,
-                )
-            row_bytes = src_rows.shape[1]
-            chunk_rows = self._staging.shape[0] * self._staging.shape[1] // row_bytes
-            plan = choose_cpu_plan(n, dst_runs.shape[0], src_runs.shape[0], chunk_rows)
-            if plan == "gather":
-                ends = np.append(dst_runs[1:], n)
-                for start, end in zip(dst_runs.tolist(), ends.tolist(), strict=True):
-                    first = int(dst_sorted[start])
-                    torch.index_select(
-                        src_rows,
-                        0,
-                        src_index[start:end],
-                        out=dst_rows[first : first + end - start],
-                    )
-            elif plan == "scatter":
-                ends = np.append(src_runs[1:], n)
-                for start, end in zip(src_runs.tolist(), ends.tolist(), strict=True):
-                    first = int(src_sorted[start])
-                    dst_void[dst_by_src[start:end]] = src_void[first : first + end - start]
-            else:
-                staging = self._staging.view(-1)[: chunk_rows * row_bytes].view(
-                    chunk_rows, row_bytes
-                )
-                staging_void = _void_rows(staging)
-                for start in range(0, n, chunk_rows):
-                    end = min(start + chunk_rows, n)
-                    torch.index_select(
-                        src_rows, 0, src_index[start:end], out=staging[: end - start]
-                    )
-                    dst_void[dst_sorted[start:end]] = staging_void[: end - start]
 
     def _submit_cuda(
         self, direction: Direction, blocks: np.ndarray, slots: np.ndarray
@@ -314,7 +218,7 @@ class TorchCopyBackend(CopyBackend):
                     (chunk_blocks.shape[0], record_bytes), dtype=torch.uint8, device=self.device
                 )
                 keep.extend((chunk_blocks, index, staging))
-                slot_runs = _runs(chunk_slots)
+                slot_runs = run_starts(chunk_slots)
                 ends = np.append(slot_runs[1:], chunk_slots.shape[0])
                 runs = [
                     (begin, end, int(chunk_slots[begin]))

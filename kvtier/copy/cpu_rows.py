@@ -1,0 +1,228 @@
+"""Row copies between byte matrices in CPU memory, for the ``torch`` backend's CPU path.
+
+A batch copies row ``src[k]`` of one ``[rows, n]`` uint8 matrix to row
+``dst[k]`` of another, for every region. Rows are viewed through numpy as
+single opaque items (``np.void`` of ``n`` bytes), so each row moves with one
+``memcpy`` rather than byte by byte, and numpy releases the GIL while it
+copies. Each batch uses whichever of three plans is cheapest for its ids:
+
+- *gather*: the destination ids, sorted, form few runs of consecutive rows:
+  the source rows are gathered straight into each destination run, a
+  cache-sized chunk at a time (``np.take`` when both sides are contiguous,
+  fancy indexing otherwise, since ``np.take`` would first copy a strided
+  source whole);
+- *scatter*: the source ids form few runs: each source run is assigned to its
+  destination rows by fancy indexing;
+- *staged*: neither side has runs: a cache-sized chunk is gathered into
+  staging and then scattered.
+
+Large batches are split into equal slices copied by a small thread pool, one
+join per batch. Torch's own ``index_select`` is not used: on rows of 32 KiB
+and more it opens a parallel region per row, which stalls badly when other
+processes share the cores.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtier.copy.base import Direction
+
+logger = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1 << 20
+"""Staging chunk per thread: small enough to stay in cache between gather and scatter."""
+
+PARALLEL_MIN_BYTES = 4 << 20
+"""Batches moving fewer bytes than this run on the caller's thread alone."""
+
+_CALL_S = 3e-6
+"""Rough fixed cost of one numpy call on a run of rows, for choosing a plan."""
+_ROW_S = 0.15e-6
+"""Rough extra cost per row of a fancy-indexed scatter or a staged copy, for choosing a plan."""
+
+
+def void_rows(matrix: torch.Tensor) -> np.ndarray:
+    """View a ``[rows, n]`` uint8 CPU tensor with contiguous rows as ``rows`` opaque items."""
+    rows = matrix.numpy()
+    return rows.view(np.dtype((np.void, rows.shape[1])))[:, 0]
+
+
+def run_starts(ids: np.ndarray) -> np.ndarray:
+    """Start positions of the runs of consecutive ids (``ids[k + 1] == ids[k] + 1``)."""
+    if ids.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(np.concatenate(([True], np.diff(ids) != 1)))
+
+
+@dataclass(frozen=True)
+class SortedIds:
+    """Ids in ascending order (``ids``), the permutation that sorts them, and their run starts."""
+
+    order: np.ndarray
+    ids: np.ndarray
+    runs: np.ndarray
+
+
+def sort_ids(ids: np.ndarray) -> SortedIds:
+    """Sort ``ids``, in linear time when they are a permutation of a range or already sorted."""
+    count = ids.shape[0]
+    low, high = int(ids.min()), int(ids.max())
+    if high - low + 1 == count:
+        seen = np.zeros(count, dtype=bool)
+        seen[ids - low] = True
+        if seen.all():
+            order = np.empty(count, dtype=np.int64)
+            order[ids - low] = np.arange(count)
+            return SortedIds(order, np.arange(low, high + 1), np.zeros(1, dtype=np.int64))
+    if bool((ids[1:] >= ids[:-1]).all()):
+        return SortedIds(np.arange(count), ids, run_starts(ids))
+    order = np.argsort(ids, kind="stable")
+    ordered = ids[order]
+    return SortedIds(order, ordered, run_starts(ordered))
+
+
+def choose_plan(num_rows: int, dst_runs: int, src_runs: int) -> str:
+    """Pick the cheapest plan for a batch.
+
+    Args:
+        num_rows: Rows (blocks) in the batch.
+        dst_runs: Runs of consecutive destination rows, once sorted.
+        src_runs: Runs of consecutive source rows, once sorted.
+
+    Returns:
+        ``"gather"``, ``"scatter"`` or ``"staged"`` (see the module docstring).
+    """
+    costs = {
+        "gather": dst_runs * _CALL_S,
+        "scatter": src_runs * _CALL_S + num_rows * _ROW_S,
+        "staged": 2 * num_rows * _ROW_S,  # a gather and a scatter per row
+    }
+    return min(costs, key=costs.__getitem__)
+
+
+class RowCopier:
+    """Copies batches of rows between engine regions and host columns in CPU memory."""
+
+    def __init__(self, regions: Sequence[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
+        """Bind the copier to its regions.
+
+        Args:
+            regions: Per region, ``(engine_rows, host_rows)``: two ``[rows, n]``
+                uint8 CPU tensors with contiguous rows (strided between rows).
+            threads: Threads that copy one large batch (1: the caller's only).
+
+        Raises:
+            ValueError: If ``threads`` is not positive or a region pair disagrees on ``n``.
+        """
+        if threads <= 0:
+            raise ValueError(f"threads must be positive, got {threads}")
+        for engine, host in regions:
+            if engine.shape[1] != host.shape[1]:
+                raise ValueError(
+                    f"engine rows of {engine.shape[1]} bytes cannot go into host columns of "
+                    f"{host.shape[1]} bytes"
+                )
+        self._regions = tuple((void_rows(engine), void_rows(host)) for engine, host in regions)
+        self._record_bytes = sum(int(engine.shape[1]) for engine, _ in regions)
+        widest = max(int(engine.shape[1]) for engine, _ in regions)
+        self._staging = [np.empty(max(CHUNK_BYTES, widest), dtype=np.uint8) for _ in range(threads)]
+        self._pool = ThreadPoolExecutor(threads - 1, "kvtier-copy") if threads > 1 else None
+
+    def copy(self, direction: Direction, blocks: np.ndarray, slots: np.ndarray) -> None:
+        """Copy rows ``blocks[k]`` <-> ``slots[k]`` of every region, in ``direction``.
+
+        The ids must be valid (see :func:`kvtier.copy.planner.batch_arrays`).
+        """
+        count = blocks.shape[0]
+        if count == 0:
+            return
+        src, dst = (blocks, slots) if direction is Direction.STORE else (slots, blocks)
+        by_dst = sort_ids(dst)
+        plan, order = "gather", by_dst.order
+        if by_dst.runs.shape[0] * _CALL_S > count * _ROW_S:
+            by_src = sort_ids(src)
+            plan = choose_plan(count, by_dst.runs.shape[0], by_src.runs.shape[0])
+            if plan == "scatter":
+                order = by_src.order
+        src, dst = src[order], dst[order]
+        pieces = len(self._staging)
+        if count * self._record_bytes < PARALLEL_MIN_BYTES or count < pieces:
+            pieces = 1
+        bounds = np.linspace(0, count, pieces + 1).astype(np.int64).tolist()
+        futures = []
+        if self._pool is not None:
+            futures = [
+                self._pool.submit(
+                    self._copy_slice, direction, plan, piece, src[start:end], dst[start:end]
+                )
+                for piece, (start, end) in enumerate(zip(bounds[1:-1], bounds[2:], strict=True), 1)
+            ]
+        self._copy_slice(direction, plan, 0, src[: bounds[1]], dst[: bounds[1]])
+        for future in futures:
+            future.result()
+
+    def close(self) -> None:
+        """Stop the thread pool. Idempotent."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def _copy_slice(
+        self, direction: Direction, plan: str, piece: int, src: np.ndarray, dst: np.ndarray
+    ) -> None:
+        staging = self._staging[piece]
+        for engine, host in self._regions:
+            source, target = (engine, host) if direction is Direction.STORE else (host, engine)
+            rows = staging.shape[0] // source.dtype.itemsize
+            chunk = staging[: rows * source.dtype.itemsize].view(source.dtype)
+            if plan == "gather":
+                _gather(source, target, src, dst, chunk)
+            elif plan == "scatter":
+                _scatter(source, target, src, dst)
+            else:
+                _staged(source, target, src, dst, chunk)
+
+
+def _gather_into(source: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = source[index]``, without numpy copying all of a strided ``source`` first."""
+    if source.flags.c_contiguous and out.flags.c_contiguous:
+        np.take(source, index, out=out, mode="clip")  # "clip": no bounds pass, no buffering
+    else:
+        out[...] = source[index]  # a chunk-sized temporary, still in cache for the copy
+
+
+def _gather(
+    source: np.ndarray, target: np.ndarray, src: np.ndarray, dst: np.ndarray, chunk: np.ndarray
+) -> None:
+    starts = run_starts(dst)
+    ends = np.append(starts[1:], dst.shape[0])
+    for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+        first = int(dst[start])
+        for offset in range(start, end, chunk.shape[0]):
+            stop = min(offset + chunk.shape[0], end)
+            out = target[first + offset - start : first + stop - start]
+            _gather_into(source, src[offset:stop], out)
+
+
+def _scatter(source: np.ndarray, target: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+    starts = run_starts(src)
+    ends = np.append(starts[1:], src.shape[0])
+    for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+        first = int(src[start])
+        target[dst[start:end]] = source[first : first + end - start]
+
+
+def _staged(
+    source: np.ndarray, target: np.ndarray, src: np.ndarray, dst: np.ndarray, chunk: np.ndarray
+) -> None:
+    for start in range(0, src.shape[0], chunk.shape[0]):
+        size = min(chunk.shape[0], src.shape[0] - start)
+        _gather_into(source, src[start : start + size], chunk[:size])
+        target[dst[start : start + size]] = chunk[:size]
