@@ -193,7 +193,8 @@ def test_load_plugins_env_selects_by_plugin_or_distribution_name(installed: list
     installed.append(entry_point("broken", ImportError("never imported"), dist="kvtier-broken"))
     for selection in ("echo", "kvtier-echo", " echo , "):
         registry = collect(build_plugin_manager(env={"KVTIER_LOAD_PLUGINS": selection}))
-        assert list(registry.copy_backends) == ["echo"]
+        assert {reg.distribution for reg in registry.all()} == {"kvtier", "kvtier-echo"}
+        assert registry.get("copy_backends", "echo").distribution == "kvtier-echo"
 
 
 def test_empty_load_plugins_env_loads_only_the_builtins(installed: list[Any]) -> None:
