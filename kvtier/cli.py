@@ -20,6 +20,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
 import types
 import typing
@@ -301,4 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except PluginError as exc:
         print(f"kvtier: cannot load plugins: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except BrokenPipeError:
+        # The reader went away (`kvtier config schema | head`); keep the exit quiet.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return EXIT_FAILURE
