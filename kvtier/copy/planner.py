@@ -58,22 +58,27 @@ def batch_arrays(
             raise CopyError(
                 f"{batch.direction.value} batch names {what} {bad}, outside 0..{limit - 1}"
             )
-    destination, what = (
-        (slots, "host slot")
-        if batch.direction is Direction.STORE
-        else (
-            blocks,
-            "device block",
-        )
-    )
-    if destination.size > 1:
+    if batch.direction is Direction.STORE:
+        destination, what, limit = slots, "host slot", num_slots
+    else:
+        destination, what, limit = blocks, "device block", num_blocks
+    if destination.size > 1 and _has_repeats(destination, limit):
         ordered = np.sort(destination)
         repeated = ordered[1:][ordered[1:] == ordered[:-1]]
-        if repeated.size:
-            raise CopyError(
-                f"{batch.direction.value} batch writes {what} {int(repeated[0])} more than once"
-            )
+        raise CopyError(
+            f"{batch.direction.value} batch writes {what} {int(repeated[0])} more than once"
+        )
     return blocks, slots
+
+
+def _has_repeats(ids: np.ndarray, limit: int) -> bool:
+    """Whether ``ids`` (all in ``0 .. limit - 1``) holds a value twice; linear when it can be."""
+    if limit <= 16 * ids.size:
+        seen = np.zeros(limit, dtype=bool)
+        seen[ids] = True
+        return int(np.count_nonzero(seen)) != ids.size
+    ordered = np.sort(ids)
+    return bool((ordered[1:] == ordered[:-1]).any())
 
 
 @dataclass(frozen=True)
