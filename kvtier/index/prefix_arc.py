@@ -2,7 +2,7 @@
 
 A KV tier is not a generic cache: a block is only readable through its whole
 prefix (lookup stops at the first missing block), every request walks its chain
-root first, and reuse comes in long gaps. Three changes to ARC (see
+root first, and reuse comes in long gaps. Four changes to ARC (see
 :mod:`kvtier.index.arc`) use that:
 
 - **Tail first.** A request touches its chain root to leaf, so a plain recency
@@ -17,7 +17,16 @@ root first, and reuse comes in long gaps. Three changes to ARC (see
   size, beyond what ARC's ghost lists (one tier's worth) remember. Keys that
   fall off the ghost lists are kept in a longer history (``history_factor``
   times the slot count); a key stored again while remembered there is known to
-  be reused and goes straight to the frequent list.
+  be reused, goes straight to the frequent list, and, like a hit in ARC's
+  frequent ghost list, moves the target towards a larger frequent list.
+- **Learned low-value blocks.** Each newly stored block gets a class: whether
+  its chain is new or extends a cached prefix, and its distance from the end
+  of what the request stored (0, 1, 2, 3+). The policy counts, per class, how
+  many stored blocks are used again while it still remembers them. A block of
+  a class reused at under ``low_value_ratio`` of the overall rate is placed
+  first in line for eviction. What is worth little is learned from the trace,
+  not assumed: in one workload a request's last blocks are rarely reused, in
+  another (multi-turn chat) they are the next turn's prefix.
 
 Everything is O(1) amortized per operation: ordered dicts for the lists, and
 each chain is re-ranked at most a few times per request.
@@ -36,6 +45,13 @@ from kvtier.index.arc import first_evictable
 from kvtier.index.base import BlockKey
 from kvtier.index.policy import EvictionPolicy, PolicyIndex
 
+TAIL_BUCKETS = 4
+"""Stored blocks are classed by distance from their chain's end: 0, 1, 2, or 3 and more."""
+NUM_CLASSES = 2 * TAIL_BUCKETS
+"""Classes: (new chain or extension of a cached prefix) x tail bucket."""
+PRIOR_WEIGHT = 10.0
+"""Pseudo-count pulling a class's reuse rate towards the overall rate until it has data."""
+
 
 class PrefixARCConfig(PluginConfig):
     """ARC with tail-first chains, orphan eviction and a long reuse history."""
@@ -50,12 +66,23 @@ class PrefixARCConfig(PluginConfig):
             "stored again is treated as reused."
         ),
     )
+    low_value_ratio: float = Field(
+        default=0.5,
+        ge=0.0,
+        description=(
+            "A newly stored block whose class (new chain or extension of a cached prefix, and "
+            "distance from the chain's end) has been reused at less than this fraction of the "
+            "overall reuse rate is placed first in line for eviction; 0 turns this off."
+        ),
+    )
 
 
 class PrefixARCPolicy(EvictionPolicy):
     """ARC over prefix chains; ``num_slots`` sizes the ghost lists and the history."""
 
-    def __init__(self, num_slots: int, history_factor: float = 4.0) -> None:
+    def __init__(
+        self, num_slots: int, history_factor: float = 4.0, low_value_ratio: float = 0.5
+    ) -> None:
         self.num_slots = num_slots
         self.history_size = int(num_slots * history_factor)
         self.target_t1 = 0.0
@@ -71,6 +98,15 @@ class PrefixARCPolicy(EvictionPolicy):
         # The chain being touched (root first) and how much of it is already ranked leaf first.
         self._chain: list[BlockKey] = []
         self._ranked = 0
+        self._first_new: int | None = None
+        # Reuse learning: the class of each stored key not yet reused (while the tier or its
+        # memory still knows it), and per class how many keys were stored and reused.
+        self.low_value_ratio = low_value_ratio
+        self._class: dict[BlockKey, int] = {}
+        self._stored = [0.0] * NUM_CLASSES
+        self._reused = [0.0] * NUM_CLASSES
+        self._decay_every = max(1, self.history_size + 2 * num_slots)
+        self._since_decay = 0
 
     # Chain ranking.
 
@@ -79,8 +115,10 @@ class PrefixARCPolicy(EvictionPolicy):
         chain = self._chain
         if chain and self._parent.get(key) != chain[-1]:
             self._rank_chain()
+            self._classify_new_blocks()
             chain.clear()
             self._ranked = 0
+            self._first_new = None
         chain.append(key)
 
     def _rank_chain(self) -> None:
@@ -94,6 +132,40 @@ class PrefixARCPolicy(EvictionPolicy):
                 t2.move_to_end(key)
         self._ranked = len(self._chain)
 
+    # Reuse learning.
+
+    def _classify_new_blocks(self) -> None:
+        """Class the blocks the finished chain stored; send low-value ones to the eviction end."""
+        first = self._first_new
+        if first is None:
+            return
+        chain = self._chain
+        origin = 0 if first == 0 or self._parent.get(chain[first]) is None else 1
+        stored, reused = self._stored, self._reused
+        overall = (sum(reused) + 1.0) / (sum(stored) + 2.0)
+        t1 = self._t1
+        for position in range(first, len(chain)):
+            key = chain[position]
+            if key not in t1:
+                continue
+            from_end = min(len(chain) - 1 - position, TAIL_BUCKETS - 1)
+            cls = origin * TAIL_BUCKETS + from_end
+            self._class[key] = cls
+            rate = (reused[cls] + PRIOR_WEIGHT * overall) / (stored[cls] + PRIOR_WEIGHT)
+            stored[cls] += 1.0
+            if rate < self.low_value_ratio * overall:
+                t1.move_to_end(key, last=False)
+        self._since_decay += len(chain) - first
+        if self._since_decay >= self._decay_every:
+            self._since_decay = 0
+            self._stored = [count / 2 for count in stored]
+            self._reused = [count / 2 for count in reused]
+
+    def _credit_reuse(self, key: BlockKey) -> None:
+        cls = self._class.pop(key, None)
+        if cls is not None:
+            self._reused[cls] += 1.0
+
     # EvictionPolicy.
 
     def admit(self, key: BlockKey, parent: BlockKey | None) -> bool:
@@ -102,8 +174,9 @@ class PrefixARCPolicy(EvictionPolicy):
         self._incoming_in_b2 = key in self._b2
         if key in self._b1:
             self.target_t1 = min(float(self.num_slots), self.target_t1 + max(1.0, b2 / b1))
-        elif self._incoming_in_b2:
-            self.target_t1 = max(0.0, self.target_t1 - max(1.0, b1 / b2))
+        elif self._incoming_in_b2 or key in self._history:
+            # Reuse after a gap longer than the ghost lists remember also argues for a larger t2.
+            self.target_t1 = max(0.0, self.target_t1 - max(1.0, b1 / max(b2, 1)))
         return True
 
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
@@ -115,15 +188,19 @@ class PrefixARCPolicy(EvictionPolicy):
         if parent is not None:
             self._children.setdefault(parent, set()).add(key)
         self._follow(key)
+        if self._first_new is None:
+            self._first_new = len(self._chain) - 1
         for ghosts in (self._b1, self._b2, self._history):
             if key in ghosts:
                 del ghosts[key]
+                self._credit_reuse(key)
                 self._t2[key] = None
                 return
         self._t1[key] = None
 
     def accessed(self, key: BlockKey) -> None:
         self._follow(key)
+        self._credit_reuse(key)
         if key in self._t2:
             self._t2.move_to_end(key)
             return
@@ -150,6 +227,7 @@ class PrefixARCPolicy(EvictionPolicy):
             self._orphans[child] = None
         if key in self._orphans:
             del self._orphans[key]
+            self._class.pop(key, None)
         elif key in self._t1:
             del self._t1[key]
             self._b1[key] = None
@@ -164,10 +242,11 @@ class PrefixARCPolicy(EvictionPolicy):
 
     def _remember(self, key: BlockKey) -> None:
         if self.history_size == 0:
+            self._class.pop(key, None)
             return
         self._history[key] = None
         if len(self._history) > self.history_size:
-            self._history.popitem(last=False)
+            self._class.pop(self._history.popitem(last=False)[0], None)
 
     def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
         if self._orphans:
@@ -185,4 +264,7 @@ class PrefixARCPolicy(EvictionPolicy):
 
 
 def build(config: PrefixARCConfig, num_slots: int) -> PolicyIndex:
-    return PolicyIndex(num_slots, PrefixARCPolicy(num_slots, config.history_factor))
+    return PolicyIndex(
+        num_slots,
+        PrefixARCPolicy(num_slots, config.history_factor, config.low_value_ratio),
+    )
