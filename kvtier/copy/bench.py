@@ -12,13 +12,16 @@ Each is compared with its peer measured in the same run, interleaved with it:
 one contiguous copy of the same number of bytes, device to host, host to
 device, or both at once (on two streams on CUDA; one after the other on CPU,
 where the torch backend also copies in the caller's thread). The host buffer
-is pinned on CUDA. Results come out as JSON, per direction: GB/s of the
-backend and of the contiguous copy (best of ``--repeats``, which filters out
-other processes' interference) and their ratio, plus the ratio of the
-medians. ``--pattern`` sets the block ids: ``permutation`` pairs a random
-permutation of one pool's blocks with a random permutation of the other
-pool's slots; ``scattered`` draws both from the whole pools at random, so
-neither side has runs to exploit.
+is a :class:`~kvtier.tiers.host.HostTier`, pinned on CUDA as in serving.
+
+Results come out as JSON, per direction: GB/s of the backend and of the
+contiguous copy (best of ``--repeats``, which filters out other processes'
+interference) and their ratio, plus the ratio of the medians.
+
+``--pattern`` sets the block ids: ``permutation`` pairs a random permutation
+of one pool's blocks with a random permutation of the other pool's slots;
+``scattered`` draws both from the whole pools at random, so neither side has
+runs to exploit.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from kvtier.copy.base import CopyBackend, CopyBatch, Direction
 from kvtier.layout.base import KVLayout
 from kvtier.layout.resolvers import PerLayerResolver
 from kvtier.plugins import PluginError, default_registry
+from kvtier.tiers.host import HostTier
 
 logger = logging.getLogger(__name__)
 
@@ -111,10 +115,14 @@ class _Rig:
 
     layout: KVLayout
     engine: torch.Tensor
-    host: torch.Tensor
+    tier: HostTier
     store: CopyBatch
     load: CopyBatch
     blocks: int
+
+    @property
+    def host(self) -> torch.Tensor:
+        return self.tier.buffer
 
 
 def _build_rig(args: argparse.Namespace, block_bytes: int) -> _Rig:
@@ -129,9 +137,9 @@ def _build_rig(args: argparse.Namespace, block_bytes: int) -> _Rig:
     layout = PerLayerResolver("block_first").resolve(
         {f"region{index}": engine[index] for index in range(args.regions)}
     )
-    host = torch.zeros(
-        (2 * blocks, block_bytes), dtype=torch.uint8, pin_memory=device.type == "cuda"
-    )
+    tier = HostTier(2 * blocks, block_bytes, pin=device.type == "cuda")
+    host = tier.buffer
+    host.zero_()  # fault every page in before timing
     generator = torch.Generator().manual_seed(args.seed + block_bytes)
     if args.pattern == "permutation":
         ids = [torch.randperm(blocks, generator=generator) for _ in range(4)]
@@ -144,7 +152,7 @@ def _build_rig(args: argparse.Namespace, block_bytes: int) -> _Rig:
         host_ids = (host_all[:blocks], host_all[blocks:])
     store = CopyBatch(Direction.STORE, engine_ids[0].tolist(), host_ids[0].tolist())
     load = CopyBatch(Direction.LOAD, engine_ids[1].tolist(), host_ids[1].tolist())
-    return _Rig(layout, engine, host, store, load, blocks)
+    return _Rig(layout, engine, tier, store, load, blocks)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -251,6 +259,7 @@ def _measure(
             }
     finally:
         backend.close()
+        rig.tier.close()
     return result
 
 
