@@ -1,22 +1,29 @@
-"""MkDocs hook: replaces the config reference marker with tables generated from the models."""
+"""MkDocs hook: generates the config and command-line references where a page asks for them."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvtier.cli import config_reference
+from kvtier.cli import config_reference, help_texts
 from kvtier.plugins import default_registry
 
 MARKER = "<!-- kvtier:config-reference -->"
+CLI_MARKER = "<!-- kvtier:cli-reference -->"
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    """Render the configuration reference wherever a page holds :data:`MARKER`."""
-    if MARKER not in markdown:
-        return markdown
-    reference = config_reference(default_registry(), distribution="kvtier")
-    # Headings one level below the page's "## Reference".
-    reference = reference.replace("\n### ", "\n#### ").replace("\n## ", "\n### ")
-    if reference.startswith("## "):
-        reference = "#" + reference
-    return markdown.replace(MARKER, reference)
+    """Render the references wherever a page holds :data:`MARKER` or :data:`CLI_MARKER`."""
+    if MARKER in markdown:
+        reference = config_reference(default_registry(), distribution="kvtier")
+        # Headings one level below the page's "## Reference".
+        reference = reference.replace("\n### ", "\n#### ").replace("\n## ", "\n### ")
+        if reference.startswith("## "):
+            reference = "#" + reference
+        markdown = markdown.replace(MARKER, reference)
+    if CLI_MARKER in markdown:
+        sections = [
+            f"## `{command}`\n\n```text\n{text.rstrip()}\n```\n"
+            for command, text in help_texts().items()
+        ]
+        markdown = markdown.replace(CLI_MARKER, "\n".join(sections))
+    return markdown

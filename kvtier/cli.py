@@ -249,32 +249,71 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_delegated(words: tuple[str, ...], argv: list[str]) -> int:
+class _Unavailable(Exception):
+    """A delegated command's module is missing or does not provide its two functions."""
+
+
+def _delegated_parser(
+    words: tuple[str, ...],
+) -> tuple[argparse.ArgumentParser, Callable[[argparse.Namespace], int]]:
     module_name, summary = DELEGATED[words]
+    command = f"kvtier {' '.join(words)}"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name is not None and module_name.startswith(exc.name):
-            print(
-                f"kvtier {' '.join(words)}: not available in this installation "
-                f"({module_name} is missing)",
-                file=sys.stderr,
-            )
-            return EXIT_FAILURE
+            raise _Unavailable(
+                f"{command}: not available in this installation ({module_name} is missing)"
+            ) from None
         raise
-    parser = argparse.ArgumentParser(prog=f"kvtier {' '.join(words)}", description=summary)
     add_arguments = getattr(module, "add_arguments", None)
     run = getattr(module, "run", None)
     if not (callable(add_arguments) and callable(run)):
-        print(
-            f"kvtier {' '.join(words)}: {module_name} does not provide add_arguments(parser) "
-            "and run(args); reinstall kvtier",
-            file=sys.stderr,
+        raise _Unavailable(
+            f"{command}: {module_name} does not provide add_arguments(parser) and run(args); "
+            "reinstall kvtier"
         )
-        return EXIT_FAILURE
+    parser = argparse.ArgumentParser(prog=command, description=summary)
     add_arguments(parser)
+    return parser, run
+
+
+def _run_delegated(words: tuple[str, ...], argv: list[str]) -> int:
+    try:
+        parser, run = _delegated_parser(words)
+    except _Unavailable as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_FAILURE
     status: int = run(parser.parse_args(argv))
     return status
+
+
+def help_texts() -> dict[str, str]:
+    """Return the ``--help`` text of every command, keyed by its command line.
+
+    Keys are full command lines such as ``"kvtier config show"``.
+
+    Delegated commands are imported to build their parsers; one that is not
+    available is described by the reason instead.
+    """
+    texts: dict[str, str] = {}
+
+    def walk(parser: argparse.ArgumentParser, words: tuple[str, ...]) -> None:
+        delegate = parser.get_default("delegate")
+        if delegate is not None:
+            try:
+                texts[" ".join(words)] = _delegated_parser(delegate)[0].format_help()
+            except _Unavailable as exc:
+                texts[" ".join(words)] = f"{exc}\n"
+            return
+        texts[" ".join(words)] = parser.format_help()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    walk(child, (*words, name))
+
+    walk(_build_parser(), ("kvtier",))
+    return texts
 
 
 def main(argv: Sequence[str] | None = None) -> int:

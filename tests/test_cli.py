@@ -189,6 +189,16 @@ def test_missing_delegated_module_is_reported(
     assert "kvtier simulate: not available in this installation" in err
 
 
+def test_help_texts_cover_every_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(cli.DELEGATED, ("simulate",), ("kvtier_no_such_module", "replay"))
+    texts = cli.help_texts()
+    assert texts["kvtier config validate"].startswith("usage: kvtier config validate")
+    assert texts["kvtier simulate"] == (
+        "kvtier simulate: not available in this installation (kvtier_no_such_module is missing)\n"
+    )
+    assert {"kvtier", "kvtier plugins", "kvtier config show", "kvtier bench copy"} <= set(texts)
+
+
 def test_unknown_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as caught:
         cli.main(["plugins", "--yaml"])

@@ -87,6 +87,17 @@ def test_builtin_plugin_fields_are_documented(
         assert info.description.replace("|", "\\|") in configuration_page
 
 
+def test_every_command_is_in_the_command_line_page() -> None:
+    source = (DOCS / "cli.md").read_text()
+    hooks = load_docs_hooks()
+    assert hooks.CLI_MARKER in source
+    page = hooks.on_page_markdown(source, page=None, config=None, files=None)
+    commands = ("plugins", "config validate", "config show", "config schema", "bench copy")
+    for command in (*commands, "simulate"):
+        assert f"## `kvtier {command}`" in page
+        assert f"usage: kvtier {command}" in page
+
+
 EXAMPLES = sorted(path.name for path in (DOCS / "examples").iterdir())
 
 
