@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from kvtier.cli import config_reference, help_texts
@@ -9,6 +10,10 @@ from kvtier.plugins import default_registry
 
 MARKER = "<!-- kvtier:config-reference -->"
 CLI_MARKER = "<!-- kvtier:cli-reference -->"
+
+# Docstrings cross-reference in Sphinx style (:class:`~kvtier.index.BlockIndex`), which the
+# Google-style renderer leaves as text; show the name alone, shortened where ``~`` asks for it.
+_ROLE = re.compile(r":(?:class|meth|func|data|attr|mod|exc|obj):<code>(~?)([^<]+)</code>")
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
@@ -27,3 +32,10 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
         ]
         markdown = markdown.replace(CLI_MARKER, "\n".join(sections))
     return markdown
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
+    """Turn Sphinx-style cross-reference roles left in rendered docstrings into code."""
+    return _ROLE.sub(
+        lambda match: f"<code>{match[2].rsplit('.', 1)[-1] if match[1] else match[2]}</code>", html
+    )
