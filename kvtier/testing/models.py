@@ -34,6 +34,9 @@ class TinyLlamaSpec:
     intermediate_size: int = 256
     vocab_size: int = 1024
     max_position_embeddings: int = 8192
+    initializer_range: float = 0.02
+    """Standard deviation of the random weights; larger values give peakier logits,
+    so greedy outputs depend less on rounding in how a prefix's KV was computed."""
     seed: int = 0
 
     @property
@@ -91,6 +94,7 @@ def write_tiny_llama(directory: str | Path, spec: TinyLlamaSpec | None = None) -
         num_key_value_heads=spec.num_kv_heads,
         head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
         torch_dtype="bfloat16",
         tie_word_embeddings=False,
     )
