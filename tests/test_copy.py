@@ -178,3 +178,24 @@ def test_submit_after_close_names_the_backend() -> None:
     backend.close()
     with pytest.raises(CopyError, match="closed"):
         backend.submit(CopyBatch(Direction.STORE, [0], [0]))
+
+
+def test_cuda_staging_bytes_takes_units() -> None:
+    assert TorchCopyConfig(cuda_staging_bytes="64MiB").cuda_staging_bytes == 64 << 20
+
+
+@pytest.mark.parametrize("direction", list(Direction))
+def test_cuda_chunk_arithmetic_on_cpu_tensors(direction: Direction) -> None:
+    """The CUDA path's per-chunk copies are plain torch ops; run them on CPU tensors."""
+    layout = AutoResolver().resolve(vllm_cpu_packed_case(False, num_blocks=16).kv_caches)
+    host = torch.randint(0, 256, (20, layout.record_bytes), dtype=torch.uint8)
+    backend = TorchCopyBackend(TorchCopyConfig(), layout, host)
+    for region in layout.regions:
+        region.view.copy_(torch.randint(0, 256, tuple(region.view.shape)).to(torch.uint8))
+    blocks, slots = [9, 2, 14, 3, 0], [1, 2, 3, 10, 11]
+    engine_before, host_before = _records(layout, blocks), host[slots].clone()
+    backend._copy_chunk_cuda(direction, torch.tensor(blocks), np.array(slots))
+    if direction is Direction.STORE:
+        assert torch.equal(host[slots], engine_before)
+    else:
+        assert torch.equal(_records(layout, blocks), host_before)

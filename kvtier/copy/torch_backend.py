@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from kvtier.config import PluginConfig
+from kvtier.config import ByteCount, PluginConfig
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
-from kvtier.copy.cpu_rows import RowCopier, run_starts
+from kvtier.copy.cpu_rows import RowCopier, run_starts, sort_ids
 from kvtier.copy.planner import batch_arrays
 from kvtier.layout.base import KVLayout
 
@@ -46,9 +46,8 @@ class TorchCopyConfig(PluginConfig):
             "torch's intra-op thread count (at most 16). Unused on CUDA."
         ),
     )
-    cuda_staging_bytes: int = Field(
+    cuda_staging_bytes: ByteCount = Field(
         default=256 << 20,
-        gt=0,
         description=(
             "Largest device staging buffer a CUDA batch uses at a time, in bytes; larger "
             "batches are copied in chunks of this size. Unused on CPU."
@@ -73,9 +72,9 @@ class TorchCopyBackend(CopyBackend):
         """Bind the backend to ``layout`` and a ``[num_slots, record_bytes]`` host buffer.
 
         Raises:
-            ValueError: If the host buffer is not a CPU uint8 matrix with contiguous
-                rows of at least ``layout.record_bytes`` bytes, or the regions are
-                not all on one CPU or CUDA device.
+            ValueError: If the host buffer is not a contiguous CPU uint8 matrix of
+                ``layout.record_bytes``-byte rows, or the regions are not all on one
+                CPU or CUDA device.
         """
         if host_buffer.dtype != torch.uint8 or host_buffer.dim() != 2:
             raise ValueError(
@@ -203,46 +202,64 @@ class TorchCopyBackend(CopyBackend):
     def _submit_cuda(
         self, direction: Direction, blocks: np.ndarray, slots: np.ndarray
     ) -> tuple[torch.cuda.Event, list[torch.Tensor]]:
-        order = np.argsort(slots, kind="stable")
-        blocks, slots = blocks[order], slots[order]
+        """Queue the batch on the side stream; return its completion event and host tensors.
+
+        Device tensors (indices, staging) are allocated on the side stream, so
+        the caching allocator reuses their memory only for work queued after
+        them on that stream: they may be dropped at once. The host-side index
+        tensors are kept until the event completes.
+        """
+        by_slot = sort_ids(slots)
+        blocks, slots = blocks[by_slot.order], by_slot.ids
         record_bytes = self.layout.record_bytes
         chunk_rows = max(1, self.config.cuda_staging_bytes // record_bytes)
         keep: list[torch.Tensor] = []
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            for start in range(0, blocks.shape[0], chunk_rows):
-                chunk_blocks = torch.from_numpy(blocks[start : start + chunk_rows])
-                chunk_slots = slots[start : start + chunk_rows]
-                index = chunk_blocks.to(self.device, non_blocking=True)
-                staging = torch.empty(
-                    (chunk_blocks.shape[0], record_bytes), dtype=torch.uint8, device=self.device
-                )
-                keep.extend((chunk_blocks, index, staging))
-                slot_runs = run_starts(chunk_slots)
-                ends = np.append(slot_runs[1:], chunk_slots.shape[0])
-                runs = [
-                    (begin, end, int(chunk_slots[begin]))
-                    for begin, end in zip(slot_runs.tolist(), ends.tolist(), strict=True)
-                ]
-                if direction is Direction.STORE:
-                    for side, offset in zip(self._sides, self.layout.record_offsets, strict=True):
-                        width = side.device.shape[1]
-                        staging[:, offset : offset + width].copy_(
-                            side.device.index_select(0, index)
-                        )
-                    for begin, end, slot in runs:
-                        host_rows = self.host_buffer[slot : slot + end - begin]
-                        host_rows.copy_(staging[begin:end], non_blocking=True)
-                else:
-                    for begin, end, slot in runs:
-                        host_rows = self.host_buffer[slot : slot + end - begin]
-                        staging[begin:end].copy_(host_rows, non_blocking=True)
-                    for side, offset in zip(self._sides, self.layout.record_offsets, strict=True):
-                        width = side.device.shape[1]
-                        side.device.index_copy_(0, index, staging[:, offset : offset + width])
-            event = torch.cuda.Event()
-            event.record(self._stream)
+        with torch.cuda.device(self.device):
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                for start in range(0, blocks.shape[0], chunk_rows):
+                    chunk_blocks = torch.from_numpy(blocks[start : start + chunk_rows])
+                    keep.append(chunk_blocks)
+                    self._copy_chunk_cuda(
+                        direction,
+                        chunk_blocks.to(self.device, non_blocking=True),
+                        slots[start : start + chunk_rows],
+                    )
+                event = torch.cuda.Event()
+                event.record(self._stream)
         return event, keep
+
+    def _copy_chunk_cuda(
+        self, direction: Direction, index: torch.Tensor, slots: np.ndarray
+    ) -> None:
+        """Copy one chunk on the current (side) stream; ``slots`` ascend, ``index`` matches."""
+        staging = torch.empty(
+            (slots.shape[0], self.layout.record_bytes), dtype=torch.uint8, device=self.device
+        )
+        starts = run_starts(slots)
+        ends = np.append(starts[1:], slots.shape[0])
+        runs = [
+            (begin, end, int(slots[begin]))
+            for begin, end in zip(starts.tolist(), ends.tolist(), strict=True)
+        ]
+        columns = [
+            (side.device, staging[:, offset : offset + side.device.shape[1]])
+            for side, offset in zip(self._sides, self.layout.record_offsets, strict=True)
+        ]
+        if direction is Direction.STORE:
+            for rows, column in columns:
+                column.copy_(rows.index_select(0, index))
+            for begin, end, slot in runs:
+                self.host_buffer[slot : slot + end - begin].copy_(
+                    staging[begin:end], non_blocking=True
+                )
+        else:
+            for begin, end, slot in runs:
+                staging[begin:end].copy_(
+                    self.host_buffer[slot : slot + end - begin], non_blocking=True
+                )
+            for rows, column in columns:
+                rows.index_copy_(0, index, column)
 
 
 def build(config: TorchCopyConfig, layout: KVLayout, host_buffer: torch.Tensor) -> TorchCopyBackend:
