@@ -660,6 +660,7 @@ class OffloadManager:
             ([], [], [], set()) for _ in range(self.num_groups)
         ]
         out_of_space = False
+        reserved_now: set[BlockKey] = set()
         for state in self._requests.values():
             if out_of_space:
                 break
@@ -685,10 +686,16 @@ class OffloadManager:
                         slot_list.append(slot)
                         key_list.append(key)
                         requests.add(state.request_id)
-                    elif not self._present(key) and self._no_space():
+                        reserved_now.add(key)
+                    elif (
+                        cursor == stop
+                        and key not in reserved_now
+                        and not self._present(key)
+                        and self._no_space()
+                    ):
+                        # retry from here next step; later keys of the chain got no slot either
                         cursor = pos
                         out_of_space = True
-                        break
                 state.store_cursor[group] = cursor
                 if out_of_space:
                     break
@@ -698,6 +705,7 @@ class OffloadManager:
         per_group: list[tuple[list[int], list[int], list[BlockKey], set[str]]] = [
             ([], [], [], set()) for _ in range(self.num_groups)
         ]
+        reserved_now: set[BlockKey] = set()
         for candidate in candidates:
             if candidate.block_id == self.null_block_id:
                 continue
@@ -707,13 +715,14 @@ class OffloadManager:
                     f"but the manager has {self.num_groups} groups"
                 )
             key = self.namespace.key(candidate.block_hash, candidate.group)
-            if self._present(key):
+            if key in reserved_now or self._present(key):
                 continue
             (slot,) = self.index.reserve([key])
             if slot is None:
                 if self._no_space():
                     break
                 continue
+            reserved_now.add(key)
             blocks, slot_list, key_list, _ = per_group[candidate.group]
             blocks.append(candidate.block_id)
             slot_list.append(slot)

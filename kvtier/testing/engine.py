@@ -31,7 +31,7 @@ from kvtier.index.base import BlockIndex, BlockKey
 from kvtier.keys import hash_token_blocks
 from kvtier.layout.base import KVCaches, KVLayout, LayoutResolver
 from kvtier.offload.manager import OffloadManager, StoreMode
-from kvtier.offload.messages import LazyCandidate, WorkerReport
+from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
 from kvtier.offload.worker import BackendFactory, OffloadWorker
 from kvtier.tiers.host import HostTier
 
@@ -232,6 +232,10 @@ class SyntheticEngine:
             hits += 1
         return hits
 
+    def cached_block(self, key: BlockKey) -> int:
+        """The device block caching ``key``; ``KeyError`` if none does."""
+        return self._cached[key]
+
     def acquire_cached(self, keys: Sequence[BlockKey]) -> list[int]:
         """Take a reference on the cached blocks of ``keys`` (engine prefix hits)."""
         blocks = [self._cached[key] for key in keys]
@@ -431,6 +435,7 @@ class OffloadedEngine:
         self._protected: dict[int, int] = {}
         self._next_request = 0
         self._computed_in: dict[BlockKey, int] = {}
+        self.last_plan = TransferPlan()
 
     @property
     def engine(self) -> SyntheticEngine:
@@ -467,6 +472,7 @@ class OffloadedEngine:
         while self._waiting and self._admit(*self._waiting[0]):
             self._waiting.pop(0)
         plan = self.manager.build_plan(self._lazy_candidates())
+        self.last_plan = plan
         if self.manager.store_mode == "lazy":
             for transfer in plan.stores:
                 for block in transfer.device_blocks:
@@ -516,7 +522,10 @@ class OffloadedEngine:
         keys = hash_token_blocks(tokens, spec.block_tokens)
         engine_hits = min(self.engine.prefix_hits(keys), (len(tokens) - 1) // spec.block_tokens)
         total_blocks = -(-len(tokens) // spec.block_tokens)
-        if self.engine.num_free < total_blocks - engine_hits:
+        hits_now_free = sum(
+            self.engine.is_free(self.engine.cached_block(k)) for k in keys[:engine_hits]
+        )
+        if self.engine.num_free - hits_now_free < total_blocks - engine_hits:
             return False
         if resumed_id is None:
             request_id = f"req-{self._next_request}"
