@@ -168,12 +168,13 @@ _COPY_SHADOWS = r'Field name "copy" in "KVTierConfig" shadows an attribute'
 warnings.filterwarnings("ignore", message=_COPY_SHADOWS, category=UserWarning)
 
 
-def _default_section(field: str, registry: Registry | None) -> PluginConfig:
+def _default_section(field: str) -> PluginConfig:
+    """The default implementation's config for a section, from the process's plugins."""
     from kvtier.plugins import default_registry
 
     section = _SECTIONS_BY_FIELD[field]
-    registration = (registry or default_registry()).get(section.kind, section.default)
-    return registration.config_model()
+    registration = default_registry().get(section.kind, section.default)
+    return registration.config_model.model_validate({})
 
 
 class KVTierConfig(KVTierModel):
@@ -209,15 +210,15 @@ class KVTierConfig(KVTierModel):
         ),
     )
     index: PluginConfig = Field(
-        default_factory=partial(_default_section, "index", None),
+        default_factory=partial(_default_section, "index"),
         description=_SECTIONS_BY_FIELD["index"].description,
     )
     copy: PluginConfig = Field(  # type: ignore[assignment]
-        default_factory=partial(_default_section, "copy", None),
+        default_factory=partial(_default_section, "copy"),
         description=_SECTIONS_BY_FIELD["copy"].description,
     )
     layout: PluginConfig = Field(
-        default_factory=partial(_default_section, "layout", None),
+        default_factory=partial(_default_section, "layout"),
         description=_SECTIONS_BY_FIELD["layout"].description,
     )
 
@@ -412,7 +413,7 @@ def config_model(registry: Registry | None = None) -> type[KVTierConfig]:
         fields[section.field] = (annotation, default)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_COPY_SHADOWS, category=UserWarning)
-        model: type[KVTierConfig] = create_model(  # type: ignore[call-overload]
+        model: type[KVTierConfig] = create_model(
             "KVTierConfig",
             __base__=KVTierConfig,
             __doc__=KVTierConfig.__doc__,
