@@ -190,19 +190,23 @@ class PrefixARCPolicy(EvictionPolicy):
         self._follow(key)
         if self._first_new is None:
             self._first_new = len(self._chain) - 1
-        for ghosts in (self._b1, self._b2, self._history):
-            if key in ghosts:
-                del ghosts[key]
-                self._credit_reuse(key)
-                self._t2[key] = None
-                return
-        self._t1[key] = None
+        if key in self._b1:
+            del self._b1[key]
+        elif key in self._b2:
+            del self._b2[key]
+        elif key in self._history:
+            del self._history[key]
+        else:
+            self._t1[key] = None
+            return
+        self._credit_reuse(key)
+        self._t2[key] = None
 
     def accessed(self, key: BlockKey) -> None:
+        # No move here: the chain is ranked, leaf first, before the next victim is chosen.
         self._follow(key)
         self._credit_reuse(key)
         if key in self._t2:
-            self._t2.move_to_end(key)
             return
         if key in self._t1:
             del self._t1[key]
@@ -216,37 +220,42 @@ class PrefixARCPolicy(EvictionPolicy):
 
     def removed(self, key: BlockKey) -> None:
         parent = self._parent.pop(key)
-        siblings = self._children.get(parent) if parent is not None else None
-        if siblings is not None:
-            siblings.discard(key)
-            if not siblings:
-                del self._children[parent]
-        for child in self._children.pop(key, ()):
-            self._t1.pop(child, None)
-            self._t2.pop(child, None)
-            self._orphans[child] = None
-        if key in self._orphans:
-            del self._orphans[key]
-            self._class.pop(key, None)
-        elif key in self._t1:
-            del self._t1[key]
-            self._b1[key] = None
-        else:
+        children = self._children
+        if parent is not None:
+            siblings = children.get(parent)
+            if siblings is not None:
+                siblings.discard(key)
+                if not siblings:
+                    del children[parent]
+        orphaned = children.pop(key, None)
+        if orphaned:
+            for child in orphaned:
+                self._t1.pop(child, None)
+                self._t2.pop(child, None)
+                self._orphans[child] = None
+        t1, b1 = self._t1, self._b1
+        if key in t1:
+            del t1[key]
+            b1[key] = None
+        elif key in self._t2:
             del self._t2[key]
             self._b2[key] = None
-        if len(self._t1) + len(self._b1) > self.num_slots and self._b1:
-            self._remember(self._b1.popitem(last=False)[0])
-        total = len(self._t1) + len(self._t2) + len(self._b1) + len(self._b2)
-        if total > 2 * self.num_slots and self._b2:
+        else:
+            del self._orphans[key]
+            self._class.pop(key, None)
+        if len(t1) + len(b1) > self.num_slots and b1:
+            self._remember(b1.popitem(last=False)[0])
+        if len(t1) + len(self._t2) + len(b1) + len(self._b2) > 2 * self.num_slots and self._b2:
             self._remember(self._b2.popitem(last=False)[0])
 
     def _remember(self, key: BlockKey) -> None:
+        history = self._history
         if self.history_size == 0:
             self._class.pop(key, None)
             return
-        self._history[key] = None
-        if len(self._history) > self.history_size:
-            self._class.pop(self._history.popitem(last=False)[0], None)
+        history[key] = None
+        if len(history) > self.history_size:
+            self._class.pop(history.popitem(last=False)[0], None)
 
     def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
         if self._orphans:
