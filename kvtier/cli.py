@@ -31,7 +31,14 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from kvtier import __version__
-from kvtier.config import SECTIONS, ConfigError, KVTierConfig, config_model, load_config
+from kvtier.config import (
+    SECTIONS,
+    ConfigError,
+    KVTierConfig,
+    config_model,
+    load_config,
+    parse_bytes,
+)
 from kvtier.plugins import KIND_TITLES, KINDS, PluginError, Registry, default_registry
 
 logger = logging.getLogger(__name__)
@@ -87,9 +94,32 @@ def _format_table(rows: list[list[str]]) -> str:
 
 
 def _command_config_validate(args: argparse.Namespace) -> int:
-    load_config(config_file=args.file)
-    print(f"{args.file}: valid kvtier configuration")
+    config = load_config(config_file=args.file)
+    if args.record_bytes is None:
+        print(f"{args.file}: valid kvtier configuration")
+        return EXIT_OK
+    slots = config.host_slots(args.record_bytes, args.world_size)
+    print(
+        f"{args.file}: valid kvtier configuration; {slots} blocks of {args.record_bytes} bytes "
+        f"per rank over {args.world_size} rank(s)"
+    )
     return EXIT_OK
+
+
+def _positive_bytes(text: str) -> int:
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, got {text!r}")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return int(text)
 
 
 def _command_config_show(args: argparse.Namespace) -> int:
@@ -221,6 +251,19 @@ def _build_parser() -> argparse.ArgumentParser:
         "validate", help="check a config file, with KVTIER_* variables applied"
     )
     validate.add_argument("file", help="YAML (.yaml, .yml) or TOML (.toml) config file")
+    validate.add_argument(
+        "--record-bytes",
+        type=_positive_bytes,
+        metavar="SIZE",
+        help="also check that the host tier holds blocks of this size (one block, all layers)",
+    )
+    validate.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="ranks the host tier is split over, with --record-bytes (default: 1)",
+    )
     validate.set_defaults(handler=_command_config_validate)
     show = config_commands.add_parser(
         "show", help="print the effective config and where each value came from"

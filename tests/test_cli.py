@@ -109,6 +109,26 @@ def test_validate_rejects_bad_file_with_status_2(
     assert "Traceback" not in err
 
 
+def test_validate_checks_the_host_tier_holds_a_block(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "kvtier.yaml"
+    file.write_text("cpu_bytes: 1MiB\n")
+    status, out, _ = run(capsys, "config", "validate", str(file), "--record-bytes", "64KiB")
+    assert (status, out) == (
+        0,
+        f"{file}: valid kvtier configuration; 16 blocks of 65536 bytes per rank over 1 rank(s)\n",
+    )
+    argv = ("config", "validate", str(file), "--record-bytes", "512KiB", "--world-size", "4")
+    status, out, err = run(capsys, *argv)
+    assert (status, out) == (2, "")
+    assert err.splitlines() == [
+        "invalid kvtier configuration: 1 problem",
+        f"file {file}: cpu_bytes: 262144 bytes per rank over 4 rank(s) is below one block "
+        "record of 524288 bytes; set it to at least 2097152 (got 1048576)",
+    ]
+
+
 def test_validate_rejects_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "absent.toml"
     status, _, err = run(capsys, "config", "validate", str(missing))
