@@ -8,6 +8,9 @@ from typing import Literal
 
 import pluggy
 import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import Field
 
 import kvtier
@@ -162,6 +165,61 @@ def test_env_variables_nest_with_double_underscores(registry: Registry) -> None:
 def test_env_json_value_sets_a_whole_section(registry: Registry) -> None:
     config = load_config(env={"KVTIER_COPY": '{"type": "twin", "depth": 3}'}, registry=registry)
     assert config.copy == TwinConfig(depth=3)
+
+
+SETTINGS = {
+    "cpu_bytes": ("KVTIER_CPU_BYTES", st.integers(1, 2**40)),
+    "store_mode": ("KVTIER_STORE_MODE", st.sampled_from(["eager", "lazy"])),
+    "copy.streams": ("KVTIER_COPY__STREAMS", st.integers(1, 64)),
+}
+
+
+def nest(flat: dict[str, object]) -> dict[str, object]:
+    tree: dict[str, object] = {}
+    for path, value in flat.items():
+        *parents, leaf = path.split(".")
+        node = tree
+        for parent in parents:
+            node = node.setdefault(parent, {})  # type: ignore[assignment]
+        node[leaf] = value
+    return tree
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    chosen=st.fixed_dictionaries(
+        {
+            path: st.lists(st.tuples(st.sampled_from(["file", "env", "explicit"]), values))
+            for path, (_, values) in SETTINGS.items()
+        }
+    )
+)
+def test_highest_source_wins_and_is_reported(
+    chosen: dict[str, list[tuple[str, object]]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    registry = make_registry(Sections())
+    by_source: dict[str, dict[str, object]] = {"file": {}, "env": {}, "explicit": {}}
+    for path, settings_of_path in chosen.items():
+        for source, value in settings_of_path:
+            by_source[source][path] = value
+    file = tmp_path_factory.mktemp("config") / "kvtier.yaml"
+    file.write_text(yaml.safe_dump(nest(by_source["file"])))
+    env = {SETTINGS[path][0]: str(value) for path, value in by_source["env"].items()}
+    config = load_config(nest(by_source["explicit"]), env=env, registry=registry, config_file=file)
+    dumped = config.model_dump()
+    for path, (variable, _) in SETTINGS.items():
+        section, _, key = path.rpartition(".")
+        actual = dumped[section][key] if section else dumped[key]
+        for source, label in (
+            ("explicit", "explicit"),
+            ("env", f"env {variable}"),
+            ("file", f"file {file}"),
+        ):
+            if path in by_source[source]:
+                assert (actual, config.source_of(path)) == (by_source[source][path], label)
+                break
+        else:
+            assert config.source_of(path) == "default"
 
 
 @pytest.mark.parametrize(
