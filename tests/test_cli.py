@@ -226,6 +226,17 @@ def test_unknown_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) 
     assert "unrecognized arguments: --yaml" in capsys.readouterr().err
 
 
+def test_cli_module_imports_no_heavy_dependency() -> None:
+    code = (
+        "import sys, kvtier.cli; "
+        "print(sorted(m for m in ('torch', 'numpy', 'vllm', 'kvtier.simulator') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout == "[]\n"
+
+
 def test_python_dash_m_kvtier_runs_the_cli() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "kvtier", "--help"], capture_output=True, text=True, check=False
