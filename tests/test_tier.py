@@ -56,3 +56,33 @@ def test_cuda_layouts_pin_the_buffer() -> None:
     assert tier.pinned
     tier.close()
     assert not tier.pinned
+
+
+class _FakeRegion:
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_pinning_is_requested_and_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    region = _FakeRegion()
+    seen: list[torch.Tensor] = []
+
+    def fake_pin(buffer: torch.Tensor) -> _FakeRegion:
+        seen.append(buffer)
+        return region
+
+    monkeypatch.setattr("kvtier.tiers.host.pin_host_buffer", fake_pin)
+    tier = HostTier(4, 64, pin=True)
+    assert seen == [tier.buffer] and tier.pinned
+    tier.close()
+    tier.close()
+    assert region.closed == 1 and not tier.pinned
+
+
+def test_failed_pinning_leaves_a_pageable_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvtier.tiers.host.pin_host_buffer", lambda buffer: None)
+    tier = HostTier(4, 64, pin=True)
+    assert not tier.pinned

@@ -16,18 +16,16 @@ sides size the tier with :func:`slots_for_bytes` so they agree on the slot count
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
+
+from kvtier.tiers.pinning import PinnedRegion, pin_host_buffer
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
 
 logger = logging.getLogger(__name__)
-
-
-class _PinnedRegion(Protocol):
-    def close(self) -> None: ...
 
 
 def capacity_per_rank(config: KVTierConfig, world_size: int) -> int:
@@ -69,8 +67,8 @@ class HostTier:
         Args:
             num_slots: Number of block records.
             record_bytes: Bytes of one record (``KVLayout.record_bytes``).
-            pin: Page-lock the buffer for a CUDA device. Ignored, with a
-                warning from the pinning module, when pinning is unavailable.
+            pin: Page-lock the buffer for the current CUDA device; when that
+                fails the pinning module logs a warning and the buffer stays pageable.
 
         Raises:
             ValueError: If either size is not positive.
@@ -82,7 +80,7 @@ class HostTier:
         self.num_slots = num_slots
         self.record_bytes = record_bytes
         self.buffer = torch.empty((num_slots, record_bytes), dtype=torch.uint8)
-        self._pinned: _PinnedRegion | None = _pin(self.buffer) if pin else None
+        self._pinned: PinnedRegion | None = pin_host_buffer(self.buffer) if pin else None
         logger.info(
             "host tier: %d slots of %d bytes (%.2f GiB, %s)",
             num_slots,
@@ -112,12 +110,3 @@ class HostTier:
         if self._pinned is not None:
             self._pinned.close()
             self._pinned = None
-
-
-def _pin(buffer: torch.Tensor) -> Any:
-    try:
-        from kvtier.tiers.pinning import pin_host_buffer
-    except ImportError:
-        logger.warning("kvtier.tiers.pinning is not available; the host tier stays pageable")
-        return None
-    return pin_host_buffer(buffer)
