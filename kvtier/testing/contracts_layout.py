@@ -217,18 +217,19 @@ def cross_layer_case(
     )
 
 
-def _mamba_layer(
-    pages: torch.Tensor,
-    conv_shape: tuple[int, ...],
-    conv_dtype: torch.dtype,
-    ssm_shape: tuple[int, ...],
-    ssm_dtype: torch.dtype,
+def mamba_state_views(
+    pages: torch.Tensor, shapes: Sequence[tuple[int, ...]], dtypes: Sequence[torch.dtype]
 ) -> list[torch.Tensor]:
-    """Slice a ``[nb, page]`` int8 view into state views, as vLLM's Mamba ``bind_kv_cache``."""
+    """Slice ``[nb, ...]`` int8 pages into per-state views, packed one after another.
+
+    This is how vLLM's Mamba layers unpack the page view of their KV-cache
+    allocation (conv state first, then ssm state, each ``(nb, *shape)``).
+    """
+    rows = pages.reshape(pages.shape[0], -1)
     states, offset = [], 0
-    for shape, dtype in ((conv_shape, conv_dtype), (ssm_shape, ssm_dtype)):
+    for shape, dtype in zip(shapes, dtypes, strict=True):
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        states.append(pages[:, offset : offset + nbytes].view(dtype).view(-1, *shape))
+        states.append(rows[:, offset : offset + nbytes].view(dtype).view(-1, *shape))
         offset += nbytes
     return states
 
@@ -248,27 +249,32 @@ def mamba_case(
 
     All layers share one raw buffer, block-outermost (a block's layer pages
     side by side), as vLLM allocates hybrid caches. With ``raw_pages`` each
-    layer is its raw ``[nb, 1, 1, page]`` int8 view, which is what vLLM hands
-    to KV connectors; otherwise it is the list of state views its Mamba layers
-    unpack from that page.
+    layer is its ``[nb, 1, 1, content_bytes]`` int8 page view (strided by the
+    padded page), which is what vLLM hands to KV connectors; otherwise it is
+    the list of state views its Mamba layers unpack from that page.
     """
+    shapes, dtypes = (conv_shape, ssm_shape), (conv_dtype, ssm_dtype)
+    content = sum(
+        math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        for shape, dtype in zip(shapes, dtypes, strict=True)
+    )
+    if content > page_padded_bytes:
+        raise ValueError(f"{content} bytes of states do not fit in a {page_padded_bytes}-byte page")
     raw = torch.zeros(num_blocks * num_layers * page_padded_bytes, dtype=torch.int8, device=device)
     caches: dict[str, torch.Tensor | list[torch.Tensor]] = {}
     block_tensors: list[tuple[torch.Tensor, int]] = []
     for index, name in enumerate(_layers(num_layers)):
         page_view = torch.as_strided(
             raw,
-            (num_blocks, 1, 1, page_padded_bytes),
-            (num_layers * page_padded_bytes, page_padded_bytes, page_padded_bytes, 1),
+            (num_blocks, 1, 1, content),
+            (num_layers * page_padded_bytes, content, content, 1),
             storage_offset=index * page_padded_bytes,
         )
-        states = _mamba_layer(page_view[:, 0, 0], conv_shape, conv_dtype, ssm_shape, ssm_dtype)
-        if sum(state[0].numel() * state.element_size() for state in states) > page_padded_bytes:
-            raise ValueError(f"the states do not fit in a {page_padded_bytes}-byte page")
         if raw_pages:
             caches[name] = page_view
             block_tensors.append((page_view, 0))
         else:
+            states = mamba_state_views(page_view, shapes, dtypes)
             caches[name] = states
             block_tensors.extend((state, 0) for state in states)
     return LayoutCase(
@@ -312,7 +318,7 @@ def hybrid_overlay_case(num_blocks: int = 8, device: str = "cpu") -> LayoutCase:
     raw = torch.zeros(num_blocks * page, dtype=torch.int8, device=device)
     attention = raw.view(num_blocks, heads, tokens, 2 * head_dim * 2).view(torch.float16)
     pages = raw.view(num_blocks, page)
-    states = _mamba_layer(pages, (3, 24), torch.float16, (2, 4, 8), torch.float32)
+    states = mamba_state_views(pages, [(3, 24), (2, 4, 8)], [torch.float16, torch.float32])
     return LayoutCase(
         "hybrid_overlay",
         {"model.layers.0.attn": attention, "model.layers.1.mixer": states},
