@@ -129,7 +129,13 @@ def build_plugin_manager(env: Mapping[str, str] | None = None) -> pluggy.PluginM
     for ep in _selected_entry_points(env):
         dist, version = _owner(ep)
         if pm.has_plugin(ep.name):
-            continue
+            first_dist, first_version = owners[ep.name]
+            if first_dist == dist:
+                continue  # the same distribution seen twice on sys.path
+            raise PluginError(
+                f"two plugins are named {ep.name!r}: one from {first_dist} {first_version}, "
+                f"one from {dist} {version}; uninstall one of them"
+            )
         try:
             plugin = ep.load()
         except Exception as exc:  # a plugin's import can raise anything

@@ -130,6 +130,23 @@ def test_duplicate_name_names_both_owners(installed: list[Any]) -> None:
     )
 
 
+def test_two_distributions_with_one_plugin_name_are_rejected(installed: list[Any]) -> None:
+    installed.append(entry_point("echo", EchoBackend(), dist="kvtier-echo", version="1.0"))
+    installed.append(entry_point("echo", EchoBackend(), dist="kvtier-echo-fork", version="2.0"))
+    with pytest.raises(PluginError) as caught:
+        build_plugin_manager(env={})
+    assert str(caught.value) == (
+        "two plugins are named 'echo': one from kvtier-echo 1.0, one from kvtier-echo-fork 2.0; "
+        "uninstall one of them"
+    )
+
+
+def test_one_distribution_seen_twice_loads_once(installed: list[Any]) -> None:
+    installed.extend([entry_point("echo", EchoBackend()), entry_point("echo", EchoBackend())])
+    registry = collect(build_plugin_manager(env={}))
+    assert registry.get("copy_backends", "echo").distribution == "kvtier-fake"
+
+
 def test_misspelt_hook_names_distribution_and_version(installed: list[Any]) -> None:
     installed.append(entry_point("typo", Misspelt(), dist="kvtier-typo", version="2.0"))
     with pytest.raises(PluginError) as caught:
