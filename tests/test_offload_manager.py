@@ -1,0 +1,296 @@
+"""The scheduler-side offload manager, driven by hand with synthetic worker reports."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from kvtier.config import load_config
+from kvtier.copy.base import Direction
+from kvtier.index.base import EventKind
+from kvtier.index.lru import LRUPolicy
+from kvtier.index.policy import PolicyIndex
+from kvtier.keys import KeyNamespace
+from kvtier.offload import (
+    DeviceBlock,
+    LazyCandidate,
+    OffloadManager,
+    Transfer,
+    TransferPlan,
+    WorkerReport,
+)
+
+BT = 4
+HASHES = [bytes([i]) * 8 for i in range(16)]
+
+
+def manager(num_slots: int = 8, **kwargs: object) -> OffloadManager:
+    options: dict[str, object] = {"block_tokens": BT, "record_bytes": 100, **kwargs}
+    return OffloadManager(PolicyIndex(num_slots, LRUPolicy()), **options)  # type: ignore[arg-type]
+
+
+def done(plan: TransferPlan, workers: int = 1) -> WorkerReport:
+    return WorkerReport(done={t.batch_id: workers for t in (*plan.stores, *plan.loads)})
+
+
+def store_blocks(
+    m: OffloadManager, request_id: str, count: int, first_block: int = 0
+) -> TransferPlan:
+    """Run a request whose ``count`` blocks are computed; return the plan that stores them."""
+    blocks = list(range(first_block, first_block + count))
+    m.scheduled(
+        request_id, num_computed_tokens=0, new_block_ids=[blocks], block_hashes=HASHES[:count]
+    )
+    m.scheduled(request_id, num_computed_tokens=count * BT)
+    return m.build_plan()
+
+
+def test_lookup_counts_whole_tier_blocks_and_never_the_last_token() -> None:
+    m = manager()
+    m.process(done(store_blocks(m, "a", 4)))
+    assert m.lookup("b", HASHES[:4], 0, 4 * BT + 1) == 4 * BT
+    assert m.lookup("b", HASHES[:4], 0, 4 * BT) == 3 * BT
+    assert m.lookup("b", HASHES[:4], BT, 4 * BT + 1) == 3 * BT
+    assert m.lookup("b", [HASHES[9], *HASHES[1:4]], 0, 20) == 0
+    assert m.lookup("b", [], 0, 20) == 0
+    assert m.index.stats().pinned == 0
+
+
+def test_stores_wait_for_computed_blocks_and_every_worker() -> None:
+    m = manager(world_size=2)
+    m.scheduled("a", num_computed_tokens=0, new_block_ids=[[5, 6, 7]], block_hashes=HASHES[:3])
+    assert m.build_plan().stores == ()
+    m.scheduled("a", num_computed_tokens=2 * BT + 1)
+    plan = m.build_plan()
+    (store,) = plan.stores
+    assert store.device_blocks == (5, 6) and store.direction is Direction.STORE
+    assert m.lookup("b", HASHES[:3], 0, 99) == 0
+    progress = m.process(WorkerReport(done={store.batch_id: 1}))
+    assert progress.stored_blocks == () and m.lookup("b", HASHES[:3], 0, 99) == 0
+    progress = m.process(WorkerReport(done={store.batch_id: 1}))
+    assert progress.stored_blocks == (DeviceBlock(0, 5), DeviceBlock(0, 6))
+    assert m.lookup("b", HASHES[:3], 0, 99) == 2 * BT
+    m.scheduled("a", num_computed_tokens=3 * BT)
+    assert m.build_plan().stores[0].device_blocks == (7,)
+
+
+def test_a_store_failed_on_one_worker_is_dropped() -> None:
+    m = manager(world_size=2)
+    (store,) = store_blocks(m, "a", 2).stores
+    m.process(WorkerReport(done={store.batch_id: 1}, failed={store.batch_id: 1}))
+    assert m.lookup("b", HASHES[:2], 0, 99) == 0
+    assert m.index.stats().free == 8
+    assert m.stats().failed_stores == 2 and m.stats().stored_blocks == 0
+
+
+def test_equal_blocks_of_two_requests_are_stored_once() -> None:
+    m = manager()
+    m.scheduled("a", num_computed_tokens=2 * BT, new_block_ids=[[0, 1]], block_hashes=HASHES[:2])
+    m.scheduled("b", num_computed_tokens=2 * BT, new_block_ids=[[2, 3]], block_hashes=HASHES[:2])
+    (store,) = m.build_plan().stores
+    assert store.device_blocks == (0, 1)
+
+
+def test_finished_request_is_held_until_its_stores_complete() -> None:
+    m = manager()
+    m.scheduled("a", num_computed_tokens=BT, new_block_ids=[[3, 4]], block_hashes=HASHES[:2])
+    first = m.build_plan()
+    assert m.finished("a", num_computed_tokens=2 * BT) is True
+    plan = m.build_plan()
+    assert plan.stores[0].device_blocks == (4,), "the last computed block is stored at finish"
+    assert set(plan.holds["a"]) == {first.stores[0].batch_id, plan.stores[0].batch_id}
+    assert m.process(done(first)).released_requests == ()
+    assert m.process(done(plan)).released_requests == ("a",)
+    assert m.num_requests == 0
+
+
+def test_finished_request_without_copies_is_not_held() -> None:
+    m = manager()
+    m.process(done(store_blocks(m, "a", 2)))
+    assert m.finished("a") is False
+    assert m.finished("unknown") is False
+    assert m.num_requests == 0
+
+
+def test_load_pins_slots_until_every_worker_finished() -> None:
+    m = manager(world_size=2)
+    m.process(done(store_blocks(m, "a", 3), workers=2))
+    m.finished("a")
+    m.allocated("b", HASHES[:3], [[10, 11, 12, 13]], 0, 3 * BT)
+    assert m.index.stats().pinned == 3
+    (load,) = m.build_plan().loads
+    assert load.request_id == "b" and load.device_blocks == (10, 11, 12)
+    assert load.host_slots == tuple(m.index.slot_of(m.namespace.key(h)) for h in HASHES[:3])
+    assert m.process(WorkerReport(done={load.batch_id: 1})).loaded_requests == ()
+    assert m.index.stats().pinned == 3
+    progress = m.process(WorkerReport(done={load.batch_id: 1}))
+    assert progress.loaded_requests == ("b",) and progress.failed_loads == {}
+    assert m.index.stats().pinned == 0
+    stats = m.stats()
+    assert (stats.hit_tokens, stats.loaded_blocks, stats.loaded_bytes) == (3 * BT, 3, 600)
+
+
+def test_failed_load_is_a_recompute() -> None:
+    m = manager()
+    m.process(done(store_blocks(m, "a", 2)))
+    m.allocated("b", HASHES[:2], [[8, 9, 10]], 0, 2 * BT)
+    (load,) = m.build_plan().loads
+    progress = m.process(WorkerReport(failed={load.batch_id: 1}))
+    assert progress.loaded_requests == ("b",)
+    assert progress.failed_loads == {"b": (DeviceBlock(0, 8), DeviceBlock(0, 9))}
+    assert m.stats().failed_loads == 2 and m.index.stats().pinned == 0
+
+
+def test_blocks_gone_before_allocation_are_reported_unavailable() -> None:
+    m = manager(num_slots=2)
+    m.process(done(store_blocks(m, "a", 2)))
+    m.finished("a")
+    assert m.lookup("b", HASHES[:2], 0, 99) == 2 * BT
+    m.index.touch([m.namespace.key(HASHES[0])])
+    m.scheduled("c", num_computed_tokens=BT, new_block_ids=[[20]], block_hashes=[HASHES[9]])
+    m.process(done(m.build_plan()))
+    m.allocated("b", HASHES[:2], [[30, 31]], 0, 2 * BT)
+    plan = m.build_plan()
+    assert plan.unavailable == {"b": (31,)}
+    assert [load.device_blocks for load in plan.loads] == [(30,)]
+    progress = m.process(done(plan))
+    assert progress.failed_loads == {"b": (DeviceBlock(0, 31),)}
+    assert progress.loaded_requests == ("b",)
+    assert m.stats().failed_loads == 1
+
+
+def test_request_with_no_loadable_block_still_finishes_loading() -> None:
+    m = manager(num_slots=1)
+    m.process(done(store_blocks(m, "a", 1)))
+    m.scheduled("c", num_computed_tokens=BT, new_block_ids=[[20]], block_hashes=[HASHES[9]])
+    m.process(done(m.build_plan()))
+    m.allocated("b", HASHES[:1], [[30]], 0, BT)
+    plan = m.build_plan()
+    assert plan.loads == () and plan.unavailable == {"b": (30,)}
+    progress = m.process(None)
+    assert progress.loaded_requests == ("b",)
+    assert progress.failed_loads == {"b": (DeviceBlock(0, 30),)}
+
+
+def test_preemption_flushes_and_drops_queued_loads() -> None:
+    m = manager()
+    m.process(done(store_blocks(m, "a", 2)))
+    m.allocated("b", HASHES[:2], [[8, 9]], 0, 2 * BT)
+    m.preempted(["b"])
+    assert m.index.stats().pinned == 0
+    plan = m.build_plan()
+    assert plan.flush and plan.loads == ()
+    assert m.build_plan().flush is False
+
+
+def test_resumed_request_restarts_its_stores() -> None:
+    m = manager()
+    m.scheduled("a", num_computed_tokens=0, new_block_ids=[[0, 1]], block_hashes=HASHES[:2])
+    m.preempted(["a"])
+    m.scheduled(
+        "a",
+        num_computed_tokens=2 * BT,
+        new_block_ids=[[6, 7]],
+        block_hashes=HASHES[:2],
+        resumed=True,
+    )
+    (store,) = m.build_plan().stores
+    assert store.device_blocks == (6, 7)
+
+
+def test_lazy_mode_stores_frontier_candidates_not_yet_in_the_tier() -> None:
+    m = manager(store_mode="lazy")
+    m.scheduled("a", num_computed_tokens=2 * BT, new_block_ids=[[0, 1]], block_hashes=HASHES[:2])
+    assert m.build_plan().stores == ()
+    plan = m.build_plan([LazyCandidate(HASHES[0], 0, 4), LazyCandidate(HASHES[1], 0, 5)])
+    (store,) = plan.stores
+    assert store.device_blocks == (4, 5)
+    again = m.build_plan([LazyCandidate(HASHES[0], 0, 4), LazyCandidate(HASHES[2], 0, 6)])
+    assert again.stores[0].device_blocks == (6,)
+    progress = m.process(done(plan))
+    assert progress.stored_blocks == (DeviceBlock(0, 4), DeviceBlock(0, 5))
+    with pytest.raises(ValueError, match="group 3"):
+        m.build_plan([LazyCandidate(HASHES[3], 3, 9)])
+
+
+def test_stores_stop_when_every_slot_is_pinned_or_written() -> None:
+    m = manager(num_slots=2)
+    plan = store_blocks(m, "a", 4)
+    assert plan.stores[0].device_blocks == (0, 1)
+    assert m.build_plan().stores == ()
+    m.process(done(plan))
+    assert m.build_plan().stores[0].device_blocks == (2, 3)
+
+
+def test_reset_waits_for_copies_and_drops_their_results() -> None:
+    m = manager(record_events=True)
+    m.process(done(store_blocks(m, "a", 2)))
+    plan = store_blocks(m, "b", 4)
+    assert m.reset() is False
+    assert m.lookup("c", HASHES[:2], 0, 99) == 0
+    m.scheduled("b", num_computed_tokens=4 * BT)
+    assert m.build_plan().stores == ()
+    m.process(done(plan))
+    assert m.lookup("c", HASHES[:4], 0, 99) == 0
+    assert m.reset() is True
+    kinds = [event.kind for event in m.take_events()]
+    assert kinds.count(EventKind.STORED) == 2 and kinds.count(EventKind.EVICTED) == 2
+    assert m.stats().evicted_blocks == 2
+
+
+def test_reports_for_unknown_batches_or_too_many_workers_are_rejected() -> None:
+    m = manager()
+    with pytest.raises(ValueError, match="not in flight"):
+        m.process(WorkerReport(done={42: 1}))
+    (store,) = store_blocks(m, "a", 1).stores
+    with pytest.raises(ValueError, match="world_size is 1"):
+        m.process(WorkerReport(done={store.batch_id: 2}))
+
+
+def test_groups_get_their_own_keys_and_transfers() -> None:
+    m = manager(num_groups=2, namespace=KeyNamespace("model"), null_block_id=0)
+    m.scheduled(
+        "a", num_computed_tokens=2 * BT, new_block_ids=[[1, 2], [0, 7]], block_hashes=HASHES[:2]
+    )
+    plan = m.build_plan()
+    assert [(t.group, t.device_blocks) for t in plan.stores] == [(0, (1, 2)), (1, (7,))]
+    m.process(done(plan))
+    assert m.index.stats().readable == 3
+    assert m.lookup("b", HASHES[:2], 0, 99) == 0, "group 1 lacks block 0 (a null block)"
+
+
+def test_from_config_sizes_the_tier_per_rank() -> None:
+    config = load_config({"cpu_bytes": 4000, "store_mode": "lazy"})
+    m = OffloadManager.from_config(config, block_tokens=BT, record_bytes=100, world_size=4)
+    assert m.index.num_slots == 10 and m.store_mode == "lazy" and m.world_size == 4
+
+
+def test_bad_arguments_are_explained() -> None:
+    with pytest.raises(ValueError, match="block_tokens must be positive"):
+        manager(block_tokens=0)
+    with pytest.raises(ValueError, match="store_mode"):
+        manager(store_mode="sometimes")
+    m = manager()
+    store_blocks(m, "a", 1)
+    assert m.finished("a") is True
+    with pytest.raises(ValueError, match="already finished"):
+        m.allocated("a", HASHES[:1], [[1]], 0, 0)
+
+
+def test_messages_pickle_and_reports_merge() -> None:
+    plan = TransferPlan(
+        stores=(Transfer(0, Direction.STORE, 0, (1, 2), (3, 4)),),
+        loads=(Transfer(1, Direction.LOAD, 1, (5,), (6,), "r"),),
+        flush=True,
+        holds={"q": (0,)},
+        unavailable={"r": (9,)},
+    )
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    merged = WorkerReport.merge_all(
+        [WorkerReport(done={1: 1}), None, WorkerReport(done={1: 1}, failed={2: 1})]
+    )
+    assert merged == WorkerReport(done={1: 2}, failed={2: 1})
+    assert WorkerReport().empty and TransferPlan().empty and not plan.empty
+    with pytest.raises(ValueError, match="must be equal"):
+        Transfer(0, Direction.STORE, 0, (1,), ())
