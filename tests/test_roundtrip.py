@@ -71,9 +71,10 @@ def test_roundtrip_every_layout_and_dtype(layout: str, dtype: torch.dtype) -> No
         engine.close()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_roundtrip_two_workers_one_late(layout: str) -> None:
-    spec = EngineSpec(layout=layout, num_blocks=24, block_tokens=BLOCK_TOKENS, dtype=torch.bfloat16)
+def test_roundtrip_two_workers_one_late(layout: str, dtype: torch.dtype) -> None:
+    spec = EngineSpec(layout=layout, num_blocks=24, block_tokens=BLOCK_TOKENS, dtype=dtype)
     engine = OffloadedEngine(
         spec, PolicyIndex(10, LRUPolicy()), late_backend, world_size=2, late_worker=1
     )

@@ -13,6 +13,7 @@ from kvtier.copy.base import CopyBackend, CopyBatch, Direction
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.layout.base import KVLayout
+from kvtier.offload import StoreMode
 from kvtier.plugins import default_registry
 from kvtier.testing.engine import EngineSpec, OffloadedEngine
 from kvtier.testing.faults import FlakyBackend
@@ -25,6 +26,8 @@ PREFIXES = [[random.Random(seed).randrange(1000) for _ in range(8)] for seed in 
 
 class OffloadMachine(RuleBasedStateMachine):
     """Requests arrive, run, get preempted and finish while copies are slow or fail."""
+
+    store_mode: StoreMode = "eager"
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,7 +58,12 @@ class OffloadMachine(RuleBasedStateMachine):
             head_dim=4,
         )
         self.engine = OffloadedEngine(
-            spec, PolicyIndex(NUM_SLOTS, LRUPolicy()), factory, world_size=2, late_worker=1
+            spec,
+            PolicyIndex(NUM_SLOTS, LRUPolicy()),
+            factory,
+            world_size=2,
+            late_worker=1,
+            store_mode=self.store_mode,
         )
         self.manager = self.engine.manager
         self.index = self.manager.index
@@ -153,11 +161,20 @@ class OffloadMachine(RuleBasedStateMachine):
             self.engine.close()
 
 
-TestOffloadMachine = OffloadMachine.TestCase
-TestOffloadMachine.settings = settings(
+class LazyOffloadMachine(OffloadMachine):
+    """The same workload with lazy stores from the engine's eviction frontier."""
+
+    store_mode: StoreMode = "lazy"
+
+
+SETTINGS = settings(
     max_examples=40,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
     report_multiple_bugs=False,
 )
+TestOffloadMachine = OffloadMachine.TestCase
+TestOffloadMachine.settings = SETTINGS
+TestLazyOffloadMachine = LazyOffloadMachine.TestCase
+TestLazyOffloadMachine.settings = SETTINGS
