@@ -365,9 +365,10 @@ class OffloadManager:
 
         Args:
             request_id: The request.
-            num_computed_tokens: Tokens whose KV is written in device memory
-                (computed in earlier steps or loaded); full blocks among them
-                become store candidates.
+            num_computed_tokens: Tokens whose KV is in device memory by the
+                time workers submit this step's plan (they submit in
+                ``get_finished``, after the model ran, ordered behind its work);
+                full blocks among them become store candidates.
             new_block_ids: Device block ids appended to the request this step,
                 per group; with ``resumed``, all of its block ids.
             block_hashes: The engine's hash of each full block so far (the
