@@ -87,7 +87,8 @@ class PrefixARCPolicy(EvictionPolicy):
         self.history_size = int(num_slots * history_factor)
         self.target_t1 = 0.0
         self._parent: dict[BlockKey, BlockKey | None] = {}
-        self._children: dict[BlockKey, set[BlockKey]] = {}
+        # Cached children of each key: one key, or a set when there are several.
+        self._children: dict[BlockKey, BlockKey | set[BlockKey]] = {}
         self._t1: OrderedDict[BlockKey, None] = OrderedDict()
         self._t2: OrderedDict[BlockKey, None] = OrderedDict()
         self._orphans: OrderedDict[BlockKey, None] = OrderedDict()
@@ -132,6 +133,17 @@ class PrefixARCPolicy(EvictionPolicy):
                 t2.move_to_end(key)
         self._ranked = len(self._chain)
 
+    def _add_child(self, parent: BlockKey, child: BlockKey) -> None:
+        # Most blocks have one cached child: store it bare and make a set only for a second one.
+        children = self._children
+        siblings = children.get(parent)
+        if siblings is None:
+            children[parent] = child
+        elif isinstance(siblings, set):
+            siblings.add(child)
+        elif siblings != child:
+            children[parent] = {siblings, child}
+
     # Reuse learning.
 
     def _classify_new_blocks(self) -> None:
@@ -140,21 +152,24 @@ class PrefixARCPolicy(EvictionPolicy):
         if first is None:
             return
         chain = self._chain
-        origin = 0 if first == 0 or self._parent.get(chain[first]) is None else 1
+        origin = 0 if first == 0 or self._parent.get(chain[first]) is None else TAIL_BUCKETS
         stored, reused = self._stored, self._reused
         overall = (sum(reused) + 1.0) / (sum(stored) + 2.0)
-        t1 = self._t1
+        bar = self.low_value_ratio * overall
+        low = [
+            (reused[cls] + PRIOR_WEIGHT * overall) / (stored[cls] + PRIOR_WEIGHT) < bar
+            for cls in range(NUM_CLASSES)
+        ]
+        t1, classes = self._t1, self._class
+        last = len(chain) - 1
         for position in range(first, len(chain)):
             key = chain[position]
-            if key not in t1:
-                continue
-            from_end = min(len(chain) - 1 - position, TAIL_BUCKETS - 1)
-            cls = origin * TAIL_BUCKETS + from_end
-            self._class[key] = cls
-            rate = (reused[cls] + PRIOR_WEIGHT * overall) / (stored[cls] + PRIOR_WEIGHT)
-            stored[cls] += 1.0
-            if rate < self.low_value_ratio * overall:
-                t1.move_to_end(key, last=False)
+            if key in t1:
+                cls = origin + min(last - position, TAIL_BUCKETS - 1)
+                classes[key] = cls
+                stored[cls] += 1.0
+                if low[cls]:
+                    t1.move_to_end(key, last=False)
         self._since_decay += len(chain) - first
         if self._since_decay >= self._decay_every:
             self._since_decay = 0
@@ -186,7 +201,7 @@ class PrefixARCPolicy(EvictionPolicy):
             self._orphans[key] = None
             return
         if parent is not None:
-            self._children.setdefault(parent, set()).add(key)
+            self._add_child(parent, key)
         self._follow(key)
         if self._first_new is None:
             self._first_new = len(self._chain) - 1
@@ -215,7 +230,7 @@ class PrefixARCPolicy(EvictionPolicy):
             del self._orphans[key]
             parent = self._parent[key]
             if parent is not None:
-                self._children.setdefault(parent, set()).add(key)
+                self._add_child(parent, key)
         self._t2[key] = None
 
     def removed(self, key: BlockKey) -> None:
@@ -223,13 +238,13 @@ class PrefixARCPolicy(EvictionPolicy):
         children = self._children
         if parent is not None:
             siblings = children.get(parent)
-            if siblings is not None:
+            if siblings == key:
+                del children[parent]
+            elif isinstance(siblings, set):
                 siblings.discard(key)
-                if not siblings:
-                    del children[parent]
         orphaned = children.pop(key, None)
-        if orphaned:
-            for child in orphaned:
+        if orphaned is not None:
+            for child in orphaned if isinstance(orphaned, set) else (orphaned,):
                 self._t1.pop(child, None)
                 self._t2.pop(child, None)
                 self._orphans[child] = None

@@ -41,26 +41,24 @@ class S3FIFOPolicy(EvictionPolicy):
     def __init__(self, num_slots: int, small_fraction: float = 0.1) -> None:
         self.small_target = max(1, int(num_slots * small_fraction))
         self.ghost_size = max(1, num_slots - self.small_target)
-        self._small: OrderedDict[BlockKey, None] = OrderedDict()
-        self._main: OrderedDict[BlockKey, None] = OrderedDict()
+        # Queues map each key to its hit counter, oldest key first.
+        self._small: OrderedDict[BlockKey, int] = OrderedDict()
+        self._main: OrderedDict[BlockKey, int] = OrderedDict()
         self._ghost: OrderedDict[BlockKey, None] = OrderedDict()
-        self._hits: dict[BlockKey, int] = {}
 
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
-        self._hits[key] = 0
         if key in self._ghost:
             del self._ghost[key]
-            self._main[key] = None
+            self._main[key] = 0
         else:
-            self._small[key] = None
+            self._small[key] = 0
 
     def accessed(self, key: BlockKey) -> None:
-        hits = self._hits[key]
-        if hits < MAX_HITS:
-            self._hits[key] = hits + 1
+        queue = self._small if key in self._small else self._main
+        if queue[key] < MAX_HITS:
+            queue[key] += 1
 
     def removed(self, key: BlockKey) -> None:
-        del self._hits[key]
         if key in self._small:
             del self._small[key]
             self._ghost[key] = None
@@ -70,7 +68,7 @@ class S3FIFOPolicy(EvictionPolicy):
             del self._main[key]
 
     def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
-        small, main, hits = self._small, self._main, self._hits
+        small, main = self._small, self._main
         # Every key may be passed over once per queue: pinned ones, or ones with hits to spend.
         budget = 2 * (len(small) + len(main)) + 2 * MAX_HITS * len(main)
         pinned_small = 0
@@ -79,10 +77,9 @@ class S3FIFOPolicy(EvictionPolicy):
             small_turn = len(small) >= self.small_target or not main
             if small and pinned_small < len(small) and small_turn:
                 key = next(iter(small))
-                if hits[key] > 1:
+                if small[key] > 1:
                     del small[key]
-                    main[key] = None
-                    hits[key] = 0
+                    main[key] = 0
                 elif evictable(key):
                     return key
                 else:
@@ -90,8 +87,8 @@ class S3FIFOPolicy(EvictionPolicy):
                     small.move_to_end(key)
             elif main:
                 key = next(iter(main))
-                if hits[key] > 0:
-                    hits[key] -= 1
+                if main[key] > 0:
+                    main[key] -= 1
                     main.move_to_end(key)
                 elif evictable(key):
                     return key

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvtier.simulator.replay import ReplayResult
@@ -90,7 +91,7 @@ def plot_hit_rates(summary: dict[str, Any], path: str) -> None:
     axes.set_xscale("log")
     axes.set_xlabel("tier capacity (blocks)")
     axes.set_ylabel("prefix hit rate")
-    axes.set_title(f"{summary['trace']} ({summary['requests']} requests)", fontsize=9)
+    axes.set_title(f"{Path(summary['trace']).name} ({summary['requests']} requests)", fontsize=9)
     axes.grid(True, which="both", alpha=0.3)
     axes.legend()
     figure.tight_layout()
