@@ -109,7 +109,10 @@ def make_kv_caches(spec: EngineSpec) -> tuple[KVCaches, list[_Tensor]]:
         logical tensors whose blocks hold data (shared storage appears once).
     """
     nb, bs, heads, dim = spec.num_blocks, spec.block_tokens, spec.num_kv_heads, spec.head_dim
-    options = {"dtype": spec.dtype, "device": spec.device}
+
+    def zeros(*shape: int) -> torch.Tensor:
+        return torch.zeros(shape, dtype=spec.dtype, device=spec.device)
+
     layers = [f"layers.{index}.attn" for index in range(spec.num_layers)]
     caches: dict[str, torch.Tensor | list[torch.Tensor]] = {}
     tensors: list[_Tensor] = []
@@ -118,12 +121,12 @@ def make_kv_caches(spec: EngineSpec) -> tuple[KVCaches, list[_Tensor]]:
             if spec.layout == "shared_layers" and index % 2 == 1:
                 caches[name] = caches[layers[index - 1]]
                 continue
-            tensor = torch.zeros((2, nb, bs, heads, dim), **options)  # type: ignore[arg-type]
+            tensor = zeros(2, nb, bs, heads, dim)
             caches[name] = tensor
             tensors.append(_Tensor(name, tensor, 1))
     elif spec.layout == "flash_attn_hnd":
         for name in layers:
-            physical = torch.zeros((2, nb, heads, bs, dim), **options)  # type: ignore[arg-type]
+            physical = zeros(2, nb, heads, bs, dim)
             tensor = physical.permute(0, 1, 3, 2, 4)
             caches[name] = tensor
             tensors.append(_Tensor(name, tensor, 1))
@@ -134,11 +137,11 @@ def make_kv_caches(spec: EngineSpec) -> tuple[KVCaches, list[_Tensor]]:
             "cpu": (nb, heads, bs, 2 * dim),
         }[spec.layout]
         for name in layers:
-            tensor = torch.zeros(shape, **options)  # type: ignore[arg-type]
+            tensor = zeros(*shape)
             caches[name] = tensor
             tensors.append(_Tensor(name, tensor, 0))
     elif spec.layout == "cross_layer":
-        shared = torch.zeros((nb, spec.num_layers, 2, bs, heads, dim), **options)  # type: ignore[arg-type]
+        shared = zeros(nb, spec.num_layers, 2, bs, heads, dim)
         for index, name in enumerate(layers):
             view = shared[:, index]
             caches[name] = view
@@ -205,7 +208,7 @@ class SyntheticEngine:
             from kvtier.plugins import default_registry
 
             registration = default_registry().get("layout_resolvers", "auto")
-            resolver = registration.factory(registration.config_model())
+            resolver = registration.factory(registration.config_model.model_validate({}))
         self.layout: KVLayout = resolver.resolve(self.kv_caches)
         if self.layout.num_blocks != spec.num_blocks:
             raise AssertionError(
