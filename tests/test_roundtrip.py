@@ -10,10 +10,13 @@ import torch
 from kvtier.copy.base import CopyBackend
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
+from kvtier.keys import hash_token_blocks
 from kvtier.layout.base import KVLayout
+from kvtier.offload import OffloadManager, OffloadWorker
 from kvtier.plugins import default_registry
-from kvtier.testing.engine import LAYOUTS, EngineSpec, OffloadedEngine
+from kvtier.testing.engine import LAYOUTS, EngineSpec, OffloadedEngine, SyntheticEngine
 from kvtier.testing.faults import FlakyBackend
+from kvtier.tiers import HostTier
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.uint8]
 BLOCK_TOKENS = 4
@@ -94,3 +97,47 @@ def test_roundtrip_lazy_mode(layout: str) -> None:
         run_roundtrip(engine, seed=7)
     finally:
         engine.close()
+
+
+def test_roundtrip_two_kv_cache_groups_with_their_own_layouts() -> None:
+    """Two kv-cache groups, each with its own tensors, layout and block ids."""
+    attention = SyntheticEngine(EngineSpec(layout="flash_attn_hnd", num_blocks=12))
+    other = SyntheticEngine(EngineSpec(layout="flashinfer", num_blocks=12))
+    assert other.layout.record_bytes == attention.layout.record_bytes
+    groups = [attention, other]
+    manager = OffloadManager(
+        PolicyIndex(6, LRUPolicy()),
+        block_tokens=BLOCK_TOKENS,
+        record_bytes=attention.layout.record_bytes,
+        num_groups=2,
+    )
+    worker = OffloadWorker(
+        [attention.layout, other.layout],
+        HostTier(6, attention.layout.record_bytes),
+        torch_backend,
+    )
+
+    def run_step() -> None:
+        worker.bind(manager.build_plan())
+        worker.get_finished()
+        manager.process(worker.take_report())
+
+    tokens = list(range(3 * BLOCK_TOKENS + 1))
+    keys = hash_token_blocks(tokens, BLOCK_TOKENS)
+    first = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for group, engine in enumerate(groups):
+        for position, key in enumerate(keys):
+            engine.compute(first[group][position], key + bytes([group]))
+    manager.scheduled(
+        "a", num_computed_tokens=len(keys) * BLOCK_TOKENS, new_block_ids=first, block_hashes=keys
+    )
+    run_step()
+    assert manager.finished("a") is False
+    assert manager.lookup("b", keys, 0, len(tokens)) == 3 * BLOCK_TOKENS
+    second = [[8, 9, 10, 11], [0, 1, 2, 3]]
+    manager.allocated("b", keys, second, 0, 3 * BLOCK_TOKENS)
+    run_step()
+    for group, engine in enumerate(groups):
+        for position, key in enumerate(keys):
+            assert engine.mismatches(second[group][position], key + bytes([group])) == []
+    worker.close()
