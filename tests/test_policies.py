@@ -139,3 +139,34 @@ def test_no_victim_while_everything_is_pinned(policy: EvictionPolicy) -> None:
     assert index.reserve([b"d"]) == [None]
     index.unpin([b"a", b"b", b"c"])
     assert index.reserve([b"d"]) != [None]
+
+
+def test_prefix_arc_learns_which_stored_blocks_are_rarely_reused() -> None:
+    def first_victim_after_training(low_value_ratio: float) -> list[BlockKey]:
+        index = PolicyIndex(8, PrefixARCPolicy(8, 4.0, low_value_ratio))
+        for round_ in range(30):
+            head, middle, tail = (f"{part}{round_}".encode() for part in "abc")
+            store(index, [head, middle, tail])
+            # Heads and tails are used again (elsewhere), the middle blocks never are.
+            index.touch([head, tail])
+        store(index, [b"x", b"y", b"z"])
+        index.take_events()
+        store(index, [b"w"])
+        return evicted(index)
+
+    assert first_victim_after_training(0.5) == [b"y"]
+    assert first_victim_after_training(0.0) == [b"z"]
+
+
+def test_prefix_arc_reuse_from_the_long_history_shrinks_the_recency_target() -> None:
+    policy = PrefixARCPolicy(4)
+    index = PolicyIndex(4, policy)
+    store(index, [b"hot"])
+    hit(index, [b"hot"])
+    for key in new_keys("k", 10):
+        store(index, [key])
+    store(index, [b"k6"])  # remembered by the recency ghost list: the target grows
+    grown = policy.target_t1
+    assert grown > 0.0
+    store(index, [b"k0"])  # only the long history remembers it: the target shrinks
+    assert policy.target_t1 < grown

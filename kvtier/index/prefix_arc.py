@@ -112,15 +112,19 @@ class PrefixARCPolicy(EvictionPolicy):
     # Chain ranking.
 
     def _follow(self, key: BlockKey) -> None:
-        """Start a new chain unless ``key`` continues the current one."""
+        """Append ``key`` to the current chain, or start a new one unless it continues it."""
+        self._end_chain_unless_continued_by(self._parent.get(key))
+        self._chain.append(key)
+
+    def _end_chain_unless_continued_by(self, parent: BlockKey | None) -> None:
+        """Rank and classify the current chain if a block with this parent does not extend it."""
         chain = self._chain
-        if chain and self._parent.get(key) != chain[-1]:
+        if chain and parent != chain[-1]:
             self._rank_chain()
             self._classify_new_blocks()
             chain.clear()
             self._ranked = 0
             self._first_new = None
-        chain.append(key)
 
     def _rank_chain(self) -> None:
         if self._ranked == len(self._chain):
@@ -184,6 +188,8 @@ class PrefixARCPolicy(EvictionPolicy):
     # EvictionPolicy.
 
     def admit(self, key: BlockKey, parent: BlockKey | None) -> bool:
+        # A store that starts a new chain ends the previous one before any victim is chosen.
+        self._end_chain_unless_continued_by(parent)
         # As in ARC, a ghost hit moves the target before the victim for ``key`` is chosen.
         b1, b2 = len(self._b1), len(self._b2)
         self._incoming_in_b2 = key in self._b2

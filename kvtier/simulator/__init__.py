@@ -10,6 +10,7 @@ as JSON (``--json``) or as a plot (``--plot FILE.png``).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import sys
@@ -235,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--store-mode lazy needs a device cache: give --device-blocks")
         if args.device_blocks < 0:
             raise UsageError("--device-blocks must not be negative")
+        if args.plot and importlib.util.find_spec("matplotlib") is None:
+            raise UsageError("--plot needs matplotlib; install it with 'pip install matplotlib'")
         requests = _trace(args)
     except (UsageError, TraceError) as exc:
         print(f"kvtier simulate: {exc}", file=sys.stderr)
