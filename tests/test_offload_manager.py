@@ -294,3 +294,45 @@ def test_messages_pickle_and_reports_merge() -> None:
     assert WorkerReport().empty and TransferPlan().empty and not plan.empty
     with pytest.raises(ValueError, match="must be equal"):
         Transfer(0, Direction.STORE, 0, (1,), ())
+
+
+def test_windowed_groups_store_load_and_require_only_their_last_blocks() -> None:
+    m = manager(num_groups=2, group_windows=[None, 1])
+    m.scheduled(
+        "a",
+        num_computed_tokens=3 * BT,
+        new_block_ids=[[1, 2, 3], [4, 5, 6]],
+        block_hashes=HASHES[:3],
+    )
+    plan = m.build_plan()
+    assert [(t.group, t.device_blocks) for t in plan.stores] == [(0, (1, 2, 3)), (1, (6,))]
+    m.process(done(plan))
+    m.finished("a")
+    assert m.lookup("b", HASHES[:3], 0, 99) == 3 * BT
+    assert m.lookup("b", HASHES[:2], 0, 99) == 0, "group 1 holds no state after block 1"
+    m.allocated("b", HASHES[:3], [[7, 8, 9], [0, 0, 10]], 0, 3 * BT)
+    loads = m.build_plan().loads
+    assert [(t.group, t.device_blocks) for t in loads] == [(0, (7, 8, 9)), (1, (10,))]
+
+
+def test_a_window_shortens_the_hit_to_the_last_complete_window() -> None:
+    m = manager(num_slots=16, num_groups=2, group_windows=[None, 2])
+    m.scheduled(
+        "a", num_computed_tokens=2 * BT, new_block_ids=[[1, 2], [3, 4]], block_hashes=HASHES[:2]
+    )
+    m.process(done(m.build_plan()))
+    m.scheduled(
+        "a",
+        num_computed_tokens=5 * BT,
+        new_block_ids=[[5, 6, 7], [8, 9, 10]],
+        block_hashes=HASHES[:5],
+    )
+    m.process(done(m.build_plan()))
+    assert m.index.stats().readable == 5 + 4, "group 1 skipped block 2, which left its window"
+    assert m.lookup("b", HASHES[:5], 0, 99) == 5 * BT
+    assert m.lookup("b", HASHES[:4], 0, 99) == 2 * BT
+    assert m.lookup("b", HASHES[:4], BT, 99) == BT
+    with pytest.raises(ValueError, match="group_windows"):
+        manager(num_groups=2, group_windows=[None])
+    with pytest.raises(ValueError, match="group_windows"):
+        manager(group_windows=[0])

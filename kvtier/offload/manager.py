@@ -157,6 +157,7 @@ class OffloadManager:
         namespace: KeyNamespace | None = None,
         null_block_id: int | None = None,
         record_events: bool = False,
+        group_windows: Sequence[int | None] | None = None,
     ) -> None:
         """Create a manager over ``index``, the directory of the host tier.
 
@@ -175,9 +176,15 @@ class OffloadManager:
                 by stores and loads), if the engine has one.
             record_events: Keep the index's stored/evicted events for
                 :meth:`take_events`; otherwise they are only counted.
+            group_windows: Per kv-cache group, ``None`` when a prefix needs all
+                its blocks (full attention), or ``w`` when only its last ``w``
+                blocks matter (sliding window: the blocks the window spans;
+                Mamba state: 1). Such a group stores, loads and requires for a
+                hit only those blocks. ``None`` means full attention everywhere.
 
         Raises:
-            ValueError: If a size is not positive or ``store_mode`` is unknown.
+            ValueError: If a size is not positive, ``store_mode`` is unknown or
+                ``group_windows`` does not give one entry per group.
         """
         for name, value in (
             ("block_tokens", block_tokens),
@@ -197,6 +204,13 @@ class OffloadManager:
         self.num_groups = num_groups
         self.namespace = namespace if namespace is not None else KeyNamespace()
         self.null_block_id = null_block_id
+        windows = [None] * num_groups if group_windows is None else list(group_windows)
+        if len(windows) != num_groups or any(w is not None and w <= 0 for w in windows):
+            raise ValueError(
+                f"group_windows needs one entry per kv-cache group ({num_groups}), each None "
+                f"or a positive block count; got {group_windows!r}"
+            )
+        self.group_windows: tuple[int | None, ...] = tuple(windows)
         self.record_events = record_events
         self._requests: dict[str, _Request] = {}
         self._batches: dict[int, _Batch] = {}
@@ -226,6 +240,7 @@ class OffloadManager:
         namespace: KeyNamespace | None = None,
         null_block_id: int | None = None,
         record_events: bool = False,
+        group_windows: Sequence[int | None] | None = None,
         registry: Registry | None = None,
     ) -> OffloadManager:
         """Build a manager, and its index, from a validated :class:`~kvtier.config.KVTierConfig`.
@@ -250,6 +265,7 @@ class OffloadManager:
             namespace=namespace,
             null_block_id=null_block_id,
             record_events=record_events,
+            group_windows=group_windows,
         )
 
     # ------------------------------------------------------------------ requests
@@ -263,7 +279,8 @@ class OffloadManager:
     ) -> int:
         """Return how many tokens past ``num_computed_tokens`` the tier can load.
 
-        Counts whole blocks readable in every kv-cache group, starting at the
+        Counts whole blocks readable in every kv-cache group (for a group
+        with a window, the last ``window`` blocks of the hit), starting at the
         first block the engine does not hold, and never covers the request's
         last token (the engine must compute at least one). Changes nothing.
 
@@ -280,10 +297,12 @@ class OffloadManager:
         if not wanted:
             return 0
         hits = len(wanted)
-        for group in range(self.num_groups):
-            hits = min(hits, self.index.lookup(self.namespace.keys(wanted[:hits], group)))
-            if hits == 0:
-                break
+        for group, window in enumerate(self.group_windows):
+            if window is None and hits:
+                hits = min(hits, self.index.lookup(self.namespace.keys(wanted[:hits], group)))
+        for group, window in enumerate(self.group_windows):
+            if window is not None:
+                hits = self._windowed_hits(wanted, hits, group, window)
         logger.debug("request %s: %d tier hit blocks after %d", request_id, hits, first)
         return hits * self.block_tokens
 
@@ -330,8 +349,11 @@ class OffloadManager:
                     f"positions {first}..{first + count - 1}, but {len(hashes)} tier blocks were "
                     "accepted; pass the request's block ids from position 0 for every group"
                 )
+            window = self.group_windows[group]
+            skip = 0 if window is None else max(0, count - window)
             keys, blocks = [], []
-            for key, block_id in zip(self.namespace.keys(hashes, group), group_ids, strict=True):
+            group_keys = self.namespace.keys(hashes[skip:], group)
+            for key, block_id in zip(group_keys, group_ids[skip:], strict=True):
                 if block_id != self.null_block_id:
                     keys.append(key)
                     blocks.append(block_id)
@@ -628,6 +650,18 @@ class OffloadManager:
             raise ValueError(f"request {request_id} already finished; request ids must be unique")
         return state
 
+    def _windowed_hits(self, wanted: Sequence[bytes], hits: int, group: int, window: int) -> int:
+        """The longest hit ``<= hits`` whose last ``window`` blocks ``group`` holds."""
+        keys = self.namespace.keys(wanted[:hits], group)
+        while hits > 0:
+            start = max(0, hits - window)
+            readable = self.index.lookup(keys[start:hits])
+            if readable == hits - start:
+                return hits
+            # the first missing block rules out every hit whose window contains it
+            hits = start + readable
+        return 0
+
     def _new_batch_id(self) -> int:
         batch_id = self._next_batch_id
         self._next_batch_id += 1
@@ -671,7 +705,12 @@ class OffloadManager:
             for group in range(self.num_groups):
                 group_ids = state.block_ids[group]
                 start, stop = state.store_cursor[group], min(ready, len(group_ids))
+                window = self.group_windows[group]
+                if window is not None:
+                    # blocks that left the window may already be back in the engine's pool
+                    start = max(start, stop - window)
                 if start >= stop:
+                    state.store_cursor[group] = max(state.store_cursor[group], stop)
                     continue
                 positions = [
                     pos for pos in range(start, stop) if group_ids[pos] != self.null_block_id
