@@ -53,32 +53,51 @@ def _records(layout: KVLayout, blocks: list[int]) -> torch.Tensor:
     return torch.cat([region.view[blocks] for region in layout.regions], dim=1)
 
 
+RANDOM_BLOCKS = np.random.default_rng(0).permutation(1024)[:256]
+RANDOM_SLOTS = np.random.default_rng(1).permutation(2048)[:256]
+
+
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(
-    "blocks, slots, plan",
+    "one_region, blocks, slots, plan",
     [
-        (np.random.default_rng(0).permutation(1024)[:256], np.arange(256), "gather"),
-        (np.arange(100, 356), np.random.default_rng(1).permutation(2048)[:256], "scatter"),
-        (
-            np.random.default_rng(2).permutation(1024)[:256],
-            np.random.default_rng(3).permutation(2048)[:256],
-            "staged",
-        ),
+        (True, RANDOM_BLOCKS, np.arange(256), "gather"),
+        (False, RANDOM_BLOCKS, np.arange(256), "staged"),
+        (True, np.arange(100, 356), RANDOM_SLOTS, "scatter"),
+        (False, np.arange(100, 356), RANDOM_SLOTS, "scatter"),
+        (True, RANDOM_BLOCKS, RANDOM_SLOTS, "staged"),
+        (False, RANDOM_BLOCKS, RANDOM_SLOTS, "staged"),
     ],
-    ids=["random_blocks_to_slot_run", "block_run_to_random_slots", "random_to_random"],
+    ids=[
+        "one_region-random_blocks_to_slot_run",
+        "regions-random_blocks_to_slot_run",
+        "one_region-block_run_to_random_slots",
+        "regions-block_run_to_random_slots",
+        "one_region-random_to_random",
+        "regions-random_to_random",
+    ],
 )
 def test_each_cpu_plan_is_chosen_and_copies_correctly(
-    blocks: np.ndarray, slots: np.ndarray, plan: str, threads: int, monkeypatch: pytest.MonkeyPatch
+    one_region: bool,
+    blocks: np.ndarray,
+    slots: np.ndarray,
+    plan: str,
+    threads: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr("kvtier.copy.cpu_rows.PARALLEL_MIN_BYTES", 0)
-    layout = _layout(num_blocks=1024, num_layers=2, block_tokens=4)
+    if one_region:
+        engine = torch.randint(0, 256, (1024, 512), dtype=torch.uint8)
+        layout = PerLayerResolver("block_first").resolve({"layer": engine})
+    else:
+        layout = _layout(num_blocks=1024, num_layers=2, block_tokens=4)
     host = torch.zeros((2048, layout.record_bytes), dtype=torch.uint8)
     backend = TorchCopyBackend(TorchCopyConfig(cpu_threads=threads), layout, host)
     runs = len(sort_ids(slots).runs), len(sort_ids(blocks).runs)
-    assert choose_plan(len(blocks), *runs) == plan
-    backend.wait(backend.submit(CopyBatch(Direction.STORE, blocks.tolist(), slots.tolist())))
-    assert torch.equal(host[slots.tolist()], _records(layout, blocks.tolist()))
+    assert choose_plan(len(blocks), *runs, contiguous=one_region) == plan
     expected = _records(layout, blocks.tolist())
+    backend.wait(backend.submit(CopyBatch(Direction.STORE, blocks.tolist(), slots.tolist())))
+    assert torch.equal(host[slots.tolist()], expected)
     for region in layout.regions:
         region.view.zero_()
     backend.wait(backend.submit(CopyBatch(Direction.LOAD, blocks.tolist(), slots.tolist())))

@@ -6,15 +6,18 @@ single opaque items (``np.void`` of ``n`` bytes), so each row moves with one
 ``memcpy`` rather than byte by byte, and numpy releases the GIL while it
 copies. Each batch uses whichever of three plans is cheapest for its ids:
 
-- *gather*: the destination ids, sorted, form few runs of consecutive rows:
-  the source rows are gathered straight into each destination run, a
-  cache-sized chunk at a time (``np.take`` when both sides are contiguous,
-  fancy indexing otherwise, since ``np.take`` would first copy a strided
-  source whole);
+- *gather*: every region is a contiguous matrix on both sides (a one-region
+  layout) and the destination ids, sorted, form few runs of consecutive rows:
+  ``np.take`` of the source rows straight into each destination run;
 - *scatter*: the source ids form few runs: each source run is assigned to its
-  destination rows by fancy indexing;
-- *staged*: neither side has runs: a cache-sized chunk is gathered into
-  staging and then scattered.
+  destination rows by fancy indexing, whatever the strides on either side;
+- *staged*: otherwise: a cache-sized chunk of source rows is gathered into
+  contiguous staging, then scattered by fancy indexing.
+
+Plain slice assignment into rows strided by a power of two is avoided: it
+runs several times slower than a fancy-indexed scatter of the same rows.
+``np.take`` is only used on contiguous sources (it would first copy a strided
+source whole) and with ``mode="clip"`` (the default mode buffers its output).
 
 Large batches are split into equal slices copied by a small thread pool, one
 join per batch. Torch's own ``index_select`` is not used: on rows of 32 KiB
@@ -88,27 +91,31 @@ def sort_ids(ids: np.ndarray) -> SortedIds:
     return SortedIds(order, ordered, run_starts(ordered))
 
 
-def choose_plan(num_rows: int, dst_runs: int, src_runs: int) -> str:
+def choose_plan(num_rows: int, dst_runs: int, src_runs: int, contiguous: bool) -> str:
     """Pick the cheapest plan for a batch.
 
     Args:
         num_rows: Rows (blocks) in the batch.
         dst_runs: Runs of consecutive destination rows, once sorted.
         src_runs: Runs of consecutive source rows, once sorted.
+        contiguous: Whether every region is a contiguous matrix on both sides.
 
     Returns:
         ``"gather"``, ``"scatter"`` or ``"staged"`` (see the module docstring).
     """
-    costs = {
-        "gather": dst_runs * _CALL_S,
-        "scatter": src_runs * _CALL_S + num_rows * _ROW_S,
-        "staged": 2 * num_rows * _ROW_S,  # a gather and a scatter per row
-    }
-    return min(costs, key=costs.__getitem__)
+    few = num_rows * _ROW_S / _CALL_S  # below this many runs, calls cost less than rows
+    if contiguous and dst_runs <= few:
+        return "gather"
+    if src_runs <= few:
+        return "scatter"
+    return "staged"
 
 
 class RowCopier:
-    """Copies batches of rows between engine regions and host columns in CPU memory."""
+    """Copies batches of rows between engine regions and host columns in CPU memory.
+
+    One batch at a time: :meth:`copy` is not meant to be called from two threads at once.
+    """
 
     def __init__(self, regions: Sequence[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
         """Bind the copier to its regions.
@@ -130,6 +137,9 @@ class RowCopier:
                     f"{host.shape[1]} bytes"
                 )
         self._regions = tuple((void_rows(engine), void_rows(host)) for engine, host in regions)
+        self._contiguous = all(
+            engine.flags.c_contiguous and host.flags.c_contiguous for engine, host in self._regions
+        )
         self._record_bytes = sum(int(engine.shape[1]) for engine, _ in regions)
         widest = max(int(engine.shape[1]) for engine, _ in regions)
         self._staging = [np.empty(max(CHUNK_BYTES, widest), dtype=np.uint8) for _ in range(threads)]
@@ -146,9 +156,9 @@ class RowCopier:
         src, dst = (blocks, slots) if direction is Direction.STORE else (slots, blocks)
         by_dst = sort_ids(dst)
         plan, order = "gather", by_dst.order
-        if by_dst.runs.shape[0] * _CALL_S > count * _ROW_S:
+        if not (self._contiguous and by_dst.runs.shape[0] * _CALL_S <= count * _ROW_S):
             by_src = sort_ids(src)
-            plan = choose_plan(count, by_dst.runs.shape[0], by_src.runs.shape[0])
+            plan = choose_plan(count, by_dst.runs.shape[0], by_src.runs.shape[0], self._contiguous)
             if plan == "scatter":
                 order = by_src.order
         src, dst = src[order], dst[order]
@@ -183,32 +193,20 @@ class RowCopier:
             rows = staging.shape[0] // source.dtype.itemsize
             chunk = staging[: rows * source.dtype.itemsize].view(source.dtype)
             if plan == "gather":
-                _gather(source, target, src, dst, chunk)
+                _gather(source, target, src, dst)
             elif plan == "scatter":
                 _scatter(source, target, src, dst)
             else:
                 _staged(source, target, src, dst, chunk)
 
 
-def _gather_into(source: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
-    """``out[:] = source[index]``, without numpy copying all of a strided ``source`` first."""
-    if source.flags.c_contiguous and out.flags.c_contiguous:
-        np.take(source, index, out=out, mode="clip")  # "clip": no bounds pass, no buffering
-    else:
-        out[...] = source[index]  # a chunk-sized temporary, still in cache for the copy
-
-
-def _gather(
-    source: np.ndarray, target: np.ndarray, src: np.ndarray, dst: np.ndarray, chunk: np.ndarray
-) -> None:
+def _gather(source: np.ndarray, target: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
     starts = run_starts(dst)
     ends = np.append(starts[1:], dst.shape[0])
     for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
         first = int(dst[start])
-        for offset in range(start, end, chunk.shape[0]):
-            stop = min(offset + chunk.shape[0], end)
-            out = target[first + offset - start : first + stop - start]
-            _gather_into(source, src[offset:stop], out)
+        out = target[first : first + end - start]
+        np.take(source, src[start:end], out=out, mode="clip")
 
 
 def _scatter(source: np.ndarray, target: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
@@ -222,7 +220,12 @@ def _scatter(source: np.ndarray, target: np.ndarray, src: np.ndarray, dst: np.nd
 def _staged(
     source: np.ndarray, target: np.ndarray, src: np.ndarray, dst: np.ndarray, chunk: np.ndarray
 ) -> None:
+    contiguous = source.flags.c_contiguous
     for start in range(0, src.shape[0], chunk.shape[0]):
         size = min(chunk.shape[0], src.shape[0] - start)
-        _gather_into(source, src[start : start + size], chunk[:size])
+        index = src[start : start + size]
+        if contiguous:
+            np.take(source, index, out=chunk[:size], mode="clip")
+        else:
+            chunk[:size] = source[index]
         target[dst[start : start + size]] = chunk[:size]
