@@ -92,7 +92,7 @@ class EngineSpec:
 
 
 @dataclass(frozen=True)
-class _Tensor:
+class EngineTensor:
     """A logical tensor the engine fills: ``tensor.select(block_dim, block)`` is one block."""
 
     name: str
@@ -100,7 +100,7 @@ class _Tensor:
     block_dim: int
 
 
-def make_kv_caches(spec: EngineSpec) -> tuple[KVCaches, list[_Tensor]]:
+def make_kv_caches(spec: EngineSpec) -> tuple[KVCaches, list[EngineTensor]]:
     """Allocate KV tensors for ``spec``.
 
     Returns:
@@ -115,7 +115,7 @@ def make_kv_caches(spec: EngineSpec) -> tuple[KVCaches, list[_Tensor]]:
 
     layers = [f"layers.{index}.attn" for index in range(spec.num_layers)]
     caches: dict[str, torch.Tensor | list[torch.Tensor]] = {}
-    tensors: list[_Tensor] = []
+    tensors: list[EngineTensor] = []
     if spec.layout in ("flash_attn_nhd", "shared_layers"):
         for index, name in enumerate(layers):
             if spec.layout == "shared_layers" and index % 2 == 1:
@@ -123,13 +123,13 @@ def make_kv_caches(spec: EngineSpec) -> tuple[KVCaches, list[_Tensor]]:
                 continue
             tensor = zeros(2, nb, bs, heads, dim)
             caches[name] = tensor
-            tensors.append(_Tensor(name, tensor, 1))
+            tensors.append(EngineTensor(name, tensor, 1))
     elif spec.layout == "flash_attn_hnd":
         for name in layers:
             physical = zeros(2, nb, heads, bs, dim)
             tensor = physical.permute(0, 1, 3, 2, 4)
             caches[name] = tensor
-            tensors.append(_Tensor(name, tensor, 1))
+            tensors.append(EngineTensor(name, tensor, 1))
     elif spec.layout in ("flashinfer", "mla", "cpu"):
         shape = {
             "flashinfer": (nb, 2, bs, heads, dim),
@@ -139,18 +139,18 @@ def make_kv_caches(spec: EngineSpec) -> tuple[KVCaches, list[_Tensor]]:
         for name in layers:
             tensor = zeros(*shape)
             caches[name] = tensor
-            tensors.append(_Tensor(name, tensor, 0))
+            tensors.append(EngineTensor(name, tensor, 0))
     elif spec.layout == "cross_layer":
         shared = zeros(nb, spec.num_layers, 2, bs, heads, dim)
         for index, name in enumerate(layers):
             view = shared[:, index]
             caches[name] = view
-            tensors.append(_Tensor(name, view, 0))
+            tensors.append(EngineTensor(name, view, 0))
     else:
         for name in layers:
             states = _mamba_states(spec)
             caches[name] = states
-            tensors.extend(_Tensor(f"{name}.{i}", state, 0) for i, state in enumerate(states))
+            tensors.extend(EngineTensor(f"{name}.{i}", state, 0) for i, state in enumerate(states))
     return caches, tensors
 
 
@@ -620,9 +620,9 @@ class OffloadedEngine:
             for rank, engine in enumerate(self.engines):
                 wrong = engine.mismatches(block, key)
                 if wrong:
-                    self.mismatches.append(
-                        f"{request_id} rank {rank} block {block} key {key.hex()[:12]}: {wrong}"
-                    )
+                    line = f"{request_id} rank {rank} block {block} key {key.hex()[:12]}: {wrong}"
+                    logger.warning("loaded block holds wrong bytes: %s", line)
+                    self.mismatches.append(line)
                 engine.cache(block, key)
             self.stats.verified_blocks += 1
             if self._computed_in.get(key) != block:
