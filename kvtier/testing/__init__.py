@@ -1,1 +1,1 @@
-"""Test helpers for kvtier and its plugins: a synthetic engine and contract test suites."""
+"""Test helpers for kvtier and its plugins: a synthetic engine, fault injection, contract suites."""

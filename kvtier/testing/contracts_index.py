@@ -138,6 +138,21 @@ class BlockIndexContract:
         assert index.lookup(keys[2:]) == 0
         assert index.lookup([]) == 0
 
+    def test_lookup_changes_nothing(self, make_index: IndexFactory) -> None:
+        self._need_admission()
+        looked, untouched = make_index(4), make_index(4)
+        for index in (looked, untouched):
+            store(index, chain("a", 2))
+            store(index, chain("b", 2))
+        for _ in range(3):
+            looked.lookup(chain("a", 2))
+            looked.lookup(chain("a", 1) + chain("missing", 1))
+        for index in (looked, untouched):
+            index.take_events()
+            store(index, chain("c", 2))
+        assert looked.take_events() == untouched.take_events()
+        assert looked.stats() == untouched.stats()
+
     def test_commit_or_abort_of_unreserved_key_raises(self, make_index: IndexFactory) -> None:
         index = make_index(2)
         with pytest.raises(KeyError):
