@@ -170,3 +170,13 @@ def test_prefix_arc_reuse_from_the_long_history_shrinks_the_recency_target() -> 
     assert grown > 0.0
     store(index, [b"k0"])  # only the long history remembers it: the target shrinks
     assert policy.target_t1 < grown
+
+
+def test_prefix_arc_a_parent_held_elsewhere_does_not_make_an_orphan() -> None:
+    # Lazy stores arrive leaf first, while the parent still sits in the engine's device cache.
+    index = PolicyIndex(3, PrefixARCPolicy(3))
+    store(index, [b"old"])
+    store(index, [b"leaf"], parent=b"parent")
+    store(index, [b"parent"], parent=b"root")
+    store(index, [b"new"])
+    assert evicted(index) == [b"old"]

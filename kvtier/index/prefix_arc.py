@@ -202,11 +202,9 @@ class PrefixARCPolicy(EvictionPolicy):
 
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
         self._parent[key] = parent
-        if parent is not None and parent not in self._parent:
-            # Its parent was evicted while it was being written: unreachable from the start.
-            self._orphans[key] = None
-            return
-        if parent is not None:
+        # A parent this tier does not hold may sit in a faster tier (a lazy store writes a
+        # chain leaf first, as the engine evicts it): only a parent evicted from here orphans.
+        if parent is not None and parent in self._parent:
             self._add_child(parent, key)
         self._follow(key)
         if self._first_new is None:
