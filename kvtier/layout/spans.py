@@ -210,14 +210,17 @@ def _check_disjoint(spans: list[Span]) -> None:
         by_storage.setdefault(span.storage_key, []).append(span)
     for members in by_storage.values():
         members.sort(key=lambda span: span.offset_bytes)
-        for left, right in itertools.pairwise(members):
-            overlapping = right.offset_bytes < left.extent_end_bytes
-            if overlapping and left.block_stride_bytes != right.block_stride_bytes:
+        furthest = members[0]
+        for span in members[1:]:
+            overlapping = span.offset_bytes < furthest.extent_end_bytes
+            if overlapping and span.block_stride_bytes != furthest.block_stride_bytes:
                 raise LayoutError(
-                    f"{left.name} (block stride {left.block_stride_bytes} bytes) and "
-                    f"{right.name} (block stride {right.block_stride_bytes} bytes) use the same "
+                    f"{furthest.name} (block stride {furthest.block_stride_bytes} bytes) and "
+                    f"{span.name} (block stride {span.block_stride_bytes} bytes) use the same "
                     "memory with different block sizes; resolve each KV-cache group on its own"
                 )
+            if span.extent_end_bytes > furthest.extent_end_bytes:
+                furthest = span
 
 
 def span_view(span: Span) -> torch.Tensor:
