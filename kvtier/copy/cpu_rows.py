@@ -27,7 +27,6 @@ processes share the cores.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,8 +35,6 @@ import numpy as np
 import torch
 
 from kvtier.copy.base import Direction
-
-logger = logging.getLogger(__name__)
 
 CHUNK_BYTES = 1 << 20
 """Staging chunk per thread: small enough to stay in cache between gather and scatter."""
