@@ -226,6 +226,14 @@ def _measure(
     args: argparse.Namespace, block_bytes: int, backend_name: str, progress: tqdm
 ) -> dict[str, object]:
     rig = _build_rig(args, block_bytes)
+    logger.debug(
+        "%s: %d blocks of %d bytes in %d regions on %s",
+        backend_name,
+        rig.blocks,
+        block_bytes,
+        args.regions,
+        rig.engine.device,
+    )
     registry = default_registry()
     config = registry.get("copy_backends", backend_name).config_model()
     backend: CopyBackend = registry.build("copy_backends", config, rig.layout, rig.host)
