@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Literal
 
 import pytest
+from pydantic import Field
+
+import kvtier
+import kvtier.plugins
+from kvtier.config import ConfigError, PluginConfig
+from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
+from kvtier.plugins import build_plugin_manager, collect, default_registry
+from kvtier.testing.models import TinyLlamaSpec, write_tiny_llama
 
 pytest.importorskip("vllm")
-
-from kvtier.config import ConfigError  # noqa: E402
-from kvtier.testing.models import TinyLlamaSpec, write_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -91,33 +97,98 @@ def expected(model_dir: str) -> dict[str, list[list[int]]]:
         shutdown(llm)
 
 
-def test_accuracy_from_the_tier(model_dir: str) -> None:
-    from kvtier.integrations.vllm.offline import (
-        generate,
-        metric_values,
-        reset_device_cache,
-        shutdown,
-    )
+@pytest.fixture(scope="module")
+def eager_engine(model_dir: str) -> Iterator[object]:
+    """kvtier in eager mode with room for everything, publishing KV-cache events."""
+    from vllm.config import KVEventsConfig
 
-    llm = _engine(model_dir, {"cpu_bytes": 64 * MIB}, num_device_blocks=256)
+    from kvtier.integrations.vllm.offline import shutdown
+
+    llm = _engine(
+        model_dir,
+        {"cpu_bytes": 64 * MIB},
+        num_device_blocks=256,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+    )
+    yield llm
+    shutdown(llm)
+
+
+def test_accuracy_from_the_tier(eager_engine: object) -> None:
+    from kvtier.integrations.vllm.offline import generate, metric_values, reset_device_cache
+
+    prompts = _random_prompts(random.Random(1), 8, 100, 600)
+    cold = generate(eager_engine, prompts, max_tokens=12)
+    reset_device_cache(eager_engine)
+    before = metric_values(eager_engine)
+    warm = generate(eager_engine, prompts, max_tokens=12)
+    after = metric_values(eager_engine)
+    assert warm == cold
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    full_blocks = sum(len(p) // BLOCK for p in prompts)
+    assert grew("vllm:kvtier_hit_tokens") == full_blocks * BLOCK
+    assert grew("vllm:kvtier_loaded_blocks") == full_blocks
+    assert grew("vllm:external_prefix_cache_hits") == full_blocks * BLOCK
+
+
+def test_block_completed_in_the_finishing_step_is_stored(eager_engine: object) -> None:
+    """Output token 63 fills block 1 in the request's last step; the tier must still get it."""
+    from kvtier.integrations.vllm.offline import generate, reset_device_cache, settle
+
+    prompt = _random_prompts(random.Random(6), 1, 60, 61)[0]
+    (reply,) = generate(eager_engine, [prompt], max_tokens=5)  # computes KV of tokens 0..63
+    settle(eager_engine)
+    reset_device_cache(eager_engine)
+    tier = _tier(eager_engine)
+    hits_before = tier.stats().hit_tokens
+    extended = prompt + reply[:4] + [7, 8, 9]
+    generate(eager_engine, [extended], max_tokens=1)
+    assert tier.stats().hit_tokens - hits_before == 2 * BLOCK
+
+
+def test_kv_cache_events_name_stored_blocks(eager_engine: object) -> None:
+    from kvtier.integrations.vllm.offline import generate, settle
+
+    scheduler = eager_engine.llm_engine.engine_core.engine_core.scheduler
+    published = []
+    publish = scheduler.kv_event_publisher.publish
+    scheduler.kv_event_publisher.publish = lambda batch: published.append(batch) or publish(batch)
     try:
-        prompts = _random_prompts(random.Random(1), 8, 100, 600)
-        cold = generate(llm, prompts, max_tokens=12)
-        reset_device_cache(llm)
-        before = metric_values(llm)
-        warm = generate(llm, prompts, max_tokens=12)
-        after = metric_values(llm)
-        assert warm == cold
-        full_blocks = sum(len(p) // BLOCK for p in prompts)
-        hit_tokens = after["vllm:kvtier_hit_tokens"] - before.get("vllm:kvtier_hit_tokens", 0)
-        assert hit_tokens == full_blocks * BLOCK
-        assert after["vllm:kvtier_loaded_blocks"] - before.get("vllm:kvtier_loaded_blocks", 0) == (
-            full_blocks
-        )
-        external = after["vllm:external_prefix_cache_hits"]
-        assert external - before.get("vllm:external_prefix_cache_hits", 0) == hit_tokens
+        prompt = _random_prompts(random.Random(7), 1, 3 * BLOCK + 5, 3 * BLOCK + 6)[0]
+        generate(eager_engine, [prompt], max_tokens=1)
+        settle(eager_engine)
     finally:
-        shutdown(llm)
+        scheduler.kv_event_publisher.publish = publish
+    stored = [
+        event
+        for batch in published
+        for event in batch.events
+        if type(event).__name__ == "BlockStored" and event.medium == "CPU"
+    ]
+    assert [event.token_ids for event in stored] == [
+        prompt[i * BLOCK : (i + 1) * BLOCK] for i in range(3)
+    ]
+    assert stored[0].parent_block_hash is None
+    assert stored[1].parent_block_hash == stored[0].block_hashes[0]
+
+
+def test_reset_cache_empties_the_tier(eager_engine: object) -> None:
+    from kvtier.integrations.vllm.offline import generate, reset_device_cache, settle
+
+    prompts = _random_prompts(random.Random(8), 2, 100, 200)
+    generate(eager_engine, prompts, max_tokens=1)
+    settle(eager_engine)
+    tier = _tier(eager_engine)
+    assert tier.stats().used_slots > 0
+    assert eager_engine.reset_prefix_cache(reset_connector=True)
+    assert tier.stats().used_slots == 0
+    reset_device_cache(eager_engine)
+    hits_before = tier.stats().hit_tokens
+    generate(eager_engine, prompts, max_tokens=1)
+    assert tier.stats().hit_tokens == hits_before
 
 
 def test_lazy_mode_serves_blocks_flushed_from_the_device(model_dir: str) -> None:
@@ -218,5 +289,66 @@ def test_multiprocess_engine_accuracy(model_dir: str, monkeypatch: pytest.Monkey
         warm = generate(llm, prompts, max_tokens=8)
         assert warm == cold
         assert metric_values(llm).get("vllm:kvtier_hit_tokens", 0) > 0
+    finally:
+        shutdown(llm)
+
+
+class FlakyCopyConfig(PluginConfig):
+    """A torch copy backend whose loads fail: the test's stand-in for a broken tier."""
+
+    type: Literal["flaky"] = Field(default="flaky", description="Use the failing test backend.")
+
+
+class _FailingLoads(CopyBackend):
+    def __init__(self, inner: CopyBackend) -> None:
+        self.inner = inner
+
+    def submit(self, batch: CopyBatch) -> CopyHandle:
+        if batch.direction is Direction.LOAD:
+            raise CopyError(f"injected failure of a {len(batch)}-block load")
+        return self.inner.submit(batch)
+
+    def done(self, handle: CopyHandle) -> bool:
+        return self.inner.done(handle)
+
+    def wait(self, handle: CopyHandle) -> None:
+        self.inner.wait(handle)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _FlakyPlugin:
+    @kvtier.hookimpl
+    def register_copy_backends(self, register: Callable[..., None]) -> None:
+        def build(config: FlakyCopyConfig, layout: object, host_buffer: object) -> CopyBackend:
+            torch_backend = default_registry().get("copy_backends", "torch")
+            return _FailingLoads(
+                torch_backend.factory(torch_backend.config_model(), layout, host_buffer)
+            )
+
+        register("flaky", build, FlakyCopyConfig)
+
+
+def test_failed_loads_are_recomputed(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.integrations.vllm.offline import generate, reset_device_cache, shutdown
+
+    manager = build_plugin_manager()
+    manager.register(_FlakyPlugin(), name="flaky-test-plugin")
+    # The connector builds from the process's default registry; give it one with the plugin.
+    monkeypatch.setattr(kvtier.plugins, "_default_registry", collect(manager))
+    llm = _engine(
+        model_dir, {"cpu_bytes": 64 * MIB, "copy": {"type": "flaky"}}, num_device_blocks=256
+    )
+    try:
+        prompts = _random_prompts(random.Random(9), 4, 100, 400)
+        cold = generate(llm, prompts, max_tokens=8)
+        reset_device_cache(llm)
+        warm = generate(llm, prompts, max_tokens=8)
+        assert warm == cold
+        stats = _tier(llm).stats()
+        assert stats.hit_tokens > 0, "the tier was meant to offer hits"
+        assert stats.loaded_blocks == 0
+        assert stats.failed_loads == stats.hit_tokens // BLOCK
     finally:
         shutdown(llm)

@@ -166,6 +166,26 @@ def connector_config(vllm_config: VllmConfig) -> KVTierConfig:
         raise
 
 
+def group_windows_of(kv_cache_config: KVCacheConfig, block_tokens: int) -> list[int | None]:
+    """Blocks a prefix hit needs per kv-cache group: all (``None``) or only the last few.
+
+    A sliding-window group needs the blocks its window spans; a Mamba group
+    needs only its last state block.
+    """
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    windows: list[int | None] = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            windows.append(-(-spec.sliding_window // block_tokens) + 1)
+        elif isinstance(spec, MambaSpec):
+            windows.append(1)
+        else:
+            windows.append(None)
+    return windows
+
+
 def record_bytes_of(kv_cache_config: KVCacheConfig) -> int:
     """Bytes of one block across the layers of a kv-cache group: one host-tier record.
 
@@ -259,11 +279,16 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             namespace=KeyNamespace(model=vllm_config.model_config.model),
             null_block_id=0,
             record_events=self._record_events,
+            group_windows=group_windows_of(kv_cache_config, block_tokens),
         )
         self._block_pool: BlockPool | None = None
         self._requests: dict[str, Request] = {}
         self._lookup_base: dict[str, int] = {}
         self._waiting_finished: set[str] = set()
+        # Requests whose tier load failed recompute instead: a retry must not load again.
+        self._load_failed: set[str] = set()
+        # Finished requests stay in _requests until their blocks' events are published.
+        self._forget_after_events: list[str] = []
         self._lazy_protected: set[int] = set()
         self._lazy_target = LAZY_HEADROOM * -(
             -vllm_config.scheduler_config.max_num_batched_tokens // block_tokens
@@ -289,7 +314,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if self.manager is None:
+        if self.manager is None or request.request_id in self._load_failed:
             return 0, False
         self._lookup_base[request.request_id] = num_computed_tokens
         # The manager leaves the last token to the engine. vLLM recomputes the last token of
@@ -378,6 +403,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         meta = connector_output.kv_connector_worker_meta
         report = meta.report if isinstance(meta, KVTierWorkerMetadata) else None
         progress = self.manager.process(report)
+        self._forget_after_events.extend(progress.released_requests)
+        self._load_failed.update(progress.failed_loads)
         if self._lazy_protected and progress.stored_blocks and self._block_pool is not None:
             protected = self._lazy_protected
             done = [b.block_id for b in progress.stored_blocks if b.block_id in protected]
@@ -395,9 +422,11 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self.manager is None:
             return False, None
         request_id = request.request_id
-        self._requests.pop(request_id, None)
         self._lookup_base.pop(request_id, None)
+        self._load_failed.discard(request_id)
         hold = self.manager.finished(request_id, request.num_computed_tokens)
+        if not hold:
+            self._forget_after_events.append(request_id)
         if hold and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             self._waiting_finished.add(request_id)
             return False, None
@@ -412,11 +441,19 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.manager.reset()
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        if self.manager is None or not self._record_events:
+        if self.manager is None:
             return ()
+        events = self._convert_events() if self._record_events else []
+        for request_id in self._forget_after_events:
+            self._requests.pop(request_id, None)
+        self._forget_after_events.clear()
+        return events
+
+    def _convert_events(self) -> list[KVCacheEvent]:
+        assert self.manager is not None
         events = self.manager.take_events()
         if not events:
-            return ()
+            return []
         prefix_bytes = len(self.manager.namespace.prefix(0))
         tokens = self._tokens_by_hash()
         out: list[KVCacheEvent] = []
