@@ -235,7 +235,9 @@ def _measure(
         rig.engine.device,
     )
     registry = default_registry()
-    config = registry.get("copy_backends", backend_name).config_model()
+    config = registry.get("copy_backends", backend_name).config_model.model_validate(
+        {"type": backend_name}
+    )
     backend: CopyBackend = registry.build("copy_backends", config, rig.layout, rig.host)
     device = rig.engine.device
     nbytes = rig.blocks * block_bytes

@@ -126,7 +126,7 @@ def tensor_spans(name: str, tensor: torch.Tensor, block_dim: int) -> list[Span]:
             "really the block dimension?"
         )
     storage = tensor.untyped_storage()
-    base = tensor.storage_offset() * element_bytes
+    base = int(tensor.storage_offset()) * element_bytes
     spans = []
     order = sorted(outer, key=lambda item: item[2])  # name pieces in logical dim order
     for index in itertools.product(*(range(size) for _, size, _ in order)):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import pytest
 import torch
@@ -340,18 +341,16 @@ def all_cases(device: str = "cpu") -> list[Callable[[], LayoutCase]]:
     builders: list[Callable[[], LayoutCase]] = []
     for dtype in DTYPES:
         for order in ("NHD", "HND"):
-            builders.append(
-                lambda o=order, d=dtype: flash_attn_case(dtype=d, order=o, device=device)
-            )
+            builders.append(partial(flash_attn_case, dtype=dtype, order=order, device=device))
         for kind in ("flashinfer", "mla", "cpu"):
-            builders.append(lambda k=kind, d=dtype: block_first_case(k, dtype=d, device=device))
-        builders.append(lambda d=dtype: cross_layer_case(dtype=d, device=device))
+            builders.append(partial(block_first_case, kind, dtype=dtype, device=device))
+        builders.append(partial(cross_layer_case, dtype=dtype, device=device))
     for outer in (False, True):
-        builders.append(lambda b=outer: vllm_cpu_packed_case(b, device=device))
+        builders.append(partial(vllm_cpu_packed_case, outer, device=device))
     for raw_pages in (False, True):
-        builders.append(lambda r=raw_pages: mamba_case(raw_pages=r, device=device))
-    builders.append(lambda: shared_layers_case(device=device))
-    builders.append(lambda: hybrid_overlay_case(device=device))
+        builders.append(partial(mamba_case, raw_pages=raw_pages, device=device))
+    builders.append(partial(shared_layers_case, device=device))
+    builders.append(partial(hybrid_overlay_case, device=device))
     return builders
 
 
