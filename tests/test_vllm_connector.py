@@ -1,0 +1,123 @@
+"""The vLLM connector's pieces that need no engine: version check, metrics, messages, docs."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+
+from kvtier.copy.base import Direction  # noqa: E402
+from kvtier.integrations.vllm.stats import (  # noqa: E402
+    METRICS,
+    PROMETHEUS_PREFIX,
+    KVTierPromMetrics,
+    KVTierStats,
+)
+from kvtier.integrations.vllm.version import (  # noqa: E402
+    UnsupportedVLLMVersion,
+    check_vllm_version,
+)
+from kvtier.offload import Transfer, TransferPlan, WorkerReport  # noqa: E402
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "vllm.md"
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.7", "0.32.1+cpu"])
+def test_supported_versions_pass(version: str) -> None:
+    assert check_vllm_version(version) == version
+
+
+@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "dev"])
+def test_other_versions_fail_with_what_to_do(version: str) -> None:
+    with pytest.raises(UnsupportedVLLMVersion) as raised:
+        check_vllm_version(version)
+    message = str(raised.value)
+    assert f"vLLM {version} is installed" in message
+    assert "0.32.x" in message
+    assert "pip install" in message
+
+
+def test_installed_vllm_is_supported() -> None:
+    check_vllm_version()
+
+
+def test_stats_add_counters_and_keep_the_latest_gauge() -> None:
+    scheduler = KVTierStats()
+    scheduler.record("stored_blocks", 3)
+    scheduler.record("used_blocks", 10)
+    later = KVTierStats(data={"stored_blocks": 2, "used_blocks": 12, "hit_tokens": 64})
+    merged = scheduler.aggregate(later)
+    assert merged.reduce() == {"stored_blocks": 5, "used_blocks": 12, "hit_tokens": 64}
+    assert not merged.is_empty()
+    merged.reset()
+    assert merged.is_empty()
+
+
+def test_stats_reject_unknown_names_and_foreign_payloads() -> None:
+    with pytest.raises(ValueError, match="unknown kvtier metrics"):
+        KVTierStats(data={"stored_blokcs": 1})
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+    with pytest.raises(TypeError):
+        KVTierStats().aggregate(KVConnectorStats())
+
+
+def test_stats_survive_pickling() -> None:
+    stats = KVTierStats(data={"loaded_bytes": 4096})
+    assert pickle.loads(pickle.dumps(stats)).reduce() == {"loaded_bytes": 4096}
+
+
+class _Registered:
+    """Metric classes bound to a private registry, as vLLM's factory passes them."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.types = {kind: self._bound(kind) for kind in (Counter, Gauge, Histogram)}
+
+    def _bound(self, kind: type) -> type:
+        registry = self.registry
+
+        class Bound(kind):  # type: ignore[misc, valid-type]
+            def __init__(self, *args: object, **kwargs: object) -> None:
+                super().__init__(*args, registry=registry, **kwargs)
+
+        return Bound
+
+
+def test_prometheus_metrics_publish_every_payload() -> None:
+    from vllm.config import VllmConfig
+
+    bound = _Registered()
+    prom = KVTierPromMetrics(VllmConfig(), bound.types, ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe({"hit_tokens": 64, "used_blocks": 3}, engine_idx=0)
+    prom.observe({"hit_tokens": 32, "used_blocks": 5}, engine_idx=0)
+    labels = {"model_name": "m", "engine": "0"}
+    value = bound.registry.get_sample_value
+    assert value(f"{PROMETHEUS_PREFIX}hit_tokens_total", labels) == 96
+    assert value(f"{PROMETHEUS_PREFIX}used_blocks", labels) == 5
+
+
+def test_docs_list_every_metric() -> None:
+    text = DOCS.read_text()
+    for name in METRICS:
+        assert f"`{PROMETHEUS_PREFIX}{name}`" in text, f"{name} is missing from docs/vllm.md"
+
+
+def test_plan_and_reports_cross_processes() -> None:
+    from kvtier.integrations.vllm.connector import KVTierMetadata, KVTierWorkerMetadata
+
+    plan = TransferPlan(
+        stores=(Transfer(0, Direction.STORE, 0, (4, 5), (0, 1)),),
+        loads=(Transfer(1, Direction.LOAD, 0, (7,), (2,), request_id="r"),),
+        holds={"q": (0,)},
+    )
+    assert pickle.loads(pickle.dumps(KVTierMetadata(plan))).plan == plan
+    rank0 = KVTierWorkerMetadata(WorkerReport(done={0: 1, 1: 1}))
+    rank1 = KVTierWorkerMetadata(WorkerReport(done={0: 1}, failed={1: 1}))
+    merged = pickle.loads(pickle.dumps(rank0)).aggregate(rank1)
+    assert merged.report == WorkerReport(done={0: 2, 1: 1}, failed={1: 1})
