@@ -1,16 +1,16 @@
 """kvtier's metrics in vLLM: a ``KVConnectorStats`` payload and its Prometheus exporter.
 
-Each engine step the scheduler-side connector and every worker-side connector
-hand vLLM a :class:`KVTierStats` (a flat ``name -> number`` dict, so it
-pickles across processes). vLLM merges the workers' payloads with the
-scheduler's through :meth:`KVTierStats.aggregate`, logs :meth:`KVTierStats.reduce`
-and feeds the merged dict to :class:`KVTierPromMetrics`, which publishes every
-metric in :data:`METRICS` as ``vllm:kvtier_<name>``.
+Each engine step the scheduler-side connector hands vLLM a :class:`KVTierStats`
+(a flat ``name -> number`` dict, so it pickles across processes) with what
+changed since the previous step. vLLM merges payloads with
+:meth:`KVTierStats.aggregate`, logs :meth:`KVTierStats.reduce` and feeds the
+merged dict to :class:`KVTierPromMetrics`, which publishes every metric in
+:data:`METRICS` as ``vllm:kvtier_<name>``.
 
-Counters are added up when payloads merge (bytes moved by several ranks add
-up); gauges keep the most recent value. Block counts come from the scheduler
-side, which counts a transfer once however many ranks ran it; byte counts come
-from the workers, each counting what its own rank moved.
+Counters are added up when payloads merge; gauges keep the most recent value.
+Everything is counted on the scheduler side, which learns of a transfer once
+every rank reported it: block counts count it once, byte counts include every
+rank's shard.
 """
 
 from __future__ import annotations
