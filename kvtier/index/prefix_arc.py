@@ -111,22 +111,8 @@ class PrefixARCPolicy(EvictionPolicy):
 
     # Chain ranking.
 
-    def _follow(self, key: BlockKey) -> None:
-        """Append ``key`` to the current chain, or start a new one unless it continues it."""
-        self._end_chain_unless_continued_by(self._parent.get(key))
-        self._chain.append(key)
-
-    def _end_chain_unless_continued_by(self, parent: BlockKey | None) -> None:
-        """Rank and classify the current chain if a block with this parent does not extend it."""
-        chain = self._chain
-        if chain and parent != chain[-1]:
-            self._rank_chain()
-            self._classify_new_blocks()
-            chain.clear()
-            self._ranked = 0
-            self._first_new = None
-
     def _rank_chain(self) -> None:
+        """Rank the chain touched so far leaf first: its deepest block becomes the oldest."""
         if self._ranked == len(self._chain):
             return
         t1, t2 = self._t1, self._t2
@@ -137,48 +123,66 @@ class PrefixARCPolicy(EvictionPolicy):
                 t2.move_to_end(key)
         self._ranked = len(self._chain)
 
+    def _end_chain(self) -> None:
+        """Rank the finished chain leaf first, and class the blocks it stored (one pass)."""
+        chain, first = self._chain, self._first_new
+        if first is None:
+            self._rank_chain()
+        else:
+            t1, t2, classes, stored = self._t1, self._t2, self._class, self._stored
+            origin = 0 if first == 0 or self._parent.get(chain[first]) is None else TAIL_BUCKETS
+            low = self._low_value_classes()
+            last = len(chain) - 1
+            demoted = []
+            for position in range(last, -1, -1):
+                key = chain[position]
+                if key in t1:
+                    t1.move_to_end(key)
+                    if position >= first:
+                        cls = origin + min(last - position, TAIL_BUCKETS - 1)
+                        classes[key] = cls
+                        stored[cls] += 1.0
+                        if low[cls]:
+                            demoted.append(key)
+                elif key in t2:
+                    t2.move_to_end(key)
+            # Root first, so that the chain's deepest low-value block ends up first in line.
+            for key in reversed(demoted):
+                t1.move_to_end(key, last=False)
+            self._count_towards_decay(len(chain) - first)
+        chain.clear()
+        self._ranked = 0
+        self._first_new = None
+
     def _add_child(self, parent: BlockKey, child: BlockKey) -> None:
         # Most blocks have one cached child: store it bare and make a set only for a second one.
-        children = self._children
-        siblings = children.get(parent)
+        siblings = self._children.get(parent)
         if siblings is None:
-            children[parent] = child
+            self._children[parent] = child
         elif isinstance(siblings, set):
             siblings.add(child)
         elif siblings != child:
-            children[parent] = {siblings, child}
+            self._children[parent] = {siblings, child}
 
     # Reuse learning.
 
-    def _classify_new_blocks(self) -> None:
-        """Class the blocks the finished chain stored; send low-value ones to the eviction end."""
-        first = self._first_new
-        if first is None:
-            return
-        chain = self._chain
-        origin = 0 if first == 0 or self._parent.get(chain[first]) is None else TAIL_BUCKETS
+    def _low_value_classes(self) -> list[bool]:
+        """Per class, whether its reuse rate is under ``low_value_ratio`` of the overall rate."""
         stored, reused = self._stored, self._reused
         overall = (sum(reused) + 1.0) / (sum(stored) + 2.0)
         bar = self.low_value_ratio * overall
-        low = [
+        return [
             (reused[cls] + PRIOR_WEIGHT * overall) / (stored[cls] + PRIOR_WEIGHT) < bar
             for cls in range(NUM_CLASSES)
         ]
-        t1, classes = self._t1, self._class
-        last = len(chain) - 1
-        for position in range(first, len(chain)):
-            key = chain[position]
-            if key in t1:
-                cls = origin + min(last - position, TAIL_BUCKETS - 1)
-                classes[key] = cls
-                stored[cls] += 1.0
-                if low[cls]:
-                    t1.move_to_end(key, last=False)
-        self._since_decay += len(chain) - first
+
+    def _count_towards_decay(self, stored_blocks: int) -> None:
+        """Halve the class counts every few tiers' worth of stores, so they follow the workload."""
+        self._since_decay += stored_blocks
         if self._since_decay >= self._decay_every:
             self._since_decay = 0
-            self._stored = [count / 2 for count in stored]
-            self._reused = [count / 2 for count in reused]
+            self._stored = [count / 2 for count in self._stored]
+            self._reused = [count / 2 for count in self._reused]
 
     def _credit_reuse(self, key: BlockKey) -> None:
         cls = self._class.pop(key, None)
@@ -189,7 +193,8 @@ class PrefixARCPolicy(EvictionPolicy):
 
     def admit(self, key: BlockKey, parent: BlockKey | None) -> bool:
         # A store that starts a new chain ends the previous one before any victim is chosen.
-        self._end_chain_unless_continued_by(parent)
+        if self._chain and parent != self._chain[-1]:
+            self._end_chain()
         # As in ARC, a ghost hit moves the target before the victim for ``key`` is chosen.
         b1, b2 = len(self._b1), len(self._b2)
         self._incoming_in_b2 = key in self._b2
@@ -201,14 +206,17 @@ class PrefixARCPolicy(EvictionPolicy):
         return True
 
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
-        self._parent[key] = parent
+        parents, chain = self._parent, self._chain
+        parents[key] = parent
         # A parent this tier does not hold may sit in a faster tier (a lazy store writes a
         # chain leaf first, as the engine evicts it): only a parent evicted from here orphans.
-        if parent is not None and parent in self._parent:
+        if parent is not None and parent in parents:
             self._add_child(parent, key)
-        self._follow(key)
+        if chain and parent != chain[-1]:
+            self._end_chain()
         if self._first_new is None:
-            self._first_new = len(self._chain) - 1
+            self._first_new = len(chain)
+        chain.append(key)
         if key in self._b1:
             del self._b1[key]
         elif key in self._b2:
@@ -223,8 +231,12 @@ class PrefixARCPolicy(EvictionPolicy):
 
     def accessed(self, key: BlockKey) -> None:
         # No move here: the chain is ranked, leaf first, before the next victim is chosen.
-        self._follow(key)
-        self._credit_reuse(key)
+        chain = self._chain
+        if chain and self._parent[key] != chain[-1]:
+            self._end_chain()
+        chain.append(key)
+        if key in self._class:
+            self._credit_reuse(key)
         if key in self._t2:
             return
         if key in self._t1:
