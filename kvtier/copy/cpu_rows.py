@@ -19,16 +19,20 @@ runs several times slower than a fancy-indexed scatter of the same rows.
 ``np.take`` is only used on contiguous sources (it would first copy a strided
 source whole) and with ``mode="clip"`` (the default mode buffers its output).
 
-Large batches are split into equal slices copied by a small thread pool, one
-join per batch. Torch's own ``index_select`` is not used: on rows of 32 KiB
-and more it opens a parallel region per row, which stalls badly when other
-processes share the cores.
+Large batches are cut into pieces that a small thread pool (the caller's
+thread included) takes one at a time, so a thread slowed by another process
+holds up at most one piece; there is one join per batch.
+
+Torch's own ``index_select`` is not used: on rows of 32 KiB and more it opens
+a parallel region per row, which stalls badly when other processes share the
+cores.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +45,10 @@ CHUNK_BYTES = 1 << 20
 
 PARALLEL_MIN_BYTES = 4 << 20
 """Batches moving fewer bytes than this run on the caller's thread alone."""
+
+PIECES_PER_THREAD = 4
+"""Pieces a large batch is cut into per thread; threads take pieces as they finish, so one
+thread delayed by another process does not hold up the whole batch."""
 
 _CALL_S = 3e-6
 """Rough fixed cost of one numpy call on a run of rows, for choosing a plan."""
@@ -159,19 +167,30 @@ class RowCopier:
             if plan == "scatter":
                 order = by_src.order
         src, dst = src[order], dst[order]
-        pieces = len(self._staging)
-        if count * self._record_bytes < PARALLEL_MIN_BYTES or count < pieces:
-            pieces = 1
+        threads = len(self._staging)
+        pieces = 1
+        if count * self._record_bytes >= PARALLEL_MIN_BYTES and threads > 1:
+            pieces = min(count, PIECES_PER_THREAD * threads)
         bounds = np.linspace(0, count, pieces + 1).astype(np.int64).tolist()
+        queue = iter(zip(bounds[:-1], bounds[1:], strict=True))
+        lock = threading.Lock()
+
+        def work(staging: int) -> None:
+            while True:
+                with lock:
+                    piece = next(queue, None)
+                if piece is None:
+                    return
+                start, end = piece
+                self._copy_slice(direction, plan, staging, src[start:end], dst[start:end])
+
         futures = []
-        if self._pool is not None:
-            futures = [
-                self._pool.submit(
-                    self._copy_slice, direction, plan, piece, src[start:end], dst[start:end]
-                )
-                for piece, (start, end) in enumerate(zip(bounds[1:-1], bounds[2:], strict=True), 1)
-            ]
-        self._copy_slice(direction, plan, 0, src[: bounds[1]], dst[: bounds[1]])
+        if self._pool is not None and pieces > 1:
+            futures = [self._pool.submit(work, staging) for staging in range(1, threads)]
+        try:
+            work(0)
+        finally:
+            wait(futures)  # never return while a helper still writes
         for future in futures:
             future.result()
 
