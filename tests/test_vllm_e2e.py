@@ -48,6 +48,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def _engine(model_dir: str, kvtier: dict | None, **kwargs: object):  # noqa: ANN202
     from vllm import LLM
+    from vllm.distributed.kv_transfer import has_kv_transfer_group
+
+    # vLLM keeps one worker connector per process: a live engine's would serve the new one.
+    assert not has_kv_transfer_group(), "an earlier engine in this process was not shut down"
 
     from kvtier.integrations.vllm.offline import engine_kwargs
 
@@ -97,7 +101,7 @@ def expected(model_dir: str) -> dict[str, list[list[int]]]:
         shutdown(llm)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def eager_engine(model_dir: str) -> Iterator[object]:
     """kvtier in eager mode with room for everything, publishing KV-cache events."""
     from vllm.config import KVEventsConfig
@@ -114,81 +118,83 @@ def eager_engine(model_dir: str) -> Iterator[object]:
     shutdown(llm)
 
 
-def test_accuracy_from_the_tier(eager_engine: object) -> None:
-    from kvtier.integrations.vllm.offline import generate, metric_values, reset_device_cache
+class TestEagerEngine:
+    """One eager-mode engine with room for everything; stopped before the next engine starts."""
 
-    prompts = _random_prompts(random.Random(1), 8, 100, 600)
-    cold = generate(eager_engine, prompts, max_tokens=12)
-    reset_device_cache(eager_engine)
-    before = metric_values(eager_engine)
-    warm = generate(eager_engine, prompts, max_tokens=12)
-    after = metric_values(eager_engine)
-    assert warm == cold
+    def test_accuracy_from_the_tier(self, eager_engine: object) -> None:
+        from kvtier.integrations.vllm.offline import generate, metric_values, reset_device_cache
 
-    def grew(name: str) -> float:
-        return after[name] - before.get(name, 0)
+        prompts = _random_prompts(random.Random(1), 8, 100, 600)
+        cold = generate(eager_engine, prompts, max_tokens=12)
+        reset_device_cache(eager_engine)
+        before = metric_values(eager_engine)
+        warm = generate(eager_engine, prompts, max_tokens=12)
+        after = metric_values(eager_engine)
+        assert warm == cold
 
-    full_blocks = sum(len(p) // BLOCK for p in prompts)
-    assert grew("vllm:kvtier_hit_tokens") == full_blocks * BLOCK
-    assert grew("vllm:kvtier_loaded_blocks") == full_blocks
-    assert grew("vllm:external_prefix_cache_hits") == full_blocks * BLOCK
+        def grew(name: str) -> float:
+            return after[name] - before.get(name, 0)
 
+        full_blocks = sum(len(p) // BLOCK for p in prompts)
+        assert grew("vllm:kvtier_hit_tokens") == full_blocks * BLOCK
+        assert grew("vllm:kvtier_loaded_blocks") == full_blocks
+        assert grew("vllm:external_prefix_cache_hits") == full_blocks * BLOCK
 
-def test_block_completed_in_the_finishing_step_is_stored(eager_engine: object) -> None:
-    """Output token 63 fills block 1 in the request's last step; the tier must still get it."""
-    from kvtier.integrations.vllm.offline import generate, reset_device_cache, settle
+    def test_block_completed_in_the_finishing_step_is_stored(self, eager_engine: object) -> None:
+        """Output token 63 fills block 1 in the request's last step; the tier must still get it."""
+        from kvtier.integrations.vllm.offline import generate, reset_device_cache, settle
 
-    prompt = _random_prompts(random.Random(6), 1, 60, 61)[0]
-    (reply,) = generate(eager_engine, [prompt], max_tokens=5)  # computes KV of tokens 0..63
-    settle(eager_engine)
-    reset_device_cache(eager_engine)
-    tier = _tier(eager_engine)
-    hits_before = tier.stats().hit_tokens
-    extended = prompt + reply[:4] + [7, 8, 9]
-    generate(eager_engine, [extended], max_tokens=1)
-    assert tier.stats().hit_tokens - hits_before == 2 * BLOCK
-
-
-def test_kv_cache_events_name_stored_blocks(eager_engine: object) -> None:
-    from kvtier.integrations.vllm.offline import generate, settle
-
-    scheduler = eager_engine.llm_engine.engine_core.engine_core.scheduler
-    published = []
-    publish = scheduler.kv_event_publisher.publish
-    scheduler.kv_event_publisher.publish = lambda batch: published.append(batch) or publish(batch)
-    try:
-        prompt = _random_prompts(random.Random(7), 1, 3 * BLOCK + 5, 3 * BLOCK + 6)[0]
-        generate(eager_engine, [prompt], max_tokens=1)
+        prompt = _random_prompts(random.Random(6), 1, 60, 61)[0]
+        (reply,) = generate(eager_engine, [prompt], max_tokens=5)  # computes KV of tokens 0..63
         settle(eager_engine)
-    finally:
-        scheduler.kv_event_publisher.publish = publish
-    stored = [
-        event
-        for batch in published
-        for event in batch.events
-        if type(event).__name__ == "BlockStored" and event.medium == "CPU"
-    ]
-    assert [event.token_ids for event in stored] == [
-        prompt[i * BLOCK : (i + 1) * BLOCK] for i in range(3)
-    ]
-    assert stored[0].parent_block_hash is None
-    assert stored[1].parent_block_hash == stored[0].block_hashes[0]
+        reset_device_cache(eager_engine)
+        tier = _tier(eager_engine)
+        hits_before = tier.stats().hit_tokens
+        extended = prompt + reply[:4] + [7, 8, 9]
+        generate(eager_engine, [extended], max_tokens=1)
+        assert tier.stats().hit_tokens - hits_before == 2 * BLOCK
 
+    def test_kv_cache_events_name_stored_blocks(self, eager_engine: object) -> None:
+        from kvtier.integrations.vllm.offline import generate, settle
 
-def test_reset_cache_empties_the_tier(eager_engine: object) -> None:
-    from kvtier.integrations.vllm.offline import generate, reset_device_cache, settle
+        scheduler = eager_engine.llm_engine.engine_core.engine_core.scheduler
+        published = []
+        publish = scheduler.kv_event_publisher.publish
+        scheduler.kv_event_publisher.publish = lambda batch: (
+            published.append(batch) or publish(batch)
+        )
+        try:
+            prompt = _random_prompts(random.Random(7), 1, 3 * BLOCK + 5, 3 * BLOCK + 6)[0]
+            generate(eager_engine, [prompt], max_tokens=1)
+            settle(eager_engine)
+        finally:
+            scheduler.kv_event_publisher.publish = publish
+        stored = [
+            event
+            for batch in published
+            for event in batch.events
+            if type(event).__name__ == "BlockStored" and event.medium == "CPU"
+        ]
+        assert [event.token_ids for event in stored] == [
+            prompt[i * BLOCK : (i + 1) * BLOCK] for i in range(3)
+        ]
+        assert stored[0].parent_block_hash is None
+        assert stored[1].parent_block_hash == stored[0].block_hashes[0]
 
-    prompts = _random_prompts(random.Random(8), 2, 100, 200)
-    generate(eager_engine, prompts, max_tokens=1)
-    settle(eager_engine)
-    tier = _tier(eager_engine)
-    assert tier.stats().used_slots > 0
-    assert eager_engine.reset_prefix_cache(reset_connector=True)
-    assert tier.stats().used_slots == 0
-    reset_device_cache(eager_engine)
-    hits_before = tier.stats().hit_tokens
-    generate(eager_engine, prompts, max_tokens=1)
-    assert tier.stats().hit_tokens == hits_before
+    def test_reset_cache_empties_the_tier(self, eager_engine: object) -> None:
+        from kvtier.integrations.vllm.offline import generate, reset_device_cache, settle
+
+        prompts = _random_prompts(random.Random(8), 2, 100, 200)
+        generate(eager_engine, prompts, max_tokens=1)
+        settle(eager_engine)
+        tier = _tier(eager_engine)
+        assert tier.stats().used_slots > 0
+        assert eager_engine.reset_prefix_cache(reset_connector=True)
+        assert tier.stats().used_slots == 0
+        reset_device_cache(eager_engine)
+        hits_before = tier.stats().hit_tokens
+        generate(eager_engine, prompts, max_tokens=1)
+        assert tier.stats().hit_tokens == hits_before
 
 
 def test_lazy_mode_serves_blocks_flushed_from_the_device(model_dir: str) -> None:
@@ -218,7 +224,7 @@ def test_lazy_mode_serves_blocks_flushed_from_the_device(model_dir: str) -> None
         shutdown(llm)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def small_engine(model_dir: str, expected: dict[str, list[list[int]]]) -> Iterator[object]:
     """kvtier with a host tier smaller than the working set and a device cache that preempts."""
     from kvtier.integrations.vllm.offline import shutdown
@@ -235,32 +241,36 @@ def small_engine(model_dir: str, expected: dict[str, list[list[int]]]) -> Iterat
     shutdown(llm)
 
 
-def test_churn_through_a_small_tier(
-    expected: dict[str, list[list[int]]], small_engine: object
-) -> None:
-    from kvtier.integrations.vllm.offline import generate, settle
+class TestSmallTier:
+    """A tier smaller than the working set and a device cache small enough to preempt."""
 
-    prompts = CHURN_PROMPTS
-    got: list[list[int]] = []
-    for start in range(0, len(prompts), 16):  # waves, so later waves hit what earlier ones stored
-        got.extend(generate(small_engine, prompts[start : start + 16], max_tokens=4))
-        settle(small_engine)
-    assert got == expected["churn"]
-    stats = _tier(small_engine).stats()
-    assert stats.evicted_blocks > 0, "the tier was meant to be smaller than the working set"
-    assert stats.loaded_blocks > 0
-    assert stats.failed_loads == 0 and stats.failed_stores == 0
+    def test_churn_through_a_small_tier(
+        self, expected: dict[str, list[list[int]]], small_engine: object
+    ) -> None:
+        from kvtier.integrations.vllm.offline import generate, settle
 
+        prompts = CHURN_PROMPTS
+        got: list[list[int]] = []
+        for start in range(
+            0, len(prompts), 16
+        ):  # waves, so later waves hit what earlier ones stored
+            got.extend(generate(small_engine, prompts[start : start + 16], max_tokens=4))
+            settle(small_engine)
+        assert got == expected["churn"]
+        stats = _tier(small_engine).stats()
+        assert stats.evicted_blocks > 0, "the tier was meant to be smaller than the working set"
+        assert stats.loaded_blocks > 0
+        assert stats.failed_loads == 0 and stats.failed_stores == 0
 
-def test_preemption_keeps_outputs_identical(
-    expected: dict[str, list[list[int]]], small_engine: object
-) -> None:
-    from kvtier.integrations.vllm.offline import generate, metric_values
+    def test_preemption_keeps_outputs_identical(
+        self, expected: dict[str, list[list[int]]], small_engine: object
+    ) -> None:
+        from kvtier.integrations.vllm.offline import generate, metric_values
 
-    before = metric_values(small_engine).get("vllm:num_preemptions", 0)
-    got = generate(small_engine, PREEMPT_PROMPTS, max_tokens=24)
-    assert metric_values(small_engine)["vllm:num_preemptions"] > before, "nothing was preempted"
-    assert got == expected["preempt"]
+        before = metric_values(small_engine).get("vllm:num_preemptions", 0)
+        got = generate(small_engine, PREEMPT_PROMPTS, max_tokens=24)
+        assert metric_values(small_engine)["vllm:num_preemptions"] > before, "nothing was preempted"
+        assert got == expected["preempt"]
 
 
 def test_bad_extra_config_fails_at_start_with_config_lines(model_dir: str) -> None:
