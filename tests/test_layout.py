@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.layout.base import LayoutError, LayoutResolver
 from kvtier.layout.resolvers import AutoResolver, PerLayerResolver
@@ -222,3 +224,29 @@ def test_block_count_mismatch_names_both_tensors() -> None:
 def test_unknown_per_layer_kind() -> None:
     with pytest.raises(ValueError, match="unknown per-layer layout"):
         PerLayerResolver("paged")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 4), min_size=2, max_size=4),
+    data=st.data(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.uint8]),
+)
+def test_any_stride_order_resolves_to_exact_block_rows(
+    sizes: list[int], data: st.DataObject, dtype: torch.dtype
+) -> None:
+    """A tensor stored in any dimension order, any dimension taken as blocks."""
+    order = data.draw(st.permutations(range(len(sizes))))
+    block_dim = data.draw(st.integers(0, len(sizes) - 1))
+    physical = torch.zeros([sizes[dim] for dim in order], dtype=dtype)
+    tensor = physical.permute([order.index(dim) for dim in range(len(sizes))])
+    assert list(tensor.shape) == sizes
+    moved = tensor.movedim(block_dim, 0)
+    case = LayoutCase(
+        "random", {"layer": moved}, sizes[block_dim], ((moved, 0),), frozenset({"block_first"})
+    )
+    layout = PerLayerResolver("block_first").resolve(case.kv_caches)
+    contract = LayoutResolverContract()
+    contract.test_regions_are_byte_rows(layout, case)
+    contract.test_regions_cover_engine_bytes_once(layout, case)
+    contract.test_row_i_holds_block_i(layout, case)

@@ -380,6 +380,13 @@ def _coverage(tensors: Sequence[torch.Tensor]) -> dict[int, torch.Tensor]:
     return counts
 
 
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous uint8 copy of ``tensor``'s bytes, in logical order."""
+    dense = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    dense.copy_(tensor)
+    return dense.reshape(-1).view(torch.uint8)
+
+
 def _block_byte(block: int) -> int:
     return (block * 37 + 11) % 251 + 1
 
@@ -421,7 +428,7 @@ class LayoutResolverContract:
                 region.view[block].fill_(_block_byte(block))
         for tensor, block_dim in case.block_tensors:
             for block in range(case.num_blocks):
-                contents = tensor.select(block_dim, block).contiguous().view(torch.uint8)
+                contents = _bytes_of(tensor.select(block_dim, block))
                 assert bool((contents == _block_byte(block)).all()), (tensor.shape, block)
 
     def test_deterministic(
