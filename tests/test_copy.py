@@ -94,7 +94,8 @@ def test_each_cpu_plan_is_chosen_and_copies_correctly(
     host = torch.zeros((2048, layout.record_bytes), dtype=torch.uint8)
     backend = TorchCopyBackend(TorchCopyConfig(cpu_threads=threads), layout, host)
     runs = len(sort_ids(slots).runs), len(sort_ids(blocks).runs)
-    assert choose_plan(len(blocks), *runs, contiguous=one_region) == plan
+    row_bytes = layout.record_bytes // len(layout.regions)
+    assert choose_plan(len(blocks), *runs, contiguous=one_region, row_bytes=row_bytes) == plan
     expected = _records(layout, blocks.tolist())
     backend.wait(backend.submit(CopyBatch(Direction.STORE, blocks.tolist(), slots.tolist())))
     assert torch.equal(host[slots.tolist()], expected)
@@ -103,6 +104,12 @@ def test_each_cpu_plan_is_chosen_and_copies_correctly(
     backend.wait(backend.submit(CopyBatch(Direction.LOAD, blocks.tolist(), slots.tolist())))
     assert torch.equal(_records(layout, blocks.tolist()), expected)
     backend.close()
+
+
+def test_large_rows_are_scattered_one_by_one_rather_than_staged() -> None:
+    assert choose_plan(256, 200, 200, contiguous=False, row_bytes=4096) == "staged"
+    assert choose_plan(256, 200, 200, contiguous=False, row_bytes=256 << 10) == "scatter"
+    assert choose_plan(256, 200, 256, contiguous=True, row_bytes=256 << 10) == "gather"
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,9 @@ copies. Each batch uses whichever of three plans is cheapest for its ids:
   ``np.take`` of the source rows straight into each destination run;
 - *scatter*: the source ids form few runs: each source run is assigned to its
   destination rows by fancy indexing, whatever the strides on either side;
-- *staged*: otherwise: a cache-sized chunk of source rows is gathered into
-  contiguous staging, then scattered by fancy indexing.
+- *staged*: otherwise (for small rows; large rows are scattered one by one
+  rather than copied twice): a cache-sized chunk of source rows is gathered
+  into contiguous staging, then scattered by fancy indexing.
 
 Plain slice assignment into rows strided by a power of two is avoided: it
 runs several times slower than a fancy-indexed scatter of the same rows.
@@ -50,10 +51,12 @@ PIECES_PER_THREAD = 4
 """Pieces a large batch is cut into per thread; threads take pieces as they finish, so one
 thread delayed by another process does not hold up the whole batch."""
 
-_CALL_S = 3e-6
+_CALL_S = 4e-6
 """Rough fixed cost of one numpy call on a run of rows, for choosing a plan."""
 _ROW_S = 0.15e-6
-"""Rough extra cost per row of a fancy-indexed scatter or a staged copy, for choosing a plan."""
+"""Rough fixed cost per row of fancy indexing, for choosing a plan."""
+_STAGING_BYTES_PER_S = 20e9
+"""Rough speed of the extra pass through (cache-resident) staging, for choosing a plan."""
 
 
 def void_rows(matrix: torch.Tensor) -> np.ndarray:
@@ -96,24 +99,37 @@ def sort_ids(ids: np.ndarray) -> SortedIds:
     return SortedIds(order, ordered, run_starts(ordered))
 
 
-def choose_plan(num_rows: int, dst_runs: int, src_runs: int, contiguous: bool) -> str:
+def choose_plan(
+    num_rows: int, dst_runs: int, src_runs: int, contiguous: bool, row_bytes: int
+) -> str:
     """Pick the cheapest plan for a batch.
+
+    A plan that works run by run pays a call per run; the *staged* plan pays
+    an extra pass per row through staging. Runs win while they are fewer
+    than that extra cost allows: few for small rows, always for rows of tens
+    of KiB, where even one call per row costs less than a second pass.
 
     Args:
         num_rows: Rows (blocks) in the batch.
         dst_runs: Runs of consecutive destination rows, once sorted.
         src_runs: Runs of consecutive source rows, once sorted.
         contiguous: Whether every region is a contiguous matrix on both sides.
+        row_bytes: Mean bytes of one row of a region.
 
     Returns:
         ``"gather"``, ``"scatter"`` or ``"staged"`` (see the module docstring).
     """
-    few = num_rows * _ROW_S / _CALL_S  # below this many runs, calls cost less than rows
+    few = _few_runs(num_rows, row_bytes)
     if contiguous and dst_runs <= few:
         return "gather"
     if src_runs <= few:
         return "scatter"
     return "staged"
+
+
+def _few_runs(num_rows: int, row_bytes: int) -> float:
+    """Most runs whose calls cost less than staging ``num_rows`` rows of ``row_bytes``."""
+    return num_rows * (_ROW_S + row_bytes / _STAGING_BYTES_PER_S) / _CALL_S
 
 
 class RowCopier:
@@ -161,9 +177,12 @@ class RowCopier:
         src, dst = (blocks, slots) if direction is Direction.STORE else (slots, blocks)
         by_dst = sort_ids(dst)
         plan, order = "gather", by_dst.order
-        if not (self._contiguous and by_dst.runs.shape[0] * _CALL_S <= count * _ROW_S):
+        row_bytes = self._record_bytes // len(self._regions)
+        if not (self._contiguous and by_dst.runs.shape[0] <= _few_runs(count, row_bytes)):
             by_src = sort_ids(src)
-            plan = choose_plan(count, by_dst.runs.shape[0], by_src.runs.shape[0], self._contiguous)
+            plan = choose_plan(
+                count, by_dst.runs.shape[0], by_src.runs.shape[0], self._contiguous, row_bytes
+            )
             if plan == "scatter":
                 order = by_src.order
         src, dst = src[order], dst[order]
