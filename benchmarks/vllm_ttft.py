@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from kvtier.testing.models import TinyLlamaSpec, write_tiny_llama
 
@@ -41,7 +42,7 @@ def _timed(llm: object, prompts: list[list[int]], max_tokens: int) -> float:
     return time.perf_counter() - started
 
 
-def measure_ttft(model_dir: Path, prompt_tokens: int, repeats: int) -> dict[str, float]:
+def measure_ttft(model_dir: Path, prompt_tokens: int, repeats: int) -> dict[str, Any]:
     """Median seconds to the first token for each kind of prefix."""
     from vllm import LLM
 
@@ -70,6 +71,7 @@ def measure_ttft(model_dir: Path, prompt_tokens: int, repeats: int) -> dict[str,
         "cold_s": statistics.median(cold),
         "device_hit_s": statistics.median(device),
         "tier_hit_s": statistics.median(tier),
+        "rounds_s": {"cold": cold, "device_hit": device, "tier_hit": tier},
     }
 
 
@@ -108,15 +110,19 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # vLLM logs to stdout, which carries the JSON result.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as scratch:
         model_dir = write_tiny_llama(Path(scratch) / "model", MODEL)
         ttft = measure_ttft(model_dir, args.prompt_tokens, args.repeats)
         shape = (args.throughput_prompts, args.throughput_prompt_tokens, args.output_tokens)
-        # Alternate the arms so load from other processes on the machine hits both alike.
+        # Both arms every round, in alternating order, so load from other processes and
+        # whatever the first engine of a process warms up fall on both alike.
         plain, tiered = [], []
-        for _ in range(args.throughput_rounds):
-            plain.append(measure_throughput(model_dir, False, *shape))
-            tiered.append(measure_throughput(model_dir, True, *shape))
+        for round_index in range(args.throughput_rounds):
+            for with_kvtier in (False, True) if round_index % 2 == 0 else (True, False):
+                arm = tiered if with_kvtier else plain
+                arm.append(measure_throughput(model_dir, with_kvtier, *shape))
     result = {
         "model": {
             "layers": MODEL.num_layers,
@@ -130,6 +136,7 @@ def main() -> int:
         "tier_hit_over_cold": ttft["tier_hit_s"] / ttft["cold_s"],
         "zero_hit_tokens_per_s_without": statistics.median(plain),
         "zero_hit_tokens_per_s_with": statistics.median(tiered),
+        "zero_hit_tokens_per_s_rounds": {"without": plain, "with": tiered},
         "zero_hit_throughput_ratio": statistics.median(
             t / p for t, p in zip(tiered, plain, strict=True)
         ),

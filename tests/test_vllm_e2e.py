@@ -362,3 +362,17 @@ def test_failed_loads_are_recomputed(model_dir: str, monkeypatch: pytest.MonkeyP
         assert stats.failed_loads == stats.hit_tokens // BLOCK
     finally:
         shutdown(llm)
+
+
+def test_without_prefix_caching_the_connector_stands_aside(model_dir: str) -> None:
+    from kvtier.integrations.vllm.offline import generate, shutdown
+
+    llm = _engine(
+        model_dir, {"cpu_bytes": 64 * MIB}, num_device_blocks=256, enable_prefix_caching=False
+    )
+    try:
+        prompts = _random_prompts(random.Random(10), 2, 100, 200)
+        assert generate(llm, prompts, max_tokens=4) == generate(llm, prompts, max_tokens=4)
+        assert _tier(llm) is None
+    finally:
+        shutdown(llm)

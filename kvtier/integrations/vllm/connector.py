@@ -71,6 +71,7 @@ copies are reported.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -126,7 +127,7 @@ EVENT_MEDIUM = "CPU"
 """The ``medium`` of the KV-cache events the host tier publishes."""
 
 LAZY_HEADROOM = 2
-"""Lazy mode keeps this many steps' worth of blocks at the eviction frontier stored."""
+"""Lazy mode keeps the first this-many steps' worth of blocks of vLLM's free queue stored."""
 
 
 @dataclasses.dataclass
@@ -233,22 +234,21 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self.num_groups = len(kv_cache_config.kv_cache_groups)
         self.record_bytes = record_bytes_of(kv_cache_config)
         self.manager: OffloadManager | None = None
+        # The worker half is built in register_kv_caches, once the tensors exist.
         self.worker: OffloadWorker | None = None
+        self._bound_loads: dict[int, str] = {}
+        self._unavailable_requests: set[str] = set()
+        self._report: WorkerReport | None = None
+        self._failed_blocks: set[int] = set()
+        self._failed_requests: set[str] = set()
         self._enabled = vllm_config.cache_config.enable_prefix_caching
         if not self._enabled:
             logger.warning(
                 "kvtier is disabled: vLLM's prefix caching is off, and kvtier finds blocks "
                 "by vLLM's prefix hashes; remove --no-enable-prefix-caching to use it"
             )
-            return
-        if role == KVConnectorRole.SCHEDULER:
+        elif role == KVConnectorRole.SCHEDULER:
             self._init_scheduler(vllm_config, kv_cache_config)
-        # The worker half is built in register_kv_caches, once the tensors exist.
-        self._bound_loads: dict[int, str] = {}
-        self._unavailable_requests: set[str] = set()
-        self._report: WorkerReport | None = None
-        self._failed_blocks: set[int] = set()
-        self._failed_requests: set[str] = set()
 
     # ------------------------------------------------------------------ scheduler
 
@@ -385,9 +385,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self.config.store_mode != "lazy" or self._block_pool is None:
             return []
         candidates = []
-        for block in self._block_pool.free_block_queue.iter_blocks_after(None):
-            if len(candidates) >= self._lazy_target:
-                break
+        frontier = self._block_pool.free_block_queue.iter_blocks_after(None)
+        for block in itertools.islice(frontier, self._lazy_target):
             if block.block_hash is None or block.is_null:
                 continue
             candidates.append(
