@@ -6,8 +6,9 @@ same random-weight model; the output is JSON with ratios against the peers.
 
     python benchmarks/vllm_ttft.py [--prompt-tokens 4096] [--repeats 7] [--throughput-rounds 3]
 
-Times are medians over repeats; the throughput ratio is the median of
-per-round ratios, each round running both arms back to back.
+Times are medians over repeats; the throughput ratios are medians of per-round
+ratios, each round running both arms back to back (in alternating order), by
+wall time and by this process's CPU time.
 """
 
 from __future__ import annotations
@@ -77,11 +78,16 @@ def measure_ttft(model_dir: Path, prompt_tokens: int, repeats: int) -> dict[str,
 
 def measure_throughput(
     model_dir: Path, with_kvtier: bool, prompts: int, prompt_tokens: int, output_tokens: int
-) -> float:
-    """Tokens per second (prompt and output) for unique prompts: a 0% hit rate."""
+) -> tuple[float, float]:
+    """Tokens (prompt and output) per wall second and per CPU second, for unique prompts.
+
+    Every prompt is new, so the hit rate is 0% and the connector only adds its
+    stores. CPU seconds are this process's (vLLM runs in-process here), which
+    other processes on the machine do not inflate the way they inflate wall time.
+    """
     from vllm import LLM
 
-    from kvtier.integrations.vllm.offline import engine_kwargs, shutdown
+    from kvtier.integrations.vllm.offline import engine_kwargs, generate, shutdown
 
     llm = LLM(
         **engine_kwargs(
@@ -92,18 +98,21 @@ def measure_throughput(
         )
     )
     rng = random.Random(1)
-    _timed(llm, [_prompt(rng, prompt_tokens) for _ in range(2)], output_tokens)  # warm-up
+    generate(llm, [_prompt(rng, prompt_tokens) for _ in range(2)], output_tokens)  # warm-up
     batch = [_prompt(rng, prompt_tokens) for _ in range(prompts)]
-    elapsed = _timed(llm, batch, output_tokens)
+    wall, cpu = time.perf_counter(), time.process_time()
+    generate(llm, batch, output_tokens)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     shutdown(llm)
-    return prompts * (prompt_tokens + output_tokens) / elapsed
+    tokens = prompts * (prompt_tokens + output_tokens)
+    return tokens / wall, tokens / cpu
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--throughput-rounds", type=int, default=3)
+    parser.add_argument("--throughput-rounds", type=int, default=4)
     parser.add_argument("--throughput-prompts", type=int, default=16)
     parser.add_argument("--throughput-prompt-tokens", type=int, default=1024)
     parser.add_argument("--output-tokens", type=int, default=16)
@@ -118,11 +127,15 @@ def main() -> int:
         shape = (args.throughput_prompts, args.throughput_prompt_tokens, args.output_tokens)
         # Both arms every round, in alternating order, so load from other processes and
         # whatever the first engine of a process warms up fall on both alike.
-        plain, tiered = [], []
+        rounds: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
         for round_index in range(args.throughput_rounds):
             for with_kvtier in (False, True) if round_index % 2 == 0 else (True, False):
-                arm = tiered if with_kvtier else plain
-                arm.append(measure_throughput(model_dir, with_kvtier, *shape))
+                rounds[with_kvtier].append(measure_throughput(model_dir, with_kvtier, *shape))
+
+    def ratio(kind: int) -> float:
+        pairs = zip(rounds[True], rounds[False], strict=True)
+        return statistics.median(tiered[kind] / plain[kind] for tiered, plain in pairs)
+
     result = {
         "model": {
             "layers": MODEL.num_layers,
@@ -134,16 +147,20 @@ def main() -> int:
         **ttft,
         "tier_hit_over_device_hit": ttft["tier_hit_s"] / ttft["device_hit_s"],
         "tier_hit_over_cold": ttft["tier_hit_s"] / ttft["cold_s"],
-        "zero_hit_tokens_per_s_without": statistics.median(plain),
-        "zero_hit_tokens_per_s_with": statistics.median(tiered),
-        "zero_hit_tokens_per_s_rounds": {"without": plain, "with": tiered},
-        "zero_hit_throughput_ratio": statistics.median(
-            t / p for t, p in zip(tiered, plain, strict=True)
-        ),
+        "zero_hit_tokens_per_wall_s": {
+            "without": [wall for wall, _ in rounds[False]],
+            "with": [wall for wall, _ in rounds[True]],
+        },
+        "zero_hit_tokens_per_cpu_s": {
+            "without": [cpu for _, cpu in rounds[False]],
+            "with": [cpu for _, cpu in rounds[True]],
+        },
+        "zero_hit_throughput_ratio_wall": ratio(0),
+        "zero_hit_throughput_ratio_cpu": ratio(1),
         "targets": {
             "tier_hit_over_device_hit_max": 1.5,
             "tier_hit_over_cold_max": 0.05,
-            "zero_hit_throughput_ratio_min": 0.97,
+            "zero_hit_throughput_ratio_min": 0.97,  # wall and CPU
         },
     }
     json.dump(result, sys.stdout, indent=2)
