@@ -180,3 +180,51 @@ def test_prefix_arc_a_parent_held_elsewhere_does_not_make_an_orphan() -> None:
     store(index, [b"parent"], parent=b"root")
     store(index, [b"new"])
     assert evicted(index) == [b"old"]
+
+
+def serve(index: PolicyIndex, keys: list[BlockKey]) -> None:
+    """Serve one request as the offload manager does: load the readable prefix, store the rest."""
+    hits = index.lookup(keys)
+    if hits:
+        hit(index, keys[:hits])
+    if hits < len(keys):
+        store(index, keys[hits:], keys[hits - 1] if hits else None)
+
+
+def one_shot_scan_with_hot_keys(policy: PrefixARCPolicy, rounds: int = 20) -> PolicyIndex:
+    """Each round reuses four hot keys and stores eight blocks never used again, in 8 slots."""
+    index = PolicyIndex(8, policy)
+    for round_ in range(rounds):
+        for hot in new_keys("hot", 4):
+            serve(index, [hot])
+        serve(index, new_keys(f"scan{round_}-", 8))
+    return index
+
+
+def test_prefix_arc_learns_to_store_only_blocks_seen_before() -> None:
+    policy = PrefixARCPolicy(8)
+    index = one_shot_scan_with_hot_keys(policy)
+    assert policy.second_sight
+    assert all(index.slot_of(hot) is not None for hot in new_keys("hot", 4))
+    # A new chain is declined, its second block because its parent was; seen again, it is stored.
+    assert index.reserve([b"new0", b"new1"]) == [None, None]
+    assert None not in index.reserve([b"new0", b"new1"])
+
+
+def test_prefix_arc_admission_all_stores_first_sight_blocks() -> None:
+    policy = PrefixARCPolicy(8, admission="all")
+    index = one_shot_scan_with_hot_keys(policy)
+    assert not policy.second_sight
+    assert None not in index.reserve([b"new0", b"new1"])
+
+
+def test_prefix_arc_keeps_storing_first_sight_blocks_that_come_back_soon() -> None:
+    policy = PrefixARCPolicy(8)
+    index = PolicyIndex(8, policy)
+    for round_ in range(40):
+        # Each chain is used again by the next request and never after: storing pays.
+        chain = new_keys(f"c{round_}-", 3)
+        serve(index, chain)
+        serve(index, chain)
+    assert not policy.second_sight
+    assert None not in index.reserve([b"new0", b"new1"])

@@ -137,6 +137,29 @@ def test_command_prints_json_and_writes_a_plot(
     assert plot.read_bytes().startswith(b"\x89PNG")
 
 
+def test_command_replays_a_policy_with_changed_settings(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = parse(
+        "synthetic:rag",
+        "--synthetic-requests",
+        "300",
+        "--policies",
+        "prefix_arc,prefix_arc:admission=all:history_factor=0",
+        "--capacities",
+        "50",
+        "--no-belady",
+        "--json",
+    )
+    assert run(args) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert [row["policy"] for row in rows] == [
+        "prefix_arc",
+        "prefix_arc:admission=all:history_factor=0",
+    ]
+    assert rows[0]["stored"] != rows[1]["stored"]
+
+
 def test_command_capacity_in_bytes(capsys: pytest.CaptureFixture[str]) -> None:
     args = parse(
         "synthetic:rag",
@@ -158,6 +181,9 @@ def test_command_capacity_in_bytes(capsys: pytest.CaptureFixture[str]) -> None:
     ("argv", "message"),
     [
         (["synthetic:chat", "--policies", "nope"], "no block index named 'nope'"),
+        (["synthetic:chat", "--policies", "lru:x"], "settings are KEY=VALUE, got 'x'"),
+        (["synthetic:chat", "--policies", "prefix_arc:admission=some"], "admission: Input"),
+        (["synthetic:chat", "--policies", "lru:size=3"], "size: Extra inputs"),
         (["synthetic:chat", "--capacities", "10,x"], "--capacities must be whole numbers"),
         (["synthetic:chat", "--capacity-bytes", "1GiB"], "needs --block-bytes"),
         (["synthetic:other"], "unknown synthetic workload"),

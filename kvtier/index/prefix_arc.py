@@ -27,9 +27,22 @@ root first, and reuse comes in long gaps. Four changes to ARC (see
   first in line for eviction. What is worth little is learned from the trace,
   not assumed: in one workload a request's last blocks are rarely reused, in
   another (multi-turn chat) they are the next turn's prefix.
+- **Adaptive admission.** A block seen for the first time is often never used
+  again, or only after a gap longer than a small tier holds, where storing it
+  only pushes out blocks that do come back; in a large tier the same blocks are
+  worth their slots. Two small shadow caches, fed the same hashed sample of the
+  keys (spatial sampling, capacity scaled by the sampling rate), replay the
+  choice both ways: one stores every block, the other only a block seen before
+  (remembered for ``first_sight_memory_factor`` times the slot count). A
+  saturating counter of which shadow hits more picks, as the trace goes, whether
+  the tier stores blocks on first sight or only on second sight; a declined
+  block's descendants in the same chain are declined too (they could not be
+  reached). So the admission filter turns itself on where it pays (small tiers
+  against a working set of one-shot blocks) and off where it does not.
 
-Everything is O(1) amortized per operation: ordered dicts for the lists, and
-each chain is re-ranked at most a few times per request.
+Everything is O(1) amortized per operation: ordered dicts for the lists, each
+chain is re-ranked at most a few times per request, and the shadows see only
+the sampled keys.
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Literal
+from zlib import crc32
 
 from pydantic import Field
 
@@ -51,6 +65,14 @@ NUM_CLASSES = 2 * TAIL_BUCKETS
 """Classes: (new chain or extension of a cached prefix) x tail bucket."""
 PRIOR_WEIGHT = 10.0
 """Pseudo-count pulling a class's reuse rate towards the overall rate until it has data."""
+SAMPLE_SPACE = 1 << 16
+"""Keys are sampled for the shadow caches by the low 16 bits of their CRC-32."""
+SAMPLE_MASK = SAMPLE_SPACE - 1
+MIN_SHADOW_SLOTS = 64
+"""Slots of the smallest shadow cache; a tier too small for its sample rate samples more."""
+DUEL_LIMIT = 256
+"""Bound of the counter of shadow hits, so a change of workload turns the choice within a few
+hundred sampled hits."""
 
 
 class PrefixARCConfig(PluginConfig):
@@ -75,13 +97,44 @@ class PrefixARCConfig(PluginConfig):
             "overall reuse rate is placed first in line for eviction; 0 turns this off."
         ),
     )
+    admission: Literal["adaptive", "all"] = Field(
+        default="adaptive",
+        description=(
+            "'adaptive': shadow caches on a sample of the keys decide, as the workload goes, "
+            "whether a block seen for the first time is stored or only a block seen before; "
+            "'all': store every block."
+        ),
+    )
+    first_sight_memory_factor: float = Field(
+        default=16.0,
+        gt=0.0,
+        description=(
+            "Keys seen once and not stored that adaptive admission remembers, as a multiple of "
+            "the slot count (about 100 bytes of memory per key plus the key itself)."
+        ),
+    )
+    sample_rate: float = Field(
+        default=0.0625,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "Share of the keys the adaptive admission's shadow caches replay; each shadow holds "
+            "this share of the slot count (at least 64 slots: a smaller tier samples more)."
+        ),
+    )
 
 
 class PrefixARCPolicy(EvictionPolicy):
     """ARC over prefix chains; ``num_slots`` sizes the ghost lists and the history."""
 
     def __init__(
-        self, num_slots: int, history_factor: float = 4.0, low_value_ratio: float = 0.5
+        self,
+        num_slots: int,
+        history_factor: float = 4.0,
+        low_value_ratio: float = 0.5,
+        admission: Literal["adaptive", "all"] = "adaptive",
+        first_sight_memory_factor: float = 16.0,
+        sample_rate: float = 0.0625,
     ) -> None:
         self.num_slots = num_slots
         self.history_size = int(num_slots * history_factor)
@@ -108,6 +161,22 @@ class PrefixARCPolicy(EvictionPolicy):
         self._reused = [0.0] * NUM_CLASSES
         self._decay_every = max(1, self.history_size + 2 * num_slots)
         self._since_decay = 0
+        # Adaptive admission: keys seen once and not stored, the last key declined (its
+        # descendants are declined too), and the two shadow caches with their hit counter.
+        self.adaptive = admission == "adaptive"
+        self.second_sight = False
+        self._seen: OrderedDict[BlockKey, None] = OrderedDict()
+        self._seen_size = max(1, int(num_slots * first_sight_memory_factor))
+        self._declined: BlockKey | None = None
+        # A shadow of a few slots only measures noise: small tiers sample more of their keys.
+        sample_rate = max(sample_rate, min(1.0, MIN_SHADOW_SLOTS / num_slots))
+        self._sample_below = max(1, round(sample_rate * SAMPLE_SPACE))
+        self._shadow_slots = max(1, round(num_slots * sample_rate))
+        self._shadow_seen_size = max(1, int(self._shadow_slots * first_sight_memory_factor))
+        self._shadow_all: OrderedDict[BlockKey, None] = OrderedDict()
+        self._shadow_second: OrderedDict[BlockKey, None] = OrderedDict()
+        self._shadow_seen: OrderedDict[BlockKey, None] = OrderedDict()
+        self._duel = 0
 
     # Chain ranking.
 
@@ -189,6 +258,46 @@ class PrefixARCPolicy(EvictionPolicy):
         if cls is not None:
             self._reused[cls] += 1.0
 
+    # Adaptive admission.
+
+    def _shadow_reference(self, key: BlockKey) -> None:
+        """Replay a use of sampled ``key`` in both shadow caches; update the choice."""
+        limit = self._shadow_slots
+        every, second = self._shadow_all, self._shadow_second
+        score = 0
+        if key in every:
+            every.move_to_end(key)
+            score += 1
+        else:
+            every[key] = None
+            if len(every) > limit:
+                every.popitem(last=False)
+        if key in second:
+            second.move_to_end(key)
+            score -= 1
+        elif _seen_before(self._shadow_seen, key, self._shadow_seen_size):
+            second[key] = None
+            if len(second) > limit:
+                second.popitem(last=False)
+        if score:
+            self._duel = max(-DUEL_LIMIT, min(DUEL_LIMIT, self._duel + score))
+            self.second_sight = self._duel < 0
+
+    def _admit_on_second_sight(self, key: BlockKey, parent: BlockKey | None) -> bool:
+        """Whether ``key`` was seen before (and its parent was not just declined)."""
+        if parent is not None and parent == self._declined:
+            _remember(self._seen, key, self._seen_size)
+            self._declined = key
+            return False
+        if key in self._b1 or key in self._b2 or key in self._history:
+            self._declined = None
+            return True
+        if _seen_before(self._seen, key, self._seen_size):
+            self._declined = None
+            return True
+        self._declined = key
+        return False
+
     # EvictionPolicy.
 
     def admit(self, key: BlockKey, parent: BlockKey | None) -> bool:
@@ -203,7 +312,11 @@ class PrefixARCPolicy(EvictionPolicy):
         elif self._incoming_in_b2 or key in self._history:
             # Reuse after a gap longer than the ghost lists remember also argues for a larger t2.
             self.target_t1 = max(0.0, self.target_t1 - max(1.0, b1 / max(b2, 1)))
-        return True
+        if not self.adaptive:
+            return True
+        if crc32(key) & SAMPLE_MASK < self._sample_below:
+            self._shadow_reference(key)
+        return not self.second_sight or self._admit_on_second_sight(key, parent)
 
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
         parents, chain = self._parent, self._chain
@@ -235,6 +348,8 @@ class PrefixARCPolicy(EvictionPolicy):
         if chain and self._parent[key] != chain[-1]:
             self._end_chain()
         chain.append(key)
+        if self.adaptive and crc32(key) & SAMPLE_MASK < self._sample_below:
+            self._shadow_reference(key)
         if key in self._class:
             self._credit_reuse(key)
         if key in self._t2:
@@ -303,8 +418,32 @@ class PrefixARCPolicy(EvictionPolicy):
         return key if key is not None else first_evictable(second, evictable)
 
 
+def _remember(seen: OrderedDict[BlockKey, None], key: BlockKey, size: int) -> None:
+    """Remember ``key`` in ``seen`` as its newest entry, forgetting the oldest beyond ``size``."""
+    seen[key] = None
+    seen.move_to_end(key)
+    if len(seen) > size:
+        seen.popitem(last=False)
+
+
+def _seen_before(seen: OrderedDict[BlockKey, None], key: BlockKey, size: int) -> bool:
+    """Whether ``seen`` remembers ``key`` (then forget it), else remember it."""
+    if key in seen:
+        del seen[key]
+        return True
+    _remember(seen, key, size)
+    return False
+
+
 def build(config: PrefixARCConfig, num_slots: int) -> PolicyIndex:
     return PolicyIndex(
         num_slots,
-        PrefixARCPolicy(num_slots, config.history_factor, config.low_value_ratio),
+        PrefixARCPolicy(
+            num_slots,
+            config.history_factor,
+            config.low_value_ratio,
+            config.admission,
+            config.first_sight_memory_factor,
+            config.sample_rate,
+        ),
     )

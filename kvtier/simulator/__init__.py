@@ -16,9 +16,10 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from pydantic import ValidationError
 from tqdm import tqdm
 
-from kvtier.config import parse_bytes
+from kvtier.config import PluginConfig, parse_bytes
 from kvtier.index.base import BlockIndex
 from kvtier.plugins import default_registry
 from kvtier.simulator.belady import belady_index
@@ -45,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--policies",
-        help="comma list of registered block indexes to replay (default: all registered)",
+        help="comma list of registered block indexes to replay (default: all registered); "
+        "NAME:KEY=VALUE[:KEY=VALUE...] replays one with settings changed from its defaults, "
+        "e.g. prefix_arc:admission=all",
     )
     parser.add_argument(
         "--capacities",
@@ -143,14 +146,46 @@ def _policies(args: argparse.Namespace) -> list[str]:
     registered = default_registry().block_indexes
     if args.policies is None:
         return list(registered)
-    names = _parse_list(args.policies, "--policies")
-    unknown = [name for name in names if name not in registered]
+    specs = _parse_list(args.policies, "--policies")
+    unknown = [spec for spec in specs if spec.split(":", 1)[0] not in registered]
     if unknown:
         raise UsageError(
-            f"no block index named {', '.join(map(repr, unknown))}; "
+            f"no block index named {', '.join(repr(spec.split(':', 1)[0]) for spec in unknown)}; "
             f"registered: {', '.join(sorted(registered))}"
         )
-    return names
+    for spec in specs:
+        policy_config(spec)
+    return specs
+
+
+def policy_config(spec: str) -> PluginConfig:
+    """The config of a policy spec: ``NAME`` or ``NAME:KEY=VALUE[:KEY=VALUE...]``.
+
+    Args:
+        spec: A registered block-index name, optionally followed by settings that
+            replace the defaults of its config model.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        UsageError: A setting is malformed or its config model rejects it.
+    """
+    name, *settings = spec.split(":")
+    values = {}
+    for setting in settings:
+        key, equals, value = setting.partition("=")
+        if not equals or not key:
+            raise UsageError(f"policy {spec!r}: settings are KEY=VALUE, got {setting!r}")
+        values[key] = value
+    model = default_registry().get("block_indexes", name).config_model
+    try:
+        return model.model_validate(values)  # type: ignore[no-any-return]
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors()
+        )
+        raise UsageError(f"policy {spec!r}: {problems}") from exc
 
 
 def _trace(args: argparse.Namespace) -> list[TraceRequest]:
@@ -184,7 +219,8 @@ def simulate(
 
     Args:
         requests: The trace.
-        policies: Registered block-index names; each is built from its default config.
+        policies: Registered block-index names, each built from its default config, or
+            ``NAME:KEY=VALUE`` specs with settings changed (see :func:`policy_config`).
         capacities: Tier sizes in blocks.
         belady: Whether to replay the Belady bound too (named ``"belady"`` in the results).
         device_blocks: Size of a device prefix cache in front of the tier; 0 for none.
@@ -211,8 +247,7 @@ def simulate(
                     index: BlockIndex
                     index, hook = belady_index(requests, capacity)
                 else:
-                    config = registry.get("block_indexes", name).config_model()
-                    index = registry.build("block_indexes", config, capacity)
+                    index = registry.build("block_indexes", policy_config(name), capacity)
                 result = replay(
                     requests,
                     index,
