@@ -140,6 +140,9 @@ def test_failed_load_is_a_recompute() -> None:
     assert progress.loaded_requests == ("b",)
     assert progress.failed_loads == {"b": (DeviceBlock(0, 8), DeviceBlock(0, 9))}
     assert m.stats().failed_loads == 2 and m.index.stats().pinned == 0
+    # blocks that could not be read are not offered again
+    assert m.lookup("c", HASHES[:2], 0, 99) == 0
+    assert m.index.stats().readable == 0
 
 
 def test_blocks_gone_before_allocation_are_reported_unavailable() -> None:

@@ -39,13 +39,18 @@ class IndexEvent:
 
 @dataclass(frozen=True)
 class IndexStats:
-    """Slot counts by state; ``pinned`` counts readable slots with a pin."""
+    """Slot counts by state.
+
+    ``discarded`` slots belong to discarded keys that are still pinned; they
+    are freed by the last unpin. ``pinned`` counts slots with at least one pin.
+    """
 
     num_slots: int
     free: int
     writing: int
     readable: int
     pinned: int
+    discarded: int = 0
 
 
 class BlockIndex(ABC):
@@ -91,6 +96,15 @@ class BlockIndex(ABC):
     @abstractmethod
     def abort(self, keys: Sequence[BlockKey]) -> None:
         """Free the slots reserved for ``keys`` (their stores failed or were cancelled)."""
+
+    @abstractmethod
+    def discard(self, keys: Sequence[BlockKey]) -> None:
+        """Drop readable ``keys`` whose bytes cannot be trusted (e.g. a load of them failed).
+
+        They stop being readable at once and are reported as evicted; a slot that
+        is still pinned is freed when its last pin is released. Keys that are not
+        readable are ignored.
+        """
 
     @abstractmethod
     def clear(self) -> bool:

@@ -51,6 +51,7 @@ class PolicyIndex(BlockIndex):
         self._writing: dict[BlockKey, tuple[int, BlockKey | None]] = {}
         self._pins = [0] * num_slots
         self._pinned = 0
+        self._discarded: dict[BlockKey, int] = {}
         self._events: list[IndexEvent] = []
 
     def _evictable(self, key: BlockKey) -> bool:
@@ -103,17 +104,37 @@ class PolicyIndex(BlockIndex):
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:
-            slot = self._readable[key]
-            if self._pins[slot] == 0:
+            slot = self._readable.get(key)
+            if slot is None:
+                slot = self._discarded.get(key)
+            if slot is None or self._pins[slot] == 0:
                 raise ValueError(f"block {key.hex()} is not pinned")
             self._pins[slot] -= 1
             if self._pins[slot] == 0:
                 self._pinned -= 1
+                if key in self._discarded:
+                    del self._discarded[key]
+                    self._free.append(slot)
+
+    def discard(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            if key not in self._readable:
+                continue
+            slot = self._evict(key)
+            if self._pins[slot] == 0:
+                self._free.append(slot)
+            else:
+                self._discarded[key] = slot
 
     def reserve(self, keys: Sequence[BlockKey], parent: BlockKey | None = None) -> list[int | None]:
         slots: list[int | None] = []
         for position, key in enumerate(keys):
-            if key in self._readable or key in self._writing or not self.policy.admit(key, parent):
+            if (
+                key in self._readable
+                or key in self._writing
+                or key in self._discarded
+                or not self.policy.admit(key, parent)
+            ):
                 slots.append(None)
             else:
                 slot = self._take_slot()
@@ -146,7 +167,7 @@ class PolicyIndex(BlockIndex):
     def clear(self) -> bool:
         for key in [key for key in self._readable if self._evictable(key)]:
             self._free.append(self._evict(key))
-        return not self._readable and not self._writing
+        return not self._readable and not self._writing and not self._discarded
 
     def slot_of(self, key: BlockKey) -> int | None:
         return self._readable.get(key)
@@ -158,6 +179,7 @@ class PolicyIndex(BlockIndex):
             writing=len(self._writing),
             readable=len(self._readable),
             pinned=self._pinned,
+            discarded=len(self._discarded),
         )
 
     def take_events(self) -> list[IndexEvent]:

@@ -563,6 +563,8 @@ class OffloadManager:
                 if ok:
                     self._loaded_blocks += len(transfer)
                 else:
+                    # What could not be read once is not offered as a hit again.
+                    self.index.discard(batch.keys)
                     self._failed_loads += len(transfer)
                     assert transfer.request_id is not None
                     failed_loads.setdefault(transfer.request_id, []).extend(

@@ -179,6 +179,24 @@ class BlockIndexContract:
         index.touch(chain("unknown", 3))
         assert index.stats().free == 2
 
+    def test_discard_drops_readable_keys_and_frees_pinned_slots_on_release(
+        self, make_index: IndexFactory
+    ) -> None:
+        self._need_admission()
+        index = make_index(3)
+        keys = chain("a", 2)
+        store(index, keys)
+        index.take_events()
+        index.pin(keys[1:])
+        index.discard(keys + chain("never", 1))
+        assert index.lookup(keys[:1]) == 0 and index.lookup(keys[1:]) == 0
+        assert [event.kind for event in index.take_events()] == [EventKind.EVICTED] * 2
+        stats = index.stats()
+        assert (stats.free, stats.readable, stats.discarded, stats.pinned) == (2, 0, 1, 1)
+        assert index.reserve(keys[1:]) == [None], "a discarded key is busy until unpinned"
+        index.unpin(keys[1:])
+        assert index.stats().free == 3 and index.stats().discarded == 0
+
     # -------------------------------------------------------------- eviction
 
     def test_full_index_evicts_a_readable_key(self, make_index: IndexFactory) -> None:
@@ -294,6 +312,7 @@ def _index_machine(make_index: IndexFactory, num_slots: int) -> type[RuleBasedSt
             self.readable: dict[BlockKey, int] = {}
             self.writing: dict[BlockKey, int] = {}
             self.pins: dict[BlockKey, int] = {}
+            self.discarded: dict[BlockKey, int] = {}
 
         def _absorb_events(self) -> set[BlockKey]:
             evicted = set()
@@ -309,12 +328,16 @@ def _index_machine(make_index: IndexFactory, num_slots: int) -> type[RuleBasedSt
 
         @rule(keys=st.lists(key_names, min_size=1, max_size=4, unique=True))
         def reserve(self, keys: list[BlockKey]) -> None:
-            before_present = set(self.readable) | set(self.writing)
+            before_present = set(self.readable) | set(self.writing) | set(self.discarded)
             slots = self.index.reserve(keys)
             assert len(slots) == len(keys)
             # a key evicted by this very call may be reserved again further down the chain
             before_present -= self._absorb_events()
-            taken = set(self.readable.values()) | set(self.writing.values())
+            taken = (
+                set(self.readable.values())
+                | set(self.writing.values())
+                | set(self.discarded.values())
+            )
             for key, slot in zip(keys, slots, strict=True):
                 if slot is None:
                     continue
@@ -358,6 +381,20 @@ def _index_machine(make_index: IndexFactory, num_slots: int) -> type[RuleBasedSt
             key = data.draw(st.sampled_from(pinned))
             self.index.unpin([key])
             self.pins[key] -= 1
+            if not self.pins[key]:
+                self.discarded.pop(key, None)
+
+        @rule(data=st.data())
+        def discard(self, data: st.DataObject) -> None:
+            if not self.readable:
+                return
+            key = data.draw(st.sampled_from(sorted(self.readable)))
+            self.index.discard([key])
+            assert self.index.take_events() == [IndexEvent(EventKind.EVICTED, key)]
+            slot = self.readable.pop(key)
+            if self.pins.get(key, 0):
+                self.discarded[key] = slot
+            assert self.index.lookup([key]) == 0
 
         @rule(key=key_names)
         def pin_unreadable_raises(self, key: BlockKey) -> None:
@@ -375,7 +412,7 @@ def _index_machine(make_index: IndexFactory, num_slots: int) -> type[RuleBasedSt
             empty = self.index.clear()
             self._absorb_events()
             assert all(self.pins.get(key, 0) for key in self.readable)
-            assert empty == (not self.readable and not self.writing)
+            assert empty == (not self.readable and not self.writing and not self.discarded)
 
         @invariant()
         def matches_model(self) -> None:
@@ -383,7 +420,10 @@ def _index_machine(make_index: IndexFactory, num_slots: int) -> type[RuleBasedSt
             assert stats.num_slots == num_slots
             assert stats.readable == len(self.readable)
             assert stats.writing == len(self.writing)
-            assert stats.free + stats.readable + stats.writing == num_slots, "slot leak"
+            assert stats.discarded == len(self.discarded)
+            assert (
+                stats.free + stats.readable + stats.writing + stats.discarded == num_slots
+            ), "slot leak"
             assert stats.pinned == sum(1 for count in self.pins.values() if count)
             for key, slot in self.readable.items():
                 assert self.index.slot_of(key) == slot
