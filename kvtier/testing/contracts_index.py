@@ -421,9 +421,9 @@ def _index_machine(make_index: IndexFactory, num_slots: int) -> type[RuleBasedSt
             assert stats.readable == len(self.readable)
             assert stats.writing == len(self.writing)
             assert stats.discarded == len(self.discarded)
-            assert (
-                stats.free + stats.readable + stats.writing + stats.discarded == num_slots
-            ), "slot leak"
+            assert stats.free + stats.readable + stats.writing + stats.discarded == num_slots, (
+                "slot leak"
+            )
             assert stats.pinned == sum(1 for count in self.pins.values() if count)
             for key, slot in self.readable.items():
                 assert self.index.slot_of(key) == slot
