@@ -2,7 +2,7 @@
 
 A KV tier is not a generic cache: a block is only readable through its whole
 prefix (lookup stops at the first missing block), every request walks its chain
-root first, and reuse comes in long gaps. Four changes to ARC (see
+root first, and reuse comes in long gaps. Five changes to ARC (see
 :mod:`kvtier.index.arc`) use that:
 
 - **Tail first.** A request touches its chain root to leaf, so a plain recency
@@ -68,7 +68,7 @@ PRIOR_WEIGHT = 10.0
 SAMPLE_SPACE = 1 << 16
 """Keys are sampled for the shadow caches by the low 16 bits of their CRC-32."""
 SAMPLE_MASK = SAMPLE_SPACE - 1
-MIN_SHADOW_SLOTS = 64
+MIN_SHADOW_SLOTS = 128
 """Slots of the smallest shadow cache; a tier too small for its sample rate samples more."""
 DUEL_LIMIT = 256
 """Bound of the counter of shadow hits, so a change of workload turns the choice within a few
@@ -119,7 +119,7 @@ class PrefixARCConfig(PluginConfig):
         le=1.0,
         description=(
             "Share of the keys the adaptive admission's shadow caches replay; each shadow holds "
-            "this share of the slot count (at least 64 slots: a smaller tier samples more)."
+            "this share of the slot count (at least 128 slots: a smaller tier samples more)."
         ),
     )
 
@@ -176,6 +176,8 @@ class PrefixARCPolicy(EvictionPolicy):
         self._shadow_all: OrderedDict[BlockKey, None] = OrderedDict()
         self._shadow_second: OrderedDict[BlockKey, None] = OrderedDict()
         self._shadow_seen: OrderedDict[BlockKey, None] = OrderedDict()
+        # Sampled keys that may be in the tier, so that a hit needs no hashing to be sampled.
+        self._sampled: set[BlockKey] = set()
         self._duel = 0
 
     # Chain ranking.
@@ -283,6 +285,15 @@ class PrefixARCPolicy(EvictionPolicy):
             self._duel = max(-DUEL_LIMIT, min(DUEL_LIMIT, self._duel + score))
             self.second_sight = self._duel < 0
 
+    def _note_sampled(self, key: BlockKey) -> None:
+        """Remember that ``key``, about to be stored, is sampled (its hits go to the shadows)."""
+        sampled = self._sampled
+        sampled.add(key)
+        # Keys that left the tier (or were never stored: no free slot, an aborted store) are
+        # dropped in a sweep once there are twice as many as slots: O(1) amortized per key.
+        if len(sampled) > 2 * self.num_slots:
+            sampled.intersection_update(self._parent)
+
     def _admit_on_second_sight(self, key: BlockKey, parent: BlockKey | None) -> bool:
         """Whether ``key`` was seen before (and its parent was not just declined)."""
         if parent is not None and parent == self._declined:
@@ -316,6 +327,7 @@ class PrefixARCPolicy(EvictionPolicy):
             return True
         if crc32(key) & SAMPLE_MASK < self._sample_below:
             self._shadow_reference(key)
+            self._note_sampled(key)
         return not self.second_sight or self._admit_on_second_sight(key, parent)
 
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
@@ -348,7 +360,7 @@ class PrefixARCPolicy(EvictionPolicy):
         if chain and self._parent[key] != chain[-1]:
             self._end_chain()
         chain.append(key)
-        if self.adaptive and crc32(key) & SAMPLE_MASK < self._sample_below:
+        if key in self._sampled:
             self._shadow_reference(key)
         if key in self._class:
             self._credit_reuse(key)
