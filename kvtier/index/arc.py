@@ -35,6 +35,34 @@ def first_evictable(
     return None
 
 
+def arc_victim(
+    t1: OrderedDict[BlockKey, None],
+    t2: OrderedDict[BlockKey, None],
+    target_t1: float,
+    incoming_in_b2: bool,
+    evictable: Callable[[BlockKey], bool],
+) -> BlockKey | None:
+    """ARC's replacement choice: the oldest evictable key of ``t1`` while it is above target.
+
+    Args:
+        t1: Keys seen once, oldest first.
+        t2: Keys hit again, oldest first.
+        target_t1: The adaptive target size ``p`` of ``t1``.
+        incoming_in_b2: Whether the key being stored is remembered by the ghost list ``b2``
+            (then ``t1`` also gives up a key when exactly at its target).
+        evictable: Whether a key may be evicted now.
+
+    Returns:
+        The victim, from the other list when the preferred one has no evictable key; ``None``
+        when neither has one.
+    """
+    size = len(t1)
+    from_t1 = size > 0 and (size > target_t1 or (incoming_in_b2 and size == int(target_t1)))
+    first, second = (t1, t2) if from_t1 else (t2, t1)
+    key = first_evictable(first, evictable)
+    return key if key is not None else first_evictable(second, evictable)
+
+
 class ARCPolicy(EvictionPolicy):
     """ARC over the tier's readable keys; ``num_slots`` sizes the ghost lists."""
 
@@ -88,13 +116,7 @@ class ARCPolicy(EvictionPolicy):
             self._b2.popitem(last=False)
 
     def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
-        t1 = len(self._t1)
-        from_t1 = t1 > 0 and (
-            t1 > self.target_t1 or (self._incoming_in_b2 and t1 == int(self.target_t1))
-        )
-        first, second = (self._t1, self._t2) if from_t1 else (self._t2, self._t1)
-        key = first_evictable(first, evictable)
-        return key if key is not None else first_evictable(second, evictable)
+        return arc_victim(self._t1, self._t2, self.target_t1, self._incoming_in_b2, evictable)
 
 
 def build(config: ARCConfig, num_slots: int) -> PolicyIndex:

@@ -55,7 +55,7 @@ from zlib import crc32
 from pydantic import Field
 
 from kvtier.config import PluginConfig
-from kvtier.index.arc import first_evictable
+from kvtier.index.arc import arc_victim, first_evictable
 from kvtier.index.base import BlockKey
 from kvtier.index.policy import EvictionPolicy, PolicyIndex
 
@@ -421,13 +421,7 @@ class PrefixARCPolicy(EvictionPolicy):
             if key is not None:
                 return key
         self._rank_chain()
-        t1 = len(self._t1)
-        from_t1 = t1 > 0 and (
-            t1 > self.target_t1 or (self._incoming_in_b2 and t1 == int(self.target_t1))
-        )
-        first, second = (self._t1, self._t2) if from_t1 else (self._t2, self._t1)
-        key = first_evictable(first, evictable)
-        return key if key is not None else first_evictable(second, evictable)
+        return arc_victim(self._t1, self._t2, self.target_t1, self._incoming_in_b2, evictable)
 
 
 def _remember(seen: OrderedDict[BlockKey, None], key: BlockKey, size: int) -> None:
