@@ -24,10 +24,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from kvtier.config import PluginConfig
 from kvtier.copy.base import Direction
 from kvtier.copy.cuda_driver import CudaDriver, CudaError
-from kvtier.copy.cuda_stream import SegmentExecutor, StreamCopyBackend
+from kvtier.copy.cuda_stream import SegmentExecutor, StreamCopyBackend, StreamCopyConfig
 from kvtier.copy.dma import DmaCopyConfig, DmaExecutor
 from kvtier.copy.kernel import KernelCopyConfig, KernelExecutor
 from kvtier.copy.planner import Segments
@@ -37,19 +36,12 @@ from kvtier.tiers.pinning import PinningError
 logger = logging.getLogger(__name__)
 
 
-class AutoCopyConfig(PluginConfig):
+class AutoCopyConfig(StreamCopyConfig):
     """Config of the ``auto`` copy backend."""
 
     type: Literal["auto"] = Field(
         default="auto",
         description="Use the auto copy backend (kernel or dma per batch, by segment size).",
-    )
-    stream_priority: int | None = Field(
-        default=None,
-        description=(
-            "CUDA priority of the copy streams; lower numbers run first. Default: the lowest "
-            "priority the device offers, so copies yield to the engine's compute."
-        ),
     )
     kernel_below_bytes: int = Field(
         default=128 << 10,

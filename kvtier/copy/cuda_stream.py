@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from pydantic import Field
 
+from kvtier.config import PluginConfig
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
 from kvtier.copy.cuda_driver import CudaDriver, CudaError, CudaUnavailable, open_driver
 from kvtier.copy.planner import SegmentPlanner, Segments, batch_arrays
@@ -42,6 +44,18 @@ def as_address_arrays(segments: Segments) -> tuple[np.ndarray, np.ndarray, np.nd
     return tuple(  # type: ignore[return-value]
         np.ascontiguousarray(array, dtype=np.uint64)
         for array in (segments.dst, segments.src, segments.nbytes)
+    )
+
+
+class StreamCopyConfig(PluginConfig):
+    """Settings every streamed CUDA copy backend (``dma``, ``kernel``, ``auto``) shares."""
+
+    stream_priority: int | None = Field(
+        default=None,
+        description=(
+            "CUDA priority of the copy streams; lower numbers run first. Default: the lowest "
+            "priority the device offers, so copies yield to the engine's compute."
+        ),
     )
 
 

@@ -17,28 +17,25 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from kvtier.config import PluginConfig
 from kvtier.copy.base import Direction
 from kvtier.copy.cuda_driver import CudaDriver
-from kvtier.copy.cuda_stream import SegmentExecutor, StreamCopyBackend, as_address_arrays
+from kvtier.copy.cuda_stream import (
+    SegmentExecutor,
+    StreamCopyBackend,
+    StreamCopyConfig,
+    as_address_arrays,
+)
 from kvtier.copy.planner import Segments
 from kvtier.layout.base import KVLayout
 
 logger = logging.getLogger(__name__)
 
 
-class DmaCopyConfig(PluginConfig):
+class DmaCopyConfig(StreamCopyConfig):
     """Config of the ``dma`` copy backend."""
 
     type: Literal["dma"] = Field(
         default="dma", description="Use the dma copy backend (batched CUDA DMA)."
-    )
-    stream_priority: int | None = Field(
-        default=None,
-        description=(
-            "CUDA priority of the copy streams; lower numbers run first. Default: the lowest "
-            "priority the device offers, so copies yield to the engine's compute."
-        ),
     )
     batched: bool = Field(
         default=True,

@@ -24,10 +24,9 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from kvtier.config import PluginConfig
 from kvtier.copy.base import Direction
 from kvtier.copy.cuda_driver import CudaDriver
-from kvtier.copy.cuda_stream import SegmentExecutor, StreamCopyBackend
+from kvtier.copy.cuda_stream import SegmentExecutor, StreamCopyBackend, StreamCopyConfig
 from kvtier.copy.planner import Segments
 from kvtier.layout.base import KVLayout
 from kvtier.tiers.pinning import mapped_offset
@@ -95,19 +94,12 @@ MAX_GRID_X = (1 << 31) - 1
 """CUDA's limit on ``gridDim.x``: the most rows one launch can copy."""
 
 
-class KernelCopyConfig(PluginConfig):
+class KernelCopyConfig(StreamCopyConfig):
     """Config of the ``kernel`` copy backend."""
 
     type: Literal["kernel"] = Field(
         default="kernel",
         description="Use the kernel copy backend (one CUDA gather/scatter kernel per batch).",
-    )
-    stream_priority: int | None = Field(
-        default=None,
-        description=(
-            "CUDA priority of the copy streams; lower numbers run first. Default: the lowest "
-            "priority the device offers, so copies yield to the engine's compute."
-        ),
     )
     threads_per_block: int = Field(
         default=256,
