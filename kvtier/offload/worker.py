@@ -192,21 +192,20 @@ class OffloadWorker:
             if finished:
                 del self._inflight[batch_id]
                 self._record(transfer, ok=True)
-        loaded = {
-            request_id
-            for request_id, batch_ids in self._loads_by_request.items()
-            if not batch_ids & self._inflight.keys()
-        }
-        for request_id in loaded:
-            del self._loads_by_request[request_id]
-        released = {
-            request_id
-            for request_id, batch_ids in self._holds.items()
-            if not batch_ids & self._inflight.keys()
-        }
-        for request_id in released:
-            del self._holds[request_id]
+        loaded = self._pop_settled(self._loads_by_request)
+        released = self._pop_settled(self._holds)
         return released, loaded
+
+    def _pop_settled(self, waiting: dict[str, set[int]]) -> set[str]:
+        """Remove and return the requests in ``waiting`` none of whose batches is in flight."""
+        settled = {
+            request_id
+            for request_id, batch_ids in waiting.items()
+            if not batch_ids & self._inflight.keys()
+        }
+        for request_id in settled:
+            del waiting[request_id]
+        return settled
 
     def take_failed_load_blocks(self) -> set[int]:
         """Device block ids whose loads failed since the last call: recompute them."""
