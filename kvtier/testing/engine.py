@@ -33,6 +33,7 @@ from kvtier.layout.base import KVCaches, KVLayout, LayoutResolver
 from kvtier.offload.manager import OffloadManager, StoreMode
 from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
 from kvtier.offload.worker import BackendFactory, OffloadWorker
+from kvtier.testing.contracts_layout import mamba_state_views
 from kvtier.tiers.host import HostTier
 
 logger = logging.getLogger(__name__)
@@ -163,9 +164,7 @@ def _mamba_states(spec: EngineSpec) -> list[torch.Tensor]:
     ssm_bytes = element * ssm_shape[0] * ssm_shape[1] * ssm_shape[2]
     page_bytes = -(-(conv_bytes + ssm_bytes + 64) // 256) * 256
     pages = torch.zeros((spec.num_blocks, page_bytes), dtype=torch.uint8, device=spec.device)
-    conv = pages[:, :conv_bytes].view(spec.dtype).view(spec.num_blocks, *conv_shape)
-    ssm = pages[:, conv_bytes : conv_bytes + ssm_bytes].view(spec.dtype)
-    return [conv, ssm.view(spec.num_blocks, *ssm_shape)]
+    return mamba_state_views(pages, (conv_shape, ssm_shape), (spec.dtype, spec.dtype))
 
 
 def _seed(key: BlockKey, tensor_index: int) -> int:
