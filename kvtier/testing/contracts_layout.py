@@ -78,7 +78,7 @@ def _layers(count: int) -> list[str]:
 
 def _tensor(shape: Sequence[int], dtype: torch.dtype, device: str) -> torch.Tensor:
     """A zeroed tensor of any dtype, made as bytes (fp8 has no ``zeros`` on every build)."""
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
     raw = torch.zeros((*shape[:-1], shape[-1] * element), dtype=torch.uint8, device=device)
     return raw.view(dtype)
 
@@ -170,7 +170,7 @@ def vllm_cpu_packed_case(
     follow each other) or block-outermost (``block_stride`` is ``L`` pages, a
     block's layers sit side by side), as vLLM's ``allocate_kv_cache`` does.
     """
-    element = torch.empty((), dtype=dtype).element_size()
+    element = dtype.itemsize
     page = num_heads * block_tokens * 2 * head_dim * element
     if block_outermost:
         layer_stride, block_stride = page, num_layers * page
@@ -229,7 +229,7 @@ def mamba_state_views(
     rows = pages.reshape(pages.shape[0], -1)
     states, offset = [], 0
     for shape, dtype in zip(shapes, dtypes, strict=True):
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         states.append(rows[:, offset : offset + nbytes].view(dtype).view(-1, *shape))
         offset += nbytes
     return states
@@ -256,8 +256,7 @@ def mamba_case(
     """
     shapes, dtypes = (conv_shape, ssm_shape), (conv_dtype, ssm_dtype)
     content = sum(
-        math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        for shape, dtype in zip(shapes, dtypes, strict=True)
+        math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True)
     )
     if content > page_padded_bytes:
         raise ValueError(f"{content} bytes of states do not fit in a {page_padded_bytes}-byte page")

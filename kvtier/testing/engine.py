@@ -157,7 +157,7 @@ def make_kv_caches(spec: EngineSpec) -> tuple[KVCaches, list[EngineTensor]]:
 
 def _mamba_states(spec: EngineSpec) -> list[torch.Tensor]:
     """Conv and SSM states of one Mamba layer, packed in one padded page per block."""
-    element = torch.empty((), dtype=spec.dtype).element_size()
+    element = spec.dtype.itemsize
     conv_shape = (spec.num_kv_heads * spec.head_dim, 3)
     ssm_shape = (spec.num_kv_heads, spec.head_dim, 4)
     conv_bytes = element * conv_shape[0] * conv_shape[1]
