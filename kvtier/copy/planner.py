@@ -71,6 +71,19 @@ def batch_arrays(
     return blocks, slots
 
 
+def check_host_matrix(host_buffer: torch.Tensor) -> None:
+    """Check that ``host_buffer`` is a 2-D uint8 tensor, one host slot per row.
+
+    Raises:
+        ValueError: If it has another dtype or number of dimensions.
+    """
+    if host_buffer.dtype != torch.uint8 or host_buffer.dim() != 2:
+        raise ValueError(
+            f"the host buffer must be a [num_slots, record_bytes] uint8 tensor, got "
+            f"{host_buffer.dtype} of shape {tuple(host_buffer.shape)}"
+        )
+
+
 def _has_repeats(ids: np.ndarray, limit: int) -> bool:
     """Whether ``ids`` (all in ``0 .. limit - 1``) holds a value twice; linear when it can be."""
     if limit <= 16 * ids.size:
@@ -177,11 +190,7 @@ class SegmentPlanner:
             ValueError: If the host buffer is not a 2-D uint8 tensor with contiguous
                 rows of at least ``layout.record_bytes`` bytes.
         """
-        if host_buffer.dtype != torch.uint8 or host_buffer.dim() != 2:
-            raise ValueError(
-                f"the host buffer must be a [num_slots, record_bytes] uint8 tensor, got "
-                f"{host_buffer.dtype} of shape {tuple(host_buffer.shape)}"
-            )
+        check_host_matrix(host_buffer)
         if host_buffer.shape[1] < layout.record_bytes or host_buffer.stride(1) != 1:
             raise ValueError(
                 f"host rows must hold {layout.record_bytes} contiguous bytes, got shape "

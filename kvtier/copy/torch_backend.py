@@ -28,7 +28,7 @@ from pydantic import Field
 from kvtier.config import ByteCount, PluginConfig
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
 from kvtier.copy.cpu_rows import RowCopier, run_starts, sort_ids
-from kvtier.copy.planner import batch_arrays
+from kvtier.copy.planner import batch_arrays, check_host_matrix
 from kvtier.layout.base import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -76,11 +76,7 @@ class TorchCopyBackend(CopyBackend):
                 ``layout.record_bytes``-byte rows, or the regions are not all on one
                 CPU or CUDA device.
         """
-        if host_buffer.dtype != torch.uint8 or host_buffer.dim() != 2:
-            raise ValueError(
-                f"the host buffer must be a [num_slots, record_bytes] uint8 tensor, got "
-                f"{host_buffer.dtype} of shape {tuple(host_buffer.shape)}"
-            )
+        check_host_matrix(host_buffer)
         if host_buffer.device.type != "cpu":
             raise ValueError(f"the host buffer must be in CPU memory, got {host_buffer.device}")
         if host_buffer.shape[1] != layout.record_bytes or not host_buffer.is_contiguous():
