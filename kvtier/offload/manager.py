@@ -138,8 +138,12 @@ class _Request:
 
     def __post_init__(self) -> None:
         if not self.block_ids:
-            self.block_ids = [[] for _ in range(self.num_groups)]
-            self.store_cursor = [0] * self.num_groups
+            self.clear_blocks()
+
+    def clear_blocks(self) -> None:
+        """Forget the request's device blocks and restart store progress in every group."""
+        self.block_ids = [[] for _ in range(self.num_groups)]
+        self.store_cursor = [0] * self.num_groups
 
 
 class OffloadManager:
@@ -402,8 +406,7 @@ class OffloadManager:
         if block_hashes is not None:
             state.block_hashes = block_hashes
         if resumed:
-            state.block_ids = [[] for _ in range(self.num_groups)]
-            state.store_cursor = [0] * self.num_groups
+            state.clear_blocks()
         if new_block_ids is not None:
             for group, ids in enumerate(new_block_ids[: self.num_groups]):
                 if ids:
@@ -424,8 +427,7 @@ class OffloadManager:
                 continue
             self._cancel_pending_loads(state)
             state.unavailable.clear()
-            state.block_ids = [[] for _ in range(self.num_groups)]
-            state.store_cursor = [0] * self.num_groups
+            state.clear_blocks()
             state.computed_tokens = 0
 
     def finished(self, request_id: str, num_computed_tokens: int | None = None) -> bool:
