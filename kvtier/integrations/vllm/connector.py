@@ -454,7 +454,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if not events:
             return []
         prefix_bytes = len(self.manager.namespace.prefix(0))
-        tokens = self._tokens_by_hash()
+        tokens = self._tokens_by_hash(
+            {event.key[prefix_bytes:] for event in events if event.kind is EventKind.STORED}
+        )
         out: list[KVCacheEvent] = []
         for event in events:
             block_hash = event.key[prefix_bytes:]
@@ -483,13 +485,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 )
         return out
 
-    def _tokens_by_hash(self) -> dict[bytes, tuple[Any, list[int]]]:
-        """Parent hash and token ids of every full block of the live requests, by block hash."""
+    def _tokens_by_hash(self, wanted: set[bytes]) -> dict[bytes, tuple[Any, list[int]]]:
+        """Parent hash and token ids of the live requests' full blocks whose hash is ``wanted``."""
         found: dict[bytes, tuple[Any, list[int]]] = {}
+        if not wanted:
+            return found
         for request in self._requests.values():
             hashes = request.block_hashes
             tokens = request.all_token_ids
             for i in range(len(hashes)):
+                if hashes[i] not in wanted:
+                    continue
                 parent = maybe_convert_block_hash(hashes[i - 1]) if i else None
                 start = i * self.block_tokens
                 found[hashes[i]] = (parent, list(tokens[start : start + self.block_tokens]))
