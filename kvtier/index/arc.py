@@ -35,6 +35,29 @@ def first_evictable(
     return None
 
 
+def adapted_target_t1(
+    target_t1: float, num_slots: int, b1: int, b2: int, *, in_b1: bool, toward_t2: bool
+) -> float:
+    """ARC's adaptation of the target size ``p`` of ``t1`` on a miss.
+
+    Args:
+        target_t1: The current target.
+        num_slots: Slots of the tier (the target's upper bound).
+        b1: Keys in the ghost list ``b1``.
+        b2: Keys in the ghost list ``b2``.
+        in_b1: The missed key is remembered by ``b1``: ``t1`` would have kept it, so it grows.
+        toward_t2: Otherwise, whether the miss argues for a larger ``t2`` (a ``b2`` hit).
+
+    Returns:
+        The new target, within ``0 .. num_slots``.
+    """
+    if in_b1:
+        return min(float(num_slots), target_t1 + max(1.0, b2 / b1))
+    if toward_t2:
+        return max(0.0, target_t1 - max(1.0, b1 / max(b2, 1)))
+    return target_t1
+
+
 def arc_victim(
     t1: OrderedDict[BlockKey, None],
     t2: OrderedDict[BlockKey, None],
@@ -77,12 +100,15 @@ class ARCPolicy(EvictionPolicy):
 
     def admit(self, key: BlockKey, parent: BlockKey | None) -> bool:
         # ARC adapts on the miss, before choosing the victim that makes room for ``key``.
-        b1, b2 = len(self._b1), len(self._b2)
         self._incoming_in_b2 = key in self._b2
-        if key in self._b1:
-            self.target_t1 = min(float(self.num_slots), self.target_t1 + max(1.0, b2 / b1))
-        elif self._incoming_in_b2:
-            self.target_t1 = max(0.0, self.target_t1 - max(1.0, b1 / b2))
+        self.target_t1 = adapted_target_t1(
+            self.target_t1,
+            self.num_slots,
+            len(self._b1),
+            len(self._b2),
+            in_b1=key in self._b1,
+            toward_t2=self._incoming_in_b2,
+        )
         return True
 
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:

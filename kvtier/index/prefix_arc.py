@@ -55,7 +55,7 @@ from zlib import crc32
 from pydantic import Field
 
 from kvtier.config import PluginConfig
-from kvtier.index.arc import arc_victim, first_evictable
+from kvtier.index.arc import adapted_target_t1, arc_victim, first_evictable
 from kvtier.index.base import BlockKey
 from kvtier.index.policy import EvictionPolicy, PolicyIndex
 
@@ -316,13 +316,16 @@ class PrefixARCPolicy(EvictionPolicy):
         if self._chain and parent != self._chain[-1]:
             self._end_chain()
         # As in ARC, a ghost hit moves the target before the victim for ``key`` is chosen.
-        b1, b2 = len(self._b1), len(self._b2)
         self._incoming_in_b2 = key in self._b2
-        if key in self._b1:
-            self.target_t1 = min(float(self.num_slots), self.target_t1 + max(1.0, b2 / b1))
-        elif self._incoming_in_b2 or key in self._history:
+        self.target_t1 = adapted_target_t1(
+            self.target_t1,
+            self.num_slots,
+            len(self._b1),
+            len(self._b2),
+            in_b1=key in self._b1,
             # Reuse after a gap longer than the ghost lists remember also argues for a larger t2.
-            self.target_t1 = max(0.0, self.target_t1 - max(1.0, b1 / max(b2, 1)))
+            toward_t2=self._incoming_in_b2 or key in self._history,
+        )
         if not self.adaptive:
             return True
         if crc32(key) & SAMPLE_MASK < self._sample_below:
