@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvtier.testing.models import TinyLlamaSpec, write_tiny_llama
+from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
 
 MODEL = TinyLlamaSpec(
     num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1024

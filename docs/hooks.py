@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvtier.cli import config_reference, help_texts
+from kvtier.cli import help_texts
+from kvtier.config_reference import render_config_reference
 from kvtier.plugins import default_registry
 
 MARKER = "<!-- kvtier:config-reference -->"
@@ -19,7 +20,7 @@ _ROLE = re.compile(r":(?:class|meth|func|data|attr|mod|exc|obj):<code>(~?)([^<]+
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     """Render the references wherever a page holds :data:`MARKER` or :data:`CLI_MARKER`."""
     if MARKER in markdown:
-        reference = config_reference(default_registry(), distribution="kvtier")
+        reference = render_config_reference(default_registry(), distribution="kvtier")
         # Headings one level below the page's "## Reference".
         reference = reference.replace("\n### ", "\n#### ").replace("\n## ", "\n### ")
         if reference.startswith("## "):

@@ -22,24 +22,18 @@ import json
 import logging
 import os
 import sys
-import types
-import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
-
 from kvtier import __version__
 from kvtier.config import (
-    SECTIONS,
     ConfigError,
-    KVTierConfig,
     config_model,
     load_config,
     parse_bytes,
 )
-from kvtier.plugins import KIND_TITLES, KINDS, PluginError, Registry, default_registry
+from kvtier.config_reference import render_config_reference
+from kvtier.plugins import KIND_TITLES, KINDS, PluginError, default_registry
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +46,6 @@ DELEGATED: dict[tuple[str, ...], tuple[str, str]] = {
     ("simulate",): ("kvtier.simulator", "replay a trace through eviction policies"),
 }
 """Commands implemented elsewhere: words -> (module with add_arguments/run, summary)."""
-
-_SECTION_FIELDS = {section.field: section for section in SECTIONS}
 
 
 def _command_plugins(args: argparse.Namespace) -> int:
@@ -152,80 +144,8 @@ def _command_config_schema(args: argparse.Namespace) -> int:
 
 def _command_config_reference(args: argparse.Namespace) -> int:
     distribution = None if args.all else "kvtier"
-    print(config_reference(default_registry(), distribution=distribution), end="")
+    print(render_config_reference(default_registry(), distribution=distribution), end="")
     return EXIT_OK
-
-
-def config_reference(registry: Registry, *, distribution: str | None = None) -> str:
-    """Render every config field as Markdown: the root fields, then each implementation's.
-
-    Args:
-        registry: The plugins whose config models to describe.
-        distribution: Describe only implementations from this distribution
-            (``"kvtier"`` for the built-ins); ``None`` describes all.
-
-    Returns:
-        Markdown with one table per model: key, type, default, description.
-    """
-    lines = ["## Top level", "", *_fields_table(KVTierConfig.model_fields, "")]
-    for section in SECTIONS:
-        title = KIND_TITLES[section.kind]
-        lines += [
-            "",
-            f"## `{section.field}`: {title}",
-            "",
-            f"{section.description} Pick one with `{section.field}.type`; "
-            f"the default is `{section.default}`.",
-        ]
-        for reg in registry.of_kind(section.kind).values():
-            if distribution is not None and reg.distribution != distribution:
-                continue
-            model = reg.config_model
-            lines += ["", f"### `{section.field}.type: {reg.name}`", ""]
-            doc = (model.__doc__ or "").strip()
-            if doc:
-                lines += [" ".join(doc.split("\n\n")[0].split()), ""]
-            lines += _fields_table(model.model_fields, f"{section.field}.")
-    return "\n".join(lines) + "\n"
-
-
-def _fields_table(fields: dict[str, FieldInfo], prefix: str) -> list[str]:
-    rows = ["| Key | Type | Default | Description |", "| --- | --- | --- | --- |"]
-    for name, info in fields.items():
-        if prefix and name == "type":
-            continue
-        description = (info.description or "").replace("|", "\\|").replace("\n", " ")
-        is_section = not prefix and name in _SECTION_FIELDS
-        type_text = "section (below)" if is_section else _type_name(info.annotation)
-        default_text = _default_text(name, info)
-        rows.append(f"| `{prefix}{name}` | {type_text} | {default_text} | {description} |")
-    if len(rows) == 2:
-        return ["No settings besides `type`."]
-    return rows
-
-
-def _type_name(annotation: Any) -> str:
-    origin = typing.get_origin(annotation)
-    if origin is typing.Literal:
-        return " \\| ".join(f"`{value!r}`" for value in typing.get_args(annotation))
-    if origin is typing.Annotated:
-        return _type_name(typing.get_args(annotation)[0])
-    if origin in (typing.Union, types.UnionType):
-        return " \\| ".join(_type_name(arg) for arg in typing.get_args(annotation))
-    if annotation is type(None):
-        return "`None`"
-    if isinstance(annotation, type):
-        return f"`{annotation.__name__}`"
-    return f"`{annotation}`"
-
-
-def _default_text(name: str, info: FieldInfo) -> str:
-    section = _SECTION_FIELDS.get(name)
-    if section is not None:
-        return f"`{section.default}`"
-    if info.default is PydanticUndefined:
-        return "required" if info.default_factory is None else "computed"
-    return f"`{info.default!r}`"
 
 
 def _build_parser() -> argparse.ArgumentParser:

@@ -7,8 +7,7 @@ import logging
 import pytest
 import torch
 
-from kvtier.copy.host_driver import MAPPED_OFFSET, HostDriver
-from kvtier.tiers.pinning import (
+from kvtier.cuda.pinning import (
     CHUNK_ALIGN_BYTES,
     Chunk,
     PinningError,
@@ -16,6 +15,7 @@ from kvtier.tiers.pinning import (
     pin_host_buffer,
     plan_chunks,
 )
+from kvtier.testing.cuda_host_driver import MAPPED_OFFSET, HostDriver
 
 MiB = 1 << 20
 
@@ -80,7 +80,7 @@ def test_failed_registration_rolls_back_and_warns(caplog: pytest.LogCaptureFixtu
     driver = HostDriver()
     driver.fail_on("host_register", after=2, message="CUDA_ERROR_OUT_OF_MEMORY")
     buffer = torch.empty(9 * MiB, dtype=torch.uint8)
-    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.pinning"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.cuda.pinning"):
         region = pin_host_buffer(buffer, chunk_bytes=2 * MiB, driver=driver)
     assert region is None
     assert driver.registered == {}
@@ -92,7 +92,7 @@ def test_failed_registration_rolls_back_and_warns(caplog: pytest.LogCaptureFixtu
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback without CUDA")
 def test_pin_without_cuda_warns_and_returns_none(caplog: pytest.LogCaptureFixture) -> None:
     buffer = torch.empty(MiB, dtype=torch.uint8)
-    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.pinning"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.cuda.pinning"):
         assert pin_host_buffer(buffer) is None
     assert "needs CUDA" in caplog.text
 

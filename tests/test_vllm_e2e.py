@@ -14,8 +14,8 @@ import kvtier
 import kvtier.plugins
 from kvtier.config import ConfigError, PluginConfig
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
+from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
 from kvtier.plugins import build_plugin_manager, collect, default_registry
-from kvtier.testing.models import TinyLlamaSpec, write_tiny_llama
 
 pytest.importorskip("vllm")
 

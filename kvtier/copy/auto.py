@@ -25,13 +25,14 @@ import torch
 from pydantic import Field
 
 from kvtier.copy.base import Direction
-from kvtier.copy.cuda_driver import CudaDriver, CudaError
-from kvtier.copy.cuda_stream import SegmentExecutor, StreamCopyBackend, StreamCopyConfig
 from kvtier.copy.dma import DmaCopyConfig, DmaExecutor
 from kvtier.copy.kernel import KernelCopyConfig, KernelExecutor
 from kvtier.copy.planner import Segments
+from kvtier.copy.streamed import SegmentExecutor, StreamCopyBackend, StreamCopyConfig
+from kvtier.cuda.bindings import CudaError
+from kvtier.cuda.driver import CudaDriver
+from kvtier.cuda.pinning import PinningError
 from kvtier.layout.base import KVLayout
-from kvtier.tiers.pinning import PinningError
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,7 @@ def build_auto_backend(
     """Factory of the ``auto`` copy backend.
 
     Raises:
-        kvtier.copy.cuda_driver.CudaUnavailable: The layout is not on a CUDA
+        kvtier.cuda.CudaUnavailable: The layout is not on a CUDA
             device or CUDA cannot be used ("needs CUDA: ...").
     """
     return StreamCopyBackend.open(

@@ -2,7 +2,7 @@
 
 Each batch's merged segments go to the driver in a single batched call
 (CUDA 12.8 or newer; the 12.8 and 13 ABIs are both handled in
-:mod:`kvtier.copy.cuda_driver`), queued from the backend's worker thread on a
+:mod:`kvtier.cuda.driver`), queued from the backend's worker thread on a
 low-priority stream per direction. Sources are read in stream order, after the
 compute the batch waits for. On older drivers each segment is one
 ``cuMemcpyAsync``. Best for blocks of a few hundred KiB and up, where the copy
@@ -18,14 +18,14 @@ import torch
 from pydantic import Field
 
 from kvtier.copy.base import Direction
-from kvtier.copy.cuda_driver import CudaDriver
-from kvtier.copy.cuda_stream import (
+from kvtier.copy.planner import Segments
+from kvtier.copy.streamed import (
     SegmentExecutor,
     StreamCopyBackend,
     StreamCopyConfig,
     as_address_arrays,
 )
-from kvtier.copy.planner import Segments
+from kvtier.cuda.driver import CudaDriver
 from kvtier.layout.base import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def build_dma_backend(
     """Factory of the ``dma`` copy backend.
 
     Raises:
-        kvtier.copy.cuda_driver.CudaUnavailable: The layout is not on a CUDA
+        kvtier.cuda.CudaUnavailable: The layout is not on a CUDA
             device or CUDA cannot be used ("needs CUDA: ...").
     """
     return StreamCopyBackend.open(

@@ -4,7 +4,8 @@ Per-copy DMA setup dominates when a batch is thousands of 16-32 KiB pieces.
 This backend instead launches one kernel per batch that reads and writes the
 pinned host buffer directly through its device mapping, with 16-byte accesses.
 The kernel is CUDA C++ compiled at run time with NVRTC (cached per process)
-and launched through the driver API; see :mod:`kvtier.copy.cuda_driver`.
+and launched through the driver API; see :mod:`kvtier.cuda.driver` and
+:mod:`kvtier.cuda.nvrtc`.
 
 A batch's merged segments are cut into rows of at most ``chunk_bytes``; row
 ``i`` of the segment table (``src, dst, bytes``, three ``uint64``) is copied by
@@ -25,11 +26,11 @@ import torch
 from pydantic import Field
 
 from kvtier.copy.base import Direction
-from kvtier.copy.cuda_driver import CudaDriver
-from kvtier.copy.cuda_stream import SegmentExecutor, StreamCopyBackend, StreamCopyConfig
 from kvtier.copy.planner import Segments
+from kvtier.copy.streamed import SegmentExecutor, StreamCopyBackend, StreamCopyConfig
+from kvtier.cuda.driver import CudaDriver
+from kvtier.cuda.pinning import mapped_offset
 from kvtier.layout.base import KVLayout
-from kvtier.tiers.pinning import mapped_offset
 
 logger = logging.getLogger(__name__)
 
@@ -213,8 +214,8 @@ class KernelExecutor(SegmentExecutor):
         """Compile and load the kernel and find the host buffer's device mapping.
 
         Raises:
-            kvtier.tiers.pinning.PinningError: The host buffer is not pinned and mapped.
-            kvtier.copy.cuda_driver.CudaError: NVRTC or loading the kernel failed.
+            kvtier.cuda.PinningError: The host buffer is not pinned and mapped.
+            kvtier.cuda.CudaError: NVRTC or loading the kernel failed.
         """
         self._host_offset = mapped_offset(driver, host_buffer.data_ptr(), host_buffer.numel())
         self._kernel = driver.load_kernel(KERNEL_SOURCE, KERNEL_NAME)
@@ -251,7 +252,7 @@ class KernelExecutor(SegmentExecutor):
 def build_kernel_backend(
     config: KernelCopyConfig, layout: KVLayout, host_buffer: torch.Tensor
 ) -> StreamCopyBackend:
-    """Factory of the ``kernel`` copy backend (see :func:`kvtier.copy.cuda_stream.open_backend`)."""
+    """Factory of the ``kernel`` copy backend (see :meth:`StreamCopyBackend.open`)."""
     return StreamCopyBackend.open(
         layout, host_buffer, KernelExecutor(config), stream_priority=config.stream_priority
     )

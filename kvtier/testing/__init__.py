@@ -1,1 +1,1 @@
-"""Test helpers for kvtier and its plugins: a synthetic engine, fault injection, contract suites."""
+"""Test helpers: a synthetic engine, a host-memory CUDA driver, fault injection, contract suites."""

@@ -4,7 +4,7 @@ A slot holds one block's record: the block's bytes from every region of the
 :class:`~kvtier.layout.KVLayout`, regions in order. The buffer is allocated as
 plain memory; when the engine's KV cache lives on a CUDA device it is then
 pinned in place (``cudaHostRegister``, in chunks) by
-:mod:`kvtier.tiers.pinning`, so copies can run asynchronously without the
+:mod:`kvtier.cuda.pinning`, so copies can run asynchronously without the
 power-of-two rounding of a pinned allocator.
 
 The tier's directory (which key sits in which slot) is a
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.tiers.pinning import PinnedRegion, pin_host_buffer
+from kvtier.cuda.pinning import PinnedRegion, pin_host_buffer
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig

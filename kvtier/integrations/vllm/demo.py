@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.testing.models import TinyLlamaSpec, write_tiny_llama
+from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
 
 DEMO_MODEL = TinyLlamaSpec(
     num_layers=4,

@@ -46,7 +46,7 @@ def engine_kwargs(
     """Keyword arguments of ``vllm.LLM`` for a small token-id model, optionally with kvtier.
 
     Args:
-        model_dir: A checkpoint directory (see :mod:`kvtier.testing.models`).
+        model_dir: A checkpoint directory (see :mod:`kvtier.integrations.checkpoints`).
         kvtier: kvtier's config (``kv_connector_extra_config``), or ``None`` for no connector.
         num_device_blocks: Size of vLLM's own KV cache in blocks; vLLM sizes it if ``None``.
         max_model_len: Longest sequence, in tokens.

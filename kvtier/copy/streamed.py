@@ -32,8 +32,9 @@ from pydantic import Field
 
 from kvtier.config import PluginConfig
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
-from kvtier.copy.cuda_driver import CudaDriver, CudaError, CudaUnavailable, open_driver
 from kvtier.copy.planner import SegmentPlanner, Segments, batch_arrays
+from kvtier.cuda.bindings import CudaError, CudaUnavailable
+from kvtier.cuda.driver import CudaDriver, open_driver
 from kvtier.layout.base import KVLayout
 
 logger = logging.getLogger(__name__)

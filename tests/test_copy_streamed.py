@@ -1,6 +1,6 @@
 """The dma, kernel and auto backends on the host-memory CUDA driver: bytes, ordering, bookkeeping.
 
-Every CUDA call goes through :class:`~kvtier.copy.host_driver.HostDriver`,
+Every CUDA call goes through :class:`~kvtier.testing.cuda_host_driver.HostDriver`,
 which copies with ``memmove`` and completes events when their stream drains,
 so the planner's addresses, the worker thread, the stream/event ordering and
 the failure paths are all checked without a GPU.
@@ -16,13 +16,13 @@ import torch
 
 from kvtier.copy.auto import AutoCopyConfig, AutoExecutor, build_auto_backend
 from kvtier.copy.base import CopyBatch, CopyError, CopyHandle, Direction
-from kvtier.copy.cuda_driver import CudaUnavailable
-from kvtier.copy.cuda_stream import SegmentExecutor, StreamCopyBackend
 from kvtier.copy.dma import DmaCopyConfig, DmaExecutor, build_dma_backend
-from kvtier.copy.host_driver import HostDriver
 from kvtier.copy.kernel import KernelCopyConfig, KernelExecutor, build_kernel_backend
+from kvtier.copy.streamed import SegmentExecutor, StreamCopyBackend
+from kvtier.cuda.bindings import CudaUnavailable
+from kvtier.cuda.pinning import PinnedRegion, PinningError, pin_host_buffer
 from kvtier.layout.base import BlockRegion, KVLayout
-from kvtier.tiers.pinning import PinnedRegion, PinningError, pin_host_buffer
+from kvtier.testing.cuda_host_driver import HostDriver
 
 NUM_BLOCKS = 24
 NUM_SLOTS = 20

@@ -1,10 +1,22 @@
-"""Small random-weight models written to disk, for end-to-end tests, the demo and benchmarks.
+"""Small random-weight checkpoints written to disk, to run an engine with kvtier without downloads.
 
-Nothing here downloads anything: the model is a ``transformers`` Llama built
-from a config and a fixed seed, saved with ``save_pretrained``, so any engine
-that loads Hugging Face checkpoints from a directory can serve it. Prompts are
-token ids (there is no tokenizer), and greedy outputs are deterministic, so two
-runs of the same engine can be compared token for token.
+The demo (``make demo``), ``benchmarks/vllm_ttft.py`` and the end-to-end tests
+all serve a model written by :func:`write_tiny_llama`: a ``transformers``
+Llama built from a :class:`TinyLlamaSpec` and a fixed seed, saved with
+``save_pretrained``, so any engine that loads Hugging Face checkpoints from a
+directory can serve it. Prompts are token ids (there is no tokenizer), and
+greedy outputs are deterministic, so two runs of the same engine can be
+compared token for token. Writing needs ``transformers``, which vLLM
+depends on.
+
+Example::
+
+    import vllm
+
+    from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
+
+    path = write_tiny_llama("/tmp/tiny-llama", TinyLlamaSpec(num_layers=4))
+    llm = vllm.LLM(model=str(path), skip_tokenizer_init=True)
 """
 
 from __future__ import annotations
@@ -76,14 +88,14 @@ def write_tiny_llama(directory: str | Path, spec: TinyLlamaSpec | None = None) -
     Returns:
         The checkpoint directory, ready for ``vllm.LLM(model=str(path))``.
     """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     spec = spec or TinyLlamaSpec()
     path = Path(directory)
     marker = path / _SPEC_FILE
     if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
         return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     path.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(
         vocab_size=spec.vocab_size,

@@ -1,4 +1,4 @@
-"""A :class:`~kvtier.copy.cuda_driver.CudaDriver` on host memory, for testing without a GPU.
+"""A :class:`~kvtier.cuda.driver.CudaDriver` on host memory, for testing without a GPU.
 
 Streams are FIFO queues that the driver drains as soon as their head can run;
 copies are ``memmove``; an event completes when its stream drains past it; a
@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtier.copy.cuda_driver import CudaDriver, CudaError, KernelArg
+from kvtier.cuda.bindings import CudaError
+from kvtier.cuda.driver import CudaDriver, KernelArg
 
 MAPPED_OFFSET = 1 << 52
 """Device address of mapped host memory minus its host address."""

@@ -1,7 +1,7 @@
-"""The copy-backend contract suite on the dma, kernel and auto backends.
+"""The copy-backend contract suite on the dma, kernel and auto backends, on the host-memory driver.
 
-On the CPU every CUDA call goes through the host-memory driver; the same suite
-runs on a real device through the registered factories (marked ``cuda``).
+Every CUDA call goes through :class:`~kvtier.testing.cuda_host_driver.HostDriver`;
+``test_copy_streamed_on_cuda.py`` runs the same suite on a real device.
 """
 
 from __future__ import annotations
@@ -11,17 +11,15 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvtier.config import PluginConfig
 from kvtier.copy.auto import AutoCopyConfig, AutoExecutor
 from kvtier.copy.base import CopyBackend
-from kvtier.copy.cuda_stream import SegmentExecutor, StreamCopyBackend
 from kvtier.copy.dma import DmaCopyConfig, DmaExecutor
-from kvtier.copy.host_driver import HostDriver
 from kvtier.copy.kernel import KernelCopyConfig, KernelExecutor
+from kvtier.copy.streamed import SegmentExecutor, StreamCopyBackend
+from kvtier.cuda.pinning import pin_host_buffer
 from kvtier.layout.base import KVLayout
-from kvtier.plugins import default_registry
 from kvtier.testing.contracts_copy import BackendFactory, CopyBackendContract
-from kvtier.tiers.pinning import pin_host_buffer
+from kvtier.testing.cuda_host_driver import HostDriver
 
 
 def _on_host_driver(make_executor: Callable[[], SegmentExecutor]) -> BackendFactory:
@@ -49,18 +47,3 @@ class TestAutoOnHostDriver(CopyBackendContract):
     @pytest.fixture
     def backend_factory(self) -> BackendFactory:
         return _on_host_driver(lambda: AutoExecutor(AutoCopyConfig(kernel_below_bytes=1024)))
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize(
-    "config", [DmaCopyConfig(), KernelCopyConfig(), AutoCopyConfig()], ids=["dma", "kernel", "auto"]
-)
-class TestOnCuda(CopyBackendContract):
-    @pytest.fixture
-    def device(self) -> str:
-        return "cuda"
-
-    @pytest.fixture
-    def backend_factory(self, config: PluginConfig) -> BackendFactory:
-        return lambda layout, host: default_registry().build("copy_backends", config, layout, host)

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.copy.cuda_driver import CudaDriver, CudaError, CudaUnavailable, open_driver
+from kvtier.cuda.bindings import CudaError, CudaUnavailable
+from kvtier.cuda.driver import CudaDriver, open_driver
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def mapped_offset(driver: CudaDriver, address: int, nbytes: int) -> int:
             raise PinningError(
                 f"host memory at {address:#x} ({nbytes} bytes) is not pinned and mapped for "
                 f"device {driver.device_index}: {exc}; pin it with "
-                "kvtier.tiers.pinning.pin_host_buffer"
+                "kvtier.cuda.pinning.pin_host_buffer"
             ) from exc
     if first != last:
         raise PinningError(

@@ -1,4 +1,4 @@
-"""The cuda-python side of the dma backend without a GPU: ABI choice, struct layout, errors."""
+"""The cuda-python driver binding without a GPU: ABI choice, struct layout, errors."""
 
 from __future__ import annotations
 
@@ -10,14 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvtier.copy import cuda_driver
-from kvtier.copy.cuda_driver import (
-    BindingsDriver,
-    CudaError,
-    CudaUnavailable,
-    memcpy_batch_abi,
-    open_driver,
-)
+from kvtier.cuda import driver as cuda_driver
+from kvtier.cuda.bindings import CudaError, CudaUnavailable, check
+from kvtier.cuda.driver import BindingsDriver, memcpy_batch_abi, open_driver
 
 
 @pytest.mark.parametrize(
@@ -45,16 +40,11 @@ def test_both_memcpy_batch_prototypes_are_declared() -> None:
 
 
 def test_check_unpacks_results_and_names_failures() -> None:
-    assert cuda_driver._check("cuFake", (0,)) is None
-    assert cuda_driver._check("cuFake", (0, 7)) == 7
-    assert cuda_driver._check("cuFake", (0, 1, 2)) == (1, 2)
+    assert check("cuFake", (0,)) is None
+    assert check("cuFake", (0, 7)) == 7
+    assert check("cuFake", (0, 1, 2)) == (1, 2)
     with pytest.raises(CudaError, match=r"cuFake failed with 2 \(2\)"):
-        cuda_driver._check("cuFake", (2, None))
-
-
-def test_nvrtc_arch_option_uses_the_compute_capability() -> None:
-    assert cuda_driver.nvrtc_arch_option((9, 0)) == "--gpu-architecture=sm_90"
-    assert cuda_driver.nvrtc_arch_option((12, 0)) == "--gpu-architecture=sm_120"
+        check("cuFake", (2, None))
 
 
 def test_open_driver_refuses_a_cpu_device() -> None:

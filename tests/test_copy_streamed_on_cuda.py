@@ -1,9 +1,10 @@
-"""The dma, kernel and auto backends on a real CUDA device (skipped without one).
+"""The dma, kernel and auto backends on a real CUDA device (marked ``cuda``, skipped without one).
 
-Byte-exact round trips through every synthetic engine layout, stores and
-loads in flight together, and the two orderings that silently corrupt data
-when missing: a store must wait for the compute that writes its blocks, and
-a load must not report done before its bytes arrived.
+The copy-backend contract suite, byte-exact round trips through every
+synthetic engine layout, stores and loads in flight together, and the two
+orderings that silently corrupt data when missing: a store must wait for the
+compute that writes its blocks, and a load must not report done before its
+bytes arrived.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from kvtier.copy.auto import AutoCopyConfig
 from kvtier.copy.base import CopyBackend, CopyBatch, Direction
 from kvtier.copy.dma import DmaCopyConfig
 from kvtier.copy.kernel import KernelCopyConfig
+from kvtier.cuda.pinning import PinnedRegion, pin_host_buffer
 from kvtier.layout.base import BlockRegion, KVLayout
 from kvtier.plugins import default_registry
-from kvtier.tiers.pinning import PinnedRegion, pin_host_buffer
+from kvtier.testing.contracts_copy import BackendFactory, CopyBackendContract
 
 pytestmark = [
     pytest.mark.cuda,
@@ -144,3 +146,16 @@ def test_a_load_is_not_done_before_its_bytes_arrived(tier: Tier, plain_layout: K
     assert not tier.backend.done(handle), "done before the queued compute even finished"
     tier.backend.wait(handle)
     assert bool((view[9] == 0xC3).all())
+
+
+@pytest.mark.parametrize(
+    "config", [DmaCopyConfig(), KernelCopyConfig(), AutoCopyConfig()], ids=["dma", "kernel", "auto"]
+)
+class TestContractOnCuda(CopyBackendContract):
+    @pytest.fixture
+    def device(self) -> str:
+        return "cuda"
+
+    @pytest.fixture
+    def backend_factory(self, config: PluginConfig) -> BackendFactory:
+        return lambda layout, host: default_registry().build("copy_backends", config, layout, host)

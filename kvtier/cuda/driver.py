@@ -1,11 +1,11 @@
-"""The CUDA seam: every driver, NVRTC and stream call of the GPU copy path, behind one interface.
+"""The CUDA driver seam: every driver call kvtier makes, behind one interface.
 
 The ``dma``, ``kernel`` and ``auto`` copy backends and host-memory pinning
-(:mod:`kvtier.tiers.pinning`) reach CUDA only through a :class:`CudaDriver`.
+(:mod:`kvtier.cuda.pinning`) reach CUDA only through a :class:`CudaDriver`.
 :class:`BindingsDriver` implements it with cuda-python (``cuda.bindings``) on
 one device's primary context, the same context the engine's PyTorch uses, so
 no context is ever created on another device.
-:class:`kvtier.copy.host_driver.HostDriver` implements it on host memory
+:class:`kvtier.testing.cuda_host_driver.HostDriver` implements it on host memory
 (``memmove`` copies, events that complete when their stream drains) so the
 pointer arithmetic, batching and event bookkeeping are tested without a GPU.
 
@@ -23,25 +23,26 @@ Primitives, in the order a backend uses them:
    :meth:`~CudaDriver.event_synchronize`.
 4. Copies: :meth:`~CudaDriver.memcpy_batch` (one ``cuMemcpyBatchAsync``) or
    :meth:`~CudaDriver.memcpy_async` per segment where the driver lacks it;
-   :meth:`~CudaDriver.load_kernel` and :meth:`~CudaDriver.launch_kernel`.
+   :meth:`~CudaDriver.load_kernel` (compiled by :mod:`kvtier.cuda.nvrtc`) and
+   :meth:`~CudaDriver.launch_kernel`.
 5. :meth:`CudaDriver.close` releases what the driver holds.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import importlib
 import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from kvtier.cuda.bindings import CudaError, CudaUnavailable, check, cuda_bindings, result_name
+from kvtier.cuda.nvrtc import compile_cubin
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +60,8 @@ CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1
 CU_GET_PROC_ADDRESS_DEFAULT = 0
 
 
-class CudaError(RuntimeError):
-    """A CUDA driver or NVRTC call failed; the message names the call and the error code."""
-
-
-class CudaUnavailable(CudaError):
-    """CUDA cannot be used in this process (no cuda-python, no driver, no device)."""
-
-
 class CudaDriver(ABC):
-    """The CUDA calls the GPU copy path makes, bound to one device."""
+    """The CUDA driver calls kvtier makes (copy backends, pinning), bound to one device."""
 
     device_index: int
     """Index of the CUDA device this driver is bound to."""
@@ -190,32 +183,6 @@ class CudaDriver(ABC):
         """Release what this driver holds (loaded kernels, its context reference). Idempotent."""
 
 
-def _cuda_bindings() -> tuple[Any, Any]:
-    try:
-        from cuda.bindings import driver, nvrtc
-    except ImportError as exc:
-        raise CudaUnavailable(
-            "needs CUDA: cuda-python is not installed; install kvtier[cuda] "
-            f"(pip install cuda-python) ({exc})"
-        ) from exc
-    return driver, nvrtc
-
-
-def _result_name(code: Any) -> str:
-    name = getattr(code, "name", None)
-    return name if name is not None else str(code)
-
-
-def _check(call: str, result: Any) -> Any:
-    """Unpack a cuda-bindings ``(status, *values)`` result; raise :class:`CudaError` on failure."""
-    status, *values = result if isinstance(result, tuple) else (result,)
-    if int(status) != 0:
-        raise CudaError(f"{call} failed with {_result_name(status)} ({int(status)})")
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else tuple(values)
-
-
 class _MemLocation(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
@@ -273,92 +240,6 @@ def memcpy_batch_abi(driver_version: int) -> int | None:
     return None
 
 
-def nvrtc_arch_option(compute_capability: tuple[int, int]) -> str:
-    """The NVRTC ``--gpu-architecture`` option that emits SASS for ``compute_capability``."""
-    major, minor = compute_capability
-    return f"--gpu-architecture=sm_{major}{minor}"
-
-
-NVRTC_LIBRARY_DIRS: tuple[tuple[str, str], ...] = (
-    ("nvidia.cuda_nvrtc", "lib"),  # nvidia-cuda-nvrtc-cu12, which PyTorch's CUDA 12 wheels use
-    ("nvidia.cu13", "lib"),  # nvidia-cuda-nvrtc for CUDA 13
-)
-"""Where pip's NVRTC wheels put ``libnvrtc.so``: (package, subdirectory)."""
-
-
-@functools.cache
-def _preload_pip_nvrtc() -> bool:
-    """Load NVRTC from a pip wheel globally, so bindings that look it up by name find it.
-
-    Returns:
-        Whether a library was loaded (at most once per process).
-    """
-    for package, subdirectory in NVRTC_LIBRARY_DIRS:
-        try:
-            module = importlib.import_module(package)
-        except ImportError:
-            continue
-        for directory in getattr(module, "__path__", []):
-            for library in sorted(Path(directory, subdirectory).glob("libnvrtc.so.*")):
-                try:
-                    ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
-                except OSError as exc:
-                    logger.debug("could not load %s: %s", library, exc)
-                    continue
-                logger.info("loaded NVRTC from %s", library)
-                return True
-    return False
-
-
-def _create_program(nvrtc: Any, source: str) -> Any:
-    """``nvrtcCreateProgram``, loading NVRTC from a pip wheel first if the bindings cannot."""
-    try:
-        return nvrtc.nvrtcCreateProgram(source.encode(), b"kvtier_copy.cu", 0, [], [])
-    except (RuntimeError, OSError) as exc:  # the bindings' loader error when libnvrtc is absent
-        if _preload_pip_nvrtc():
-            try:
-                return nvrtc.nvrtcCreateProgram(source.encode(), b"kvtier_copy.cu", 0, [], [])
-            except (RuntimeError, OSError):
-                pass
-        raise CudaUnavailable(
-            f"needs CUDA: the NVRTC library could not be loaded ({type(exc).__name__}: {exc}); "
-            "install nvidia-cuda-nvrtc matching the driver"
-        ) from exc
-
-
-@functools.lru_cache(maxsize=16)
-def compile_cubin(source: str, compute_capability: tuple[int, int]) -> bytes:
-    """Compile CUDA C++ ``source`` to a CUBIN for ``compute_capability`` with NVRTC; cached.
-
-    Needs only NVRTC (no GPU), so it also runs on build machines.
-
-    Raises:
-        CudaUnavailable: cuda-python or the NVRTC library is missing.
-        CudaError: The compilation failed; the message carries NVRTC's log.
-    """
-    _, nvrtc = _cuda_bindings()
-    created = _create_program(nvrtc, source)
-    program = _check("nvrtcCreateProgram", created)
-    try:
-        options = [nvrtc_arch_option(compute_capability).encode(), b"--std=c++17", b"-lineinfo"]
-        status = nvrtc.nvrtcCompileProgram(program, len(options), options)
-        if int(status[0]) != 0:
-            log_size = _check("nvrtcGetProgramLogSize", nvrtc.nvrtcGetProgramLogSize(program))
-            log = b" " * log_size
-            _check("nvrtcGetProgramLog", nvrtc.nvrtcGetProgramLog(program, log))
-            raise CudaError(
-                f"NVRTC could not compile the copy kernel for sm_{compute_capability[0]}"
-                f"{compute_capability[1]}: {_result_name(status[0])}\n"
-                f"{log.decode(errors='replace').strip()}"
-            )
-        size = _check("nvrtcGetCUBINSize", nvrtc.nvrtcGetCUBINSize(program))
-        cubin = b" " * size
-        _check("nvrtcGetCUBIN", nvrtc.nvrtcGetCUBIN(program, cubin))
-        return cubin
-    finally:
-        nvrtc.nvrtcDestroyProgram(program)
-
-
 class BindingsDriver(CudaDriver):
     """:class:`CudaDriver` on cuda-python, bound to one device's primary context.
 
@@ -372,10 +253,10 @@ class BindingsDriver(CudaDriver):
 
     def __init__(self, device_index: int) -> None:
         self.device_index = device_index
-        self._cu, _ = _cuda_bindings()
+        self._cu, _ = cuda_bindings()
         cu = self._cu
         try:
-            _check("cuInit", cu.cuInit(0))
+            check("cuInit", cu.cuInit(0))
         except CudaError as exc:
             raise CudaUnavailable(
                 f"needs CUDA: the CUDA driver did not initialise ({exc})"
@@ -385,15 +266,13 @@ class BindingsDriver(CudaDriver):
                 f"needs CUDA: the CUDA driver library could not be loaded "
                 f"({type(exc).__name__}: {exc})"
             ) from exc
-        count = _check("cuDeviceGetCount", cu.cuDeviceGetCount())
+        count = check("cuDeviceGetCount", cu.cuDeviceGetCount())
         if not 0 <= device_index < count:
             raise CudaUnavailable(
                 f"needs CUDA: device {device_index} does not exist ({count} visible devices)"
             )
-        self._device = _check("cuDeviceGet", cu.cuDeviceGet(device_index))
-        self._context = _check(
-            "cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._device)
-        )
+        self._device = check("cuDeviceGet", cu.cuDeviceGet(device_index))
+        self._context = check("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(self._device))
         self._lock = threading.Lock()
         self._modules: list[Any] = []
         self._kernels: dict[tuple[str, str], Any] = {}
@@ -424,34 +303,34 @@ class BindingsDriver(CudaDriver):
                 "copying segment by segment",
                 self.driver_version(),
                 abi,
-                _result_name(status),
+                result_name(status),
             )
             return None
         return _MEMCPY_BATCH_PROTOTYPES[abi](int(address))
 
     @contextmanager
     def activated(self) -> Iterator[None]:
-        _check("cuCtxPushCurrent", self._cu.cuCtxPushCurrent(self._context))
+        check("cuCtxPushCurrent", self._cu.cuCtxPushCurrent(self._context))
         try:
             yield
         finally:
-            _check("cuCtxPopCurrent", self._cu.cuCtxPopCurrent())
+            check("cuCtxPopCurrent", self._cu.cuCtxPopCurrent())
 
     def bind_thread(self) -> None:
-        _check("cuCtxSetCurrent", self._cu.cuCtxSetCurrent(self._context))
+        check("cuCtxSetCurrent", self._cu.cuCtxSetCurrent(self._context))
 
     def driver_version(self) -> int:
-        return int(_check("cuDriverGetVersion", self._cu.cuDriverGetVersion()))
+        return int(check("cuDriverGetVersion", self._cu.cuDriverGetVersion()))
 
     def compute_capability(self) -> tuple[int, int]:
         attr = self._cu.CUdevice_attribute
-        major = _check(
+        major = check(
             "cuDeviceGetAttribute",
             self._cu.cuDeviceGetAttribute(
                 attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self._device
             ),
         )
-        minor = _check(
+        minor = check(
             "cuDeviceGetAttribute",
             self._cu.cuDeviceGetAttribute(
                 attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self._device
@@ -461,16 +340,16 @@ class BindingsDriver(CudaDriver):
 
     def host_register(self, address: int, nbytes: int) -> None:
         flags = self._cu.CU_MEMHOSTREGISTER_PORTABLE | self._cu.CU_MEMHOSTREGISTER_DEVICEMAP
-        _check("cuMemHostRegister", self._cu.cuMemHostRegister(address, nbytes, flags))
+        check("cuMemHostRegister", self._cu.cuMemHostRegister(address, nbytes, flags))
 
     def host_unregister(self, address: int) -> None:
-        _check("cuMemHostUnregister", self._cu.cuMemHostUnregister(address))
+        check("cuMemHostUnregister", self._cu.cuMemHostUnregister(address))
 
     def host_device_pointer(self, address: int) -> int:
         # cuPointerGetAttribute, unlike cuMemHostGetDevicePointer, is specified for any address
         # inside a registration, not only for its start.
         attribute = self._cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
-        pointer = _check(
+        pointer = check(
             "cuPointerGetAttribute(DEVICE_POINTER)",
             self._cu.cuPointerGetAttribute(attribute, self._cu.CUdeviceptr(address)),
         )
@@ -478,13 +357,13 @@ class BindingsDriver(CudaDriver):
 
     def host_alloc_mapped(self, nbytes: int) -> int:
         flags = self._cu.CU_MEMHOSTALLOC_PORTABLE | self._cu.CU_MEMHOSTALLOC_DEVICEMAP
-        return int(_check("cuMemHostAlloc", self._cu.cuMemHostAlloc(nbytes, flags)))
+        return int(check("cuMemHostAlloc", self._cu.cuMemHostAlloc(nbytes, flags)))
 
     def host_free(self, address: int) -> None:
-        _check("cuMemFreeHost", self._cu.cuMemFreeHost(address))
+        check("cuMemFreeHost", self._cu.cuMemFreeHost(address))
 
     def lowest_stream_priority(self) -> int:
-        least, _greatest = _check(
+        least, _greatest = check(
             "cuCtxGetStreamPriorityRange", self._cu.cuCtxGetStreamPriorityRange()
         )
         return int(least)
@@ -492,32 +371,32 @@ class BindingsDriver(CudaDriver):
     def stream_create(self, priority: int) -> int:
         flags = int(self._cu.CUstream_flags.CU_STREAM_NON_BLOCKING)
         return int(
-            _check(
+            check(
                 "cuStreamCreateWithPriority", self._cu.cuStreamCreateWithPriority(flags, priority)
             )
         )
 
     def stream_destroy(self, stream: int) -> None:
-        _check("cuStreamDestroy", self._cu.cuStreamDestroy(self._cu.CUstream(stream)))
+        check("cuStreamDestroy", self._cu.cuStreamDestroy(self._cu.CUstream(stream)))
 
     def caller_stream(self) -> int:
         return int(torch.cuda.current_stream(torch.device("cuda", self.device_index)).cuda_stream)
 
     def event_create(self) -> int:
         flags = int(self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        return int(_check("cuEventCreate", self._cu.cuEventCreate(flags)))
+        return int(check("cuEventCreate", self._cu.cuEventCreate(flags)))
 
     def event_destroy(self, event: int) -> None:
-        _check("cuEventDestroy", self._cu.cuEventDestroy(self._cu.CUevent(event)))
+        check("cuEventDestroy", self._cu.cuEventDestroy(self._cu.CUevent(event)))
 
     def event_record(self, event: int, stream: int) -> None:
-        _check(
+        check(
             "cuEventRecord",
             self._cu.cuEventRecord(self._cu.CUevent(event), self._cu.CUstream(stream)),
         )
 
     def stream_wait_event(self, stream: int, event: int) -> None:
-        _check(
+        check(
             "cuStreamWaitEvent",
             self._cu.cuStreamWaitEvent(self._cu.CUstream(stream), self._cu.CUevent(event), 0),
         )
@@ -526,11 +405,11 @@ class BindingsDriver(CudaDriver):
         (status,) = self._cu.cuEventQuery(self._cu.CUevent(event))
         if status == self._cu.CUresult.CUDA_ERROR_NOT_READY:
             return False
-        _check("cuEventQuery", (status,))
+        check("cuEventQuery", (status,))
         return True
 
     def event_synchronize(self, event: int) -> None:
-        _check("cuEventSynchronize", self._cu.cuEventSynchronize(self._cu.CUevent(event)))
+        check("cuEventSynchronize", self._cu.cuEventSynchronize(self._cu.CUevent(event)))
 
     @property
     def has_memcpy_batch(self) -> bool:
@@ -567,14 +446,14 @@ class BindingsDriver(CudaDriver):
             status = self._memcpy_batch_fn(*common, stream)
             detail = ""
         if status != 0:
-            name = _result_name(self._cu.CUresult(status))
+            name = result_name(self._cu.CUresult(status))
             raise CudaError(
                 f"cuMemcpyBatchAsync of {count} copies failed with {name} ({status}){detail}"
             )
 
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         cu = self._cu
-        _check(
+        check(
             "cuMemcpyAsync",
             cu.cuMemcpyAsync(cu.CUdeviceptr(dst), cu.CUdeviceptr(src), nbytes, cu.CUstream(stream)),
         )
@@ -584,9 +463,9 @@ class BindingsDriver(CudaDriver):
             function = self._kernels.get((source, name))
             if function is None:
                 cubin = np.frombuffer(compile_cubin(source, self.compute_capability()), np.uint8)
-                module = _check("cuModuleLoadData", self._cu.cuModuleLoadData(cubin.ctypes.data))
+                module = check("cuModuleLoadData", self._cu.cuModuleLoadData(cubin.ctypes.data))
                 self._modules.append(module)
-                function = _check(
+                function = check(
                     "cuModuleGetFunction", self._cu.cuModuleGetFunction(module, name.encode())
                 )
                 self._kernels[(source, name)] = function
@@ -602,7 +481,7 @@ class BindingsDriver(CudaDriver):
     ) -> None:
         pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(arg) for arg in args))
         cu = self._cu
-        _check(
+        check(
             "cuLaunchKernel",
             cu.cuLaunchKernel(
                 cu.CUfunction(kernel),
@@ -622,10 +501,10 @@ class BindingsDriver(CudaDriver):
             self._closed = True
             with self.activated():
                 for module in self._modules:
-                    _check("cuModuleUnload", self._cu.cuModuleUnload(module))
+                    check("cuModuleUnload", self._cu.cuModuleUnload(module))
             self._modules.clear()
             self._kernels.clear()
-            _check("cuDevicePrimaryCtxRelease", self._cu.cuDevicePrimaryCtxRelease(self._device))
+            check("cuDevicePrimaryCtxRelease", self._cu.cuDevicePrimaryCtxRelease(self._device))
 
 
 def open_driver(device: torch.device | int | None = None) -> BindingsDriver:
