@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvtier import __version__
@@ -249,6 +250,29 @@ def _run_delegated(words: tuple[str, ...], argv: list[str]) -> int:
         return EXIT_FAILURE
     status: int = run(parser.parse_args(argv))
     return status
+
+
+def check_output_file(path: str) -> None:
+    """Check that a command can write a file at ``path``, before its work starts.
+
+    Delegated commands call this for their output options, so a misspelt
+    directory is reported at once rather than after a long run.
+
+    Raises:
+        ValueError: ``path`` is a directory, its directory does not exist, or
+            neither can be written; the message starts with ``path``.
+    """
+    target = Path(path)
+    directory = target.parent
+    if target.is_dir():
+        raise ValueError(f"{path}: is a directory; give a file name")
+    if not directory.exists():
+        raise ValueError(f"{path}: directory {directory} does not exist; create it first")
+    if not directory.is_dir():
+        raise ValueError(f"{path}: {directory} is not a directory")
+    writable = target if target.exists() else directory
+    if not os.access(writable, os.W_OK):
+        raise ValueError(f"{path}: no permission to write {writable}")
 
 
 def help_texts() -> dict[str, str]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from kvtier.copy import bench
 
@@ -63,5 +65,47 @@ def test_blocks_that_do_not_split_into_regions_are_refused(
 
 def test_unknown_backend_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
     status = bench.run(_args("--backend", "nope", "--block-bytes", "4KiB", "--total-bytes", "8KiB"))
-    assert status == 1
+    assert status == 2
     assert "no copy backend named 'nope'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def one_small_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make torch report one CUDA device of 1 GiB, so the checks run without a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=1 << 30)
+    )
+
+
+@pytest.mark.usefixtures("one_small_gpu")
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--device", "cuda:1"], "--device cuda:1: this machine has CUDA devices 0 to 0"),
+        (
+            ["--device", "cuda", "--total-bytes", "1GiB"],
+            "needs 2.0GiB of cuda memory for its block pools, and this machine has 1.0GiB",
+        ),
+    ],
+)
+def test_cuda_devices_and_memory_are_checked_before_allocating(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert bench.run(_args("--block-bytes", "4KiB", *argv)) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_report_that_cannot_be_written_is_one_line_and_status_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The directory vanishes between the check at the start and the write at the end.
+    monkeypatch.setattr(bench, "check_output_file", lambda path: None)
+    output = tmp_path / "gone" / "copy.json"
+    args = _args("--block-bytes", "4KiB", "--total-bytes", "8KiB", "--repeats", "1")
+    args.output = str(output)
+    assert bench.run(args) == 1
+    assert capsys.readouterr().err == (
+        f"kvtier bench copy: cannot write {output}: No such file or directory\n"
+    )

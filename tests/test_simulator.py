@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 from pathlib import Path
 
 import pytest
 
+from kvtier import simulator
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.keys import hash_token_blocks
@@ -196,6 +199,22 @@ def test_command_usage_errors_exit_2(
 ) -> None:
     assert run(parse(*argv)) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plot_that_cannot_be_written_after_the_replay_is_status_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full_disk(summary: object, path: str) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(simulator, "plot_hit_rates", full_disk)
+    plot = tmp_path / "rates.png"
+    args = parse("synthetic:chat", "--synthetic-requests", "20", "--policies", "lru", "--no-belady")
+    args.capacities = "10"
+    args.plot = str(plot)
+    assert run(args) == 1
+    err = capsys.readouterr().err
+    assert err == f"kvtier simulate: cannot write {plot}: No space left on device\n"
 
 
 @pytest.mark.skipif(not MOONCAKE_TRACE.exists(), reason=f"{MOONCAKE_TRACE} is not present")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import time
@@ -36,8 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from pydantic import ByteSize
 from tqdm import tqdm
 
+from kvtier.cli import check_output_file
 from kvtier.config import parse_bytes
 from kvtier.copy.base import CopyBackend, CopyBatch, Direction
 from kvtier.layout.base import KVLayout
@@ -273,22 +276,88 @@ def _measure(
     return result
 
 
+class _UsageError(ValueError):
+    """An option value the benchmark cannot run with; the message says which and why."""
+
+
+def _device(text: str) -> torch.device:
+    """The ``--device`` value, checked to be a CPU or a CUDA device present here."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise _UsageError(f"--device {text!r} is not a device; use cpu or cuda[:N]") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise _UsageError(f"--device {text}: the benchmark runs on cpu or cuda[:N] only")
+    if not torch.cuda.is_available():
+        raise _UsageError(
+            f"--device {text}: CUDA is not available to torch {torch.__version__} here; "
+            "use --device cpu"
+        )
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise _UsageError(f"--device {text}: this machine has CUDA devices 0 to {count - 1}")
+    return device
+
+
+def _human(size: int) -> str:
+    return ByteSize(size).human_readable()
+
+
+def _check_memory(args: argparse.Namespace, device: torch.device) -> None:
+    """Refuse sizes whose pools cannot fit in this machine's memory, before allocating any."""
+    # Each side holds two pools of max(1, total // block) blocks (see _build_rig).
+    pools = max(2 * max(1, args.total_bytes // size) * size for size in args.block_bytes)
+    host_needed = 2 * pools if device.type == "cpu" else pools
+    host_memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limits = [("host memory", host_needed, host_memory)]
+    if device.type == "cuda":
+        device_memory = torch.cuda.get_device_properties(device).total_memory
+        limits.append((f"{device} memory", pools, device_memory))
+    for what, needed, available in limits:
+        if needed > available:
+            raise _UsageError(
+                f"--total-bytes {_human(args.total_bytes)} with --block-bytes up to "
+                f"{_human(max(args.block_bytes))} needs {_human(needed)} of {what} for its "
+                f"block pools, and this machine has {_human(available)}; lower --total-bytes "
+                "or --block-bytes"
+            )
+
+
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Refuse option values the run would fail on, before anything is allocated."""
+    if args.regions <= 0 or args.repeats <= 0:
+        raise _UsageError("--regions and --repeats must be positive")
+    bad = [size for size in args.block_bytes if size % args.regions]
+    if bad:
+        raise _UsageError(f"block sizes {bad} do not split into {args.regions} regions")
+    device = _device(args.device)
+    registry = default_registry()
+    try:
+        registry.get("copy_backends", args.backend)
+    except PluginError as exc:
+        raise _UsageError(f"--backend: {exc}") from None
+    if args.output != "-":
+        try:
+            check_output_file(args.output)
+        except ValueError as exc:
+            raise _UsageError(f"--output {exc}") from None
+    _check_memory(args, device)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args`` and write its JSON report.
 
     Returns:
-        0 on success, 1 if the backend could not be built or produced wrong
-        bytes, 2 for invalid arguments.
+        0 on success, 1 if the backend could not be built, produced wrong bytes
+        or the report could not be written, 2 for invalid arguments (found
+        before anything is allocated).
     """
-    if args.regions <= 0 or args.repeats <= 0:
-        print("kvtier bench copy: --regions and --repeats must be positive", file=sys.stderr)
-        return 2
-    bad = [size for size in args.block_bytes if size % args.regions]
-    if bad:
-        print(
-            f"kvtier bench copy: block sizes {bad} do not split into {args.regions} regions",
-            file=sys.stderr,
-        )
+    try:
+        _check_arguments(args)
+    except _UsageError as exc:
+        print(f"kvtier bench copy: {exc}", file=sys.stderr)
         return 2
     report: dict[str, object] = {
         "benchmark": "copy",
@@ -316,7 +385,11 @@ def run(args: argparse.Namespace) -> int:
     text = json.dumps(report, indent=2)
     if args.output == "-":
         print(text)
-    else:
+        return 0
+    try:
         with open(args.output, "w", encoding="utf-8") as handle:
             handle.write(text + "\n")
+    except OSError as exc:
+        print(f"kvtier bench copy: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
+        return 1
     return 0

@@ -15,10 +15,12 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pydantic import ValidationError
 from tqdm import tqdm
 
+from kvtier.cli import check_output_file
 from kvtier.config import PluginConfig, parse_bytes
 from kvtier.index.base import BlockIndex
 from kvtier.plugins import default_registry
@@ -26,12 +28,15 @@ from kvtier.simulator.belady import belady_index
 from kvtier.simulator.generate import WORKLOADS, generate_trace
 from kvtier.simulator.replay import ReplayResult, replay
 from kvtier.simulator.report import BELADY, format_table, plot_hit_rates, summarize
-from kvtier.simulator.traces import TraceError, TraceRequest, load_trace
+from kvtier.simulator.traces import TraceError, TraceRequest, check_trace_file, load_trace
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CAPACITIES = "500,1000,2000,4000,8000,16000,32000"
 SYNTHETIC_PREFIX = "synthetic:"
+MAX_CAPACITY_BLOCKS = 1 << 24
+"""Largest tier replayed, in blocks: each policy's index keeps about 50 bytes per slot
+(about 800 MiB at this size, which is 2 TiB of 128 KiB blocks)."""
 
 __all__ = ["add_arguments", "run"]
 
@@ -139,7 +144,45 @@ def _capacities(args: argparse.Namespace) -> list[int]:
         capacities = [size // block_bytes for size in sizes]
     if any(capacity <= 0 for capacity in capacities):
         raise UsageError(f"every capacity must hold at least one block, got {capacities}")
+    too_large = [capacity for capacity in capacities if capacity > MAX_CAPACITY_BLOCKS]
+    if too_large:
+        raise UsageError(
+            f"capacities {', '.join(map(str, too_large))} exceed the simulator's limit of "
+            f"{MAX_CAPACITY_BLOCKS} blocks per tier (each replayed index keeps about 50 bytes "
+            "per slot); a tier larger than the trace's blocks hits no more anyway"
+        )
     return capacities
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Refuse option values the replay would fail on, before the trace is read."""
+    for option, value in (
+        ("--block-tokens", args.block_tokens),
+        ("--synthetic-requests", args.synthetic_requests),
+        ("--requests", args.requests),
+    ):
+        if value is not None and value <= 0:
+            raise UsageError(f"{option} must be at least 1, got {value}")
+    if args.device_blocks < 0:
+        raise UsageError("--device-blocks must not be negative")
+    if args.store_mode == "lazy" and args.device_blocks <= 0:
+        raise UsageError("--store-mode lazy needs a device cache: give --device-blocks")
+    if args.plot:
+        if importlib.util.find_spec("matplotlib") is None:
+            raise UsageError("--plot needs matplotlib; install it with 'pip install matplotlib'")
+        try:
+            check_output_file(args.plot)
+        except ValueError as exc:
+            raise UsageError(f"--plot {exc}") from None
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        suffix = Path(args.plot).suffix.lstrip(".").lower()
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if suffix not in formats:
+            raise UsageError(
+                f"--plot {args.plot}: name the file with one of the suffixes "
+                f"{', '.join('.' + name for name in sorted(formats))}"
+            )
 
 
 def _policies(args: argparse.Namespace) -> list[str]:
@@ -199,8 +242,6 @@ def _trace(args: argparse.Namespace) -> list[TraceRequest]:
     else:
         requests = load_trace(args.trace, args.trace_format, args.block_tokens)
     if args.requests is not None:
-        if args.requests <= 0:
-            raise UsageError(f"--requests must be positive, got {args.requests}")
         requests = requests[: args.requests]
     return requests
 
@@ -266,19 +307,19 @@ def run(args: argparse.Namespace) -> int:
     """Run ``kvtier simulate`` with parsed ``args``; return the exit status."""
     try:
         capacities = _capacities(args)
+        _check_options(args)
+        if not args.trace.startswith(SYNTHETIC_PREFIX):
+            check_trace_file(args.trace)
         policies = _policies(args)
-        if args.store_mode == "lazy" and args.device_blocks <= 0:
-            raise UsageError("--store-mode lazy needs a device cache: give --device-blocks")
-        if args.device_blocks < 0:
-            raise UsageError("--device-blocks must not be negative")
-        if args.plot and importlib.util.find_spec("matplotlib") is None:
-            raise UsageError("--plot needs matplotlib; install it with 'pip install matplotlib'")
         requests = _trace(args)
     except (UsageError, TraceError) as exc:
         print(f"kvtier simulate: {exc}", file=sys.stderr)
         return 2
     except FileNotFoundError as exc:
         print(f"kvtier simulate: no such trace file: {exc.filename}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvtier simulate: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
     results = simulate(
         requests,
@@ -295,7 +336,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(format_table(summary))
     if args.plot:
-        plot_hit_rates(summary, args.plot)
+        try:
+            plot_hit_rates(summary, args.plot)
+        except OSError as exc:
+            print(f"kvtier simulate: cannot write {args.plot}: {exc.strerror}", file=sys.stderr)
+            return 1
         if not args.json:
             print(f"plot written to {args.plot}")
     return 0

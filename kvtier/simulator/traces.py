@@ -9,16 +9,22 @@ Both are JSON Lines, one request per line, in arrival order:
 - kvtier (``token_ids``): ``{"timestamp": ms, "token_ids": [int, ...]}``. The
   prompt is cut into full blocks of ``block_tokens`` tokens and each block is
   named by :func:`kvtier.keys.hash_token_blocks` (chained: equal keys mean equal
-  prefixes); a trailing partial block is not cached.
+  prefixes); a trailing partial block is not cached. Token ids are 64-bit
+  signed integers.
+
+A trace is a regular file of UTF-8 text; anything else (a directory, a named
+pipe, a device) is refused before a byte is read.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from kvtier.index.base import BlockKey
 from kvtier.keys import hash_token_blocks
@@ -27,6 +33,10 @@ TraceFormat = Literal["auto", "mooncake", "kvtier"]
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` entry in the published Mooncake traces."""
+
+TOKEN_ID_MIN = -(2**63)
+TOKEN_ID_MAX = 2**63 - 1
+"""Token ids are hashed as signed 64-bit integers (see :func:`kvtier.keys.hash_token_blocks`)."""
 
 
 class TraceError(ValueError):
@@ -58,8 +68,17 @@ def mooncake_request(record: dict[str, Any], where: str) -> TraceRequest:
 
 def _kvtier_request(record: dict[str, Any], where: str, block_tokens: int) -> TraceRequest:
     token_ids = record.get("token_ids")
-    if not isinstance(token_ids, list) or not all(isinstance(t, int) for t in token_ids):
+    if not isinstance(token_ids, list):
         raise TraceError(f"{where}: 'token_ids' must be a list of integers")
+    for position, token in enumerate(token_ids):
+        if type(token) is not int or not TOKEN_ID_MIN <= token <= TOKEN_ID_MAX:
+            shown = json.dumps(token) if type(token) is not int else str(token)
+            if len(shown) > 40:
+                shown = f"{shown[:37]}..."
+            raise TraceError(
+                f"{where}: token_ids[{position}] is {shown}; token ids must be integers "
+                "from -2**63 to 2**63 - 1"
+            )
     keys = hash_token_blocks(token_ids, block_tokens)
     return TraceRequest(_timestamp(record, where), tuple(keys))
 
@@ -71,16 +90,76 @@ def _timestamp(record: dict[str, Any], where: str) -> float:
     return float(timestamp)
 
 
+_FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a named pipe"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _require_regular_file(path: Path, mode: int) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
+    raise TraceError(
+        f"{path}: is {kind}, not a trace file; give a JSON Lines file "
+        "(save a stream to a file first)"
+    )
+
+
+def check_trace_file(path: str | Path) -> None:
+    """Check, without opening it, that ``path`` is a regular file a trace can be read from.
+
+    Raises:
+        TraceError: ``path`` is a directory, a named pipe, a device or a socket.
+        OSError: ``path`` does not exist (:class:`FileNotFoundError`) or cannot be examined.
+    """
+    path = Path(path)
+    _require_regular_file(path, path.stat().st_mode)
+
+
+def _open_trace(path: Path) -> BinaryIO:
+    # Opened without blocking and checked before any read: opening a named pipe
+    # for reading would otherwise wait for a writer forever.
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        _require_regular_file(path, os.fstat(descriptor).st_mode)
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return os.fdopen(descriptor, "rb")
+
+
 def _records(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with _open_trace(path) as lines:
+        for number, raw in enumerate(lines, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceError(
+                    f"{where}: not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                    f"{exc.start + 1}); a trace is UTF-8 JSON Lines"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise TraceError(f"{where}: not valid JSON ({exc.msg})") from exc
+            except RecursionError:
+                raise TraceError(
+                    f"{where}: JSON nested too deeply to read; a request is one object "
+                    "of numbers and lists of numbers"
+                ) from None
+            except ValueError as exc:
+                # The only other refusal of json.loads: an integer of thousands of digits.
+                raise TraceError(
+                    f"{where}: a number has too many digits to read; ids, token ids and "
+                    "timestamps fit in 64 bits"
+                ) from exc
             if not isinstance(record, dict):
                 raise TraceError(f"{where}: each line must be a JSON object")
             yield where, record
@@ -101,8 +180,9 @@ def load_trace(
         The requests with their block keys.
 
     Raises:
-        TraceError: The file has a line that is not a request of the format.
-        FileNotFoundError: ``path`` does not exist.
+        TraceError: ``path`` is not a regular file, or has a line that is not a
+            request of the format (the message names the file and the line).
+        OSError: ``path`` does not exist (:class:`FileNotFoundError`) or cannot be read.
     """
     if block_tokens <= 0:
         raise ValueError(f"block_tokens must be positive, got {block_tokens}")
