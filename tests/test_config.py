@@ -271,8 +271,9 @@ def test_unknown_key_at_top_level_and_in_a_section(registry: Registry) -> None:
         load_config({"cpu_byte": 5, "copy": {"stream": 2}}, env={}, registry=registry)
     assert lines_of(caught) == [
         "explicit: copy.stream: unknown key; valid keys here: streams, type (got 2)",
-        "explicit: cpu_byte: unknown key; valid keys here: copy, cpu_bytes, cpu_bytes_per_rank, "
-        "index, layout, store_mode (got 5)",
+        "explicit: cpu_byte: unknown key; valid keys here: close_timeout_s, copy, "
+        "copy_deadline_s, cpu_bytes, cpu_bytes_per_rank, index, layout, report_deadline_s, "
+        "store_mode (got 5)",
     ]
     assert str(caught.value).startswith("invalid kvtier configuration: 2 problems\n")
 
@@ -380,8 +381,9 @@ def test_bad_env_variables(registry: Registry) -> None:
         "enclosed in double quotes: line 1 column 2 (char 1) (got '{not json')",
         "env KVTIER_CPU_BYTES: cpu_bytes: expected a number of bytes such as 8589934592, '8GiB' "
         "or '512MB' (got 'lots')",
-        "env KVTIER_BOGUS: bogus: unknown key; valid keys here: copy, cpu_bytes, "
-        "cpu_bytes_per_rank, index, layout, store_mode (got '1')",
+        "env KVTIER_BOGUS: bogus: unknown key; valid keys here: close_timeout_s, copy, "
+        "copy_deadline_s, cpu_bytes, cpu_bytes_per_rank, index, layout, report_deadline_s, "
+        "store_mode (got '1')",
     ]
 
 
