@@ -287,6 +287,24 @@ def test_zero_or_negative_size(size: int | str, registry: Registry) -> None:
     ]
 
 
+def test_deadlines_are_seconds_with_defaults_and_bounds(registry: Registry) -> None:
+    config = load_config(env={"KVTIER_CLOSE_TIMEOUT_S": "0"}, registry=registry)
+    assert (config.copy_deadline_s, config.report_deadline_s) == (10.0, 30.0)
+    assert config.close_timeout_s == 0
+    with pytest.raises(ConfigError) as caught:
+        load_config(
+            {"copy_deadline_s": 0, "report_deadline_s": "soon", "close_timeout_s": 7200},
+            env={},
+            registry=registry,
+        )
+    assert lines_of(caught) == [
+        "explicit: copy_deadline_s: Input should be greater than 0 (got 0)",
+        "explicit: report_deadline_s: Input should be a valid number, unable to parse string "
+        "as a number (got 'soon')",
+        "explicit: close_timeout_s: Input should be less than or equal to 3600 (got 7200)",
+    ]
+
+
 def test_size_below_one_block_names_cpu_bytes_and_its_source(registry: Registry) -> None:
     config = load_config(env={"KVTIER_CPU_BYTES": "6000"}, registry=registry)
     with pytest.raises(ConfigError) as caught:

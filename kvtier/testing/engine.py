@@ -19,6 +19,7 @@ requests' blocks once every worker reported their copies.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import time
@@ -197,6 +198,14 @@ def block_values(
     return (mixed % levels).reshape(tuple(shape)).to(dtype)
 
 
+@functools.lru_cache(maxsize=4096)
+def _shared_block_values(
+    key: BlockKey, tensor_index: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`block_values`, computed once per argument set: engines only read the result."""
+    return block_values(key, tensor_index, shape, dtype)
+
+
 class SyntheticEngine:
     """Paged KV tensors with a free list and a prefix cache of device blocks."""
 
@@ -309,7 +318,7 @@ class SyntheticEngine:
         """Write ``key``'s values into ``block`` in every tensor and cache it."""
         for index, item in enumerate(self._tensors):
             target = item.tensor.select(item.block_dim, block)
-            target.copy_(block_values(key, index, target.shape, target.dtype))
+            target.copy_(_shared_block_values(key, index, tuple(target.shape), target.dtype))
         self.cache(block, key)
 
     def mismatches(self, block: int, key: BlockKey) -> list[str]:
@@ -317,7 +326,7 @@ class SyntheticEngine:
         wrong = []
         for index, item in enumerate(self._tensors):
             actual = item.tensor.select(item.block_dim, block)
-            expected = block_values(key, index, actual.shape, actual.dtype)
+            expected = _shared_block_values(key, index, tuple(actual.shape), actual.dtype)
             if not torch.equal(
                 actual.contiguous().view(torch.uint8).cpu(), expected.contiguous().view(torch.uint8)
             ):
@@ -478,6 +487,11 @@ class OffloadedEngine:
     def running(self) -> list[str]:
         """Ids of the admitted, unfinished requests."""
         return list(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted (or preempted) and not admitted yet."""
+        return len(self._waiting)
 
     @property
     def idle(self) -> bool:
