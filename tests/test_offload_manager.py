@@ -407,6 +407,8 @@ def test_a_reset_stops_serving_blocks_being_loaded_but_lets_their_loads_finish()
     m.process(WorkerReport(done={load.batch_id: 1, plan.loads[0].batch_id: 1}))
     assert m.index.stats().free == 4 and m.reset() is True
     assert m.stats().loaded_blocks == 3
+    m.scheduled("b", num_computed_tokens=2 * BT, new_block_ids=[[8, 9]], block_hashes=HASHES[:2])
+    assert m.build_plan().stores == (), "what was loaded from before the reset is not stored again"
 
 
 def test_a_batch_a_worker_never_reports_fails_at_the_report_deadline(

@@ -182,6 +182,8 @@ class _Request:
     load_batches: set[int] = field(default_factory=set)
     finished: bool = False
     hold_announced: bool = False
+    load_end: int = 0
+    """Block position after the last one loaded from the tier."""
 
     def __post_init__(self) -> None:
         if not self.block_ids:
@@ -405,6 +407,7 @@ class OffloadManager:
         if count == 0:
             return
         self._hit_tokens += count * self.block_tokens
+        state.load_end = first + count
         hashes = block_hashes[first : first + count]
         for group in range(self.num_groups):
             group_ids = block_ids[group][first : first + count] if group < len(block_ids) else []
@@ -492,6 +495,7 @@ class OffloadManager:
             state.unavailable.clear()
             state.clear_blocks()
             state.computed_tokens = 0
+            state.load_end = 0
 
     def finished(self, request_id: str, num_computed_tokens: int | None = None) -> bool:
         """The request finished; return whether the engine must keep its device blocks.
@@ -641,8 +645,8 @@ class OffloadManager:
         Readable blocks are evicted at once, those being loaded included (the
         loads already promised still read them; their slots are freed when the
         loads end). Stores in flight are dropped when they complete, and blocks
-        computed before the reset are not stored later. Stores of blocks
-        computed afterwards go on as usual: a reset never stops storing.
+        computed or being loaded before the reset are not stored later. Blocks
+        computed afterwards are stored as usual: a reset never stops storing.
         Idempotent; calling it again changes nothing more.
 
         vLLM calls this once per ``reset_prefix_cache(reset_connector=True)``
@@ -664,9 +668,9 @@ class OffloadManager:
             for pending in state.pending_loads:
                 self.index.discard(pending.keys)
             ready = min(len(state.block_hashes), state.computed_tokens // self.block_tokens)
-            for group in range(self.num_groups):
-                computed = min(ready, len(state.block_ids[group]))
-                state.store_cursor[group] = max(state.store_cursor[group], computed)
+            # a cursor past the request's known blocks just means "nothing to store yet"
+            skip = max(ready, state.load_end)
+            state.store_cursor = [max(cursor, skip) for cursor in state.store_cursor]
         empty = self.index.clear()
         self._drain_index_events()
         if empty:
