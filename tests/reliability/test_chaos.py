@@ -3,7 +3,6 @@ silent and the tier is reset; every loaded byte is checked, and nothing leaks at
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Callable
 
@@ -21,7 +20,7 @@ from kvtier.testing.engine import EngineSpec, OffloadedEngine
 from kvtier.testing.faults import FlakyBackend, ManualClock
 
 SEED = 7
-REQUESTS = int(os.environ.get("CHAOS_REQUESTS", 10_000))
+REQUESTS = 10_000
 BLOCK_TOKENS = 2
 NUM_SLOTS = 48
 NUM_BLOCKS = 32
@@ -51,7 +50,7 @@ class Chaos:
 
     def factory(self, layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
         registry = default_registry()
-        config = registry.get("copy_backends", "torch").config_model()
+        config = registry.get("copy_backends", "torch").config_model(cpu_threads=1)
         backend = FlakyBackend(
             registry.build("copy_backends", config, layout, host_buffer),
             layout,
@@ -167,5 +166,6 @@ def test_chaos(store_mode: StoreMode) -> None:
         assert offload.failed_stores > 100 and offload.failed_loads > 10
         assert run.tier_hit_blocks > 1000 and run.verified_blocks > 1000
         assert run.requests >= REQUESTS
+        assert engine.manager.reset() is True, "with no copy left, a reset empties every slot"
     finally:
         engine.close()
