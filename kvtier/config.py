@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 
 GiB = 1024**3
 DEFAULT_CPU_BYTES = 8 * GiB
+DEFAULT_COPY_DEADLINE_S = 10.0
+DEFAULT_REPORT_DEADLINE_S = 30.0
+DEFAULT_CLOSE_TIMEOUT_S = 10.0
 ENV_PREFIX = "KVTIER_"
 CONFIG_FILE_ENV = "KVTIER_CONFIG"
 CONFIG_FILE_KEY = "config_file"
@@ -207,6 +210,36 @@ class KVTierConfig(KVTierModel):
         description=(
             "When blocks are copied to the host tier: 'eager' stores every newly computed full "
             "block; 'lazy' stores blocks only as the engine is about to evict them."
+        ),
+    )
+    copy_deadline_s: float = Field(
+        DEFAULT_COPY_DEADLINE_S,
+        gt=0,
+        le=3600,
+        description=(
+            "Seconds a copy between the engine and the host tier may run before its worker "
+            "stops waiting: a load becomes a recompute, a store is dropped, and the copy's host "
+            "slots stay out of use until it ends."
+        ),
+    )
+    report_deadline_s: float = Field(
+        DEFAULT_REPORT_DEADLINE_S,
+        gt=0,
+        le=3600,
+        description=(
+            "Seconds the scheduler waits for every rank to report a planned copy before it "
+            "fails the copy (a load becomes a recompute, a store is dropped); its host slots "
+            "stay out of use until every rank reported. Keep it above copy_deadline_s."
+        ),
+    )
+    close_timeout_s: float = Field(
+        DEFAULT_CLOSE_TIMEOUT_S,
+        ge=0,
+        le=3600,
+        description=(
+            "Seconds shutdown waits for copies still running; after it they are abandoned and "
+            "the host tier's memory is deliberately not freed, so a late copy cannot write "
+            "freed memory."
         ),
     )
     index: PluginConfig = Field(

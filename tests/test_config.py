@@ -271,8 +271,9 @@ def test_unknown_key_at_top_level_and_in_a_section(registry: Registry) -> None:
         load_config({"cpu_byte": 5, "copy": {"stream": 2}}, env={}, registry=registry)
     assert lines_of(caught) == [
         "explicit: copy.stream: unknown key; valid keys here: streams, type (got 2)",
-        "explicit: cpu_byte: unknown key; valid keys here: copy, cpu_bytes, cpu_bytes_per_rank, "
-        "index, layout, store_mode (got 5)",
+        "explicit: cpu_byte: unknown key; valid keys here: close_timeout_s, copy, "
+        "copy_deadline_s, cpu_bytes, cpu_bytes_per_rank, index, layout, report_deadline_s, "
+        "store_mode (got 5)",
     ]
     assert str(caught.value).startswith("invalid kvtier configuration: 2 problems\n")
 
@@ -283,6 +284,24 @@ def test_zero_or_negative_size(size: int | str, registry: Registry) -> None:
         load_config({"cpu_bytes_per_rank": size}, env={}, registry=registry)
     assert lines_of(caught) == [
         f"explicit: cpu_bytes_per_rank: Input should be greater than 0 (got {size!r})"
+    ]
+
+
+def test_deadlines_are_seconds_with_defaults_and_bounds(registry: Registry) -> None:
+    config = load_config(env={"KVTIER_CLOSE_TIMEOUT_S": "0"}, registry=registry)
+    assert (config.copy_deadline_s, config.report_deadline_s) == (10.0, 30.0)
+    assert config.close_timeout_s == 0
+    with pytest.raises(ConfigError) as caught:
+        load_config(
+            {"copy_deadline_s": 0, "report_deadline_s": "soon", "close_timeout_s": 7200},
+            env={},
+            registry=registry,
+        )
+    assert lines_of(caught) == [
+        "explicit: copy_deadline_s: Input should be greater than 0 (got 0)",
+        "explicit: report_deadline_s: Input should be a valid number, unable to parse string "
+        "as a number (got 'soon')",
+        "explicit: close_timeout_s: Input should be less than or equal to 3600 (got 7200)",
     ]
 
 
@@ -380,8 +399,9 @@ def test_bad_env_variables(registry: Registry) -> None:
         "enclosed in double quotes: line 1 column 2 (char 1) (got '{not json')",
         "env KVTIER_CPU_BYTES: cpu_bytes: expected a number of bytes such as 8589934592, '8GiB' "
         "or '512MB' (got 'lots')",
-        "env KVTIER_BOGUS: bogus: unknown key; valid keys here: copy, cpu_bytes, "
-        "cpu_bytes_per_rank, index, layout, store_mode (got '1')",
+        "env KVTIER_BOGUS: bogus: unknown key; valid keys here: close_timeout_s, copy, "
+        "copy_deadline_s, cpu_bytes, cpu_bytes_per_rank, index, layout, report_deadline_s, "
+        "store_mode (got '1')",
     ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import pickle
 
 import pytest
@@ -16,10 +17,12 @@ from kvtier.offload import (
     DeviceBlock,
     LazyCandidate,
     OffloadManager,
+    Progress,
     Transfer,
     TransferPlan,
     WorkerReport,
 )
+from kvtier.testing.faults import ManualClock
 
 BT = 4
 HASHES = [bytes([i]) * 8 for i in range(16)]
@@ -242,13 +245,31 @@ def test_reset_waits_for_copies_and_drops_their_results() -> None:
     assert m.stats().evicted_blocks == 2
 
 
-def test_reports_for_unknown_batches_or_too_many_workers_are_rejected() -> None:
-    m = manager()
-    with pytest.raises(ValueError, match="not in flight"):
-        m.process(WorkerReport(done={42: 1}))
-    (store,) = store_blocks(m, "a", 1).stores
-    with pytest.raises(ValueError, match="world_size is 1"):
-        m.process(WorkerReport(done={store.batch_id: 2}))
+def test_impossible_reports_are_logged_counted_and_ignored(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    m = manager(world_size=2)
+    (store,) = store_blocks(m, "a", 2).stores
+    bid = store.batch_id
+    with caplog.at_level(logging.DEBUG, logger="kvtier.offload.manager"):
+        for bad in (
+            WorkerReport(done={42: 1}),
+            WorkerReport(done={bid: -1}),
+            WorkerReport(done={bid: 3}),
+            WorkerReport(done={bid: 1}, failed={bid: 2}),
+            WorkerReport(settled={bid: 1}),
+        ):
+            assert m.process(bad) == Progress()
+    assert m.stats().rejected_reports == 5
+    assert "batch 42" in caplog.text and "not in flight" in caplog.text
+    assert "cannot be negative" in caplog.text and "world_size is 2" in caplog.text
+    assert "only 0 abandoned it" in caplog.text
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, "one warning for the cause, the rest at debug level"
+    assert m.num_inflight_batches == 1 and m.index.stats().writing == 2
+    progress = m.process([WorkerReport(done={bid: 1}), WorkerReport(done={bid: 1})])
+    assert progress.stored_blocks == (DeviceBlock(0, 0), DeviceBlock(0, 1))
+    assert m.lookup("b", HASHES[:2], 0, 99) == 2 * BT
 
 
 def test_groups_get_their_own_keys_and_transfers() -> None:
@@ -339,3 +360,108 @@ def test_a_window_shortens_the_hit_to_the_last_complete_window() -> None:
         manager(num_groups=2, group_windows=[None])
     with pytest.raises(ValueError, match="group_windows"):
         manager(group_windows=[0])
+
+
+def test_a_reset_with_copies_in_flight_does_not_stop_storing() -> None:
+    m = manager()
+    m.process(done(store_blocks(m, "a", 2)))
+    in_flight = store_blocks(m, "b", 4, first_block=10)
+    assert m.reset() is False, "a store still holds its slots"
+    assert m.reset() is False, "idempotent"
+    m.scheduled("c", num_computed_tokens=BT, new_block_ids=[[20]], block_hashes=[HASHES[9]])
+    (store,) = m.build_plan().stores
+    assert store.device_blocks == (20,), "blocks computed after the reset are stored"
+    m.process(done(in_flight))
+    assert m.lookup("d", HASHES[:4], 0, 99) == 0, "a store in flight at the reset was dropped"
+    m.process(WorkerReport(done={store.batch_id: 1}))
+    assert m.lookup("d", [HASHES[9]], 0, 99) == BT
+    assert m.stats().stored_blocks == 3 and m.index.stats().writing == 0
+    m.scheduled("b", num_computed_tokens=5 * BT, new_block_ids=[[14]], block_hashes=HASHES[:5])
+    (later,) = m.build_plan().stores
+    assert later.device_blocks == (14,)
+
+
+def test_a_reset_in_lazy_mode_keeps_storing_candidates() -> None:
+    m = manager(store_mode="lazy")
+    plan = m.build_plan([LazyCandidate(HASHES[0], 0, 4)])
+    assert m.reset() is False
+    again = m.build_plan([LazyCandidate(HASHES[1], 0, 5)])
+    assert again.stores[0].device_blocks == (5,)
+    m.process(done(plan))
+    m.process(done(again))
+    assert m.lookup("b", HASHES[1:2], 0, 99) == BT
+    assert m.lookup("b", HASHES[:1], 0, 99) == 0
+
+
+def test_a_reset_stops_serving_blocks_being_loaded_but_lets_their_loads_finish() -> None:
+    m = manager(num_slots=4)
+    m.process(done(store_blocks(m, "a", 3)))
+    m.finished("a")
+    m.allocated("b", HASHES[:2], [[8, 9]], 0, 2 * BT)
+    (load,) = m.build_plan().loads
+    m.allocated("c", HASHES[:1], [[7]], 0, BT)
+    assert m.reset() is False
+    assert m.lookup("d", HASHES[:3], 0, 99) == 0, "pinned blocks are no longer hits"
+    plan = m.build_plan()
+    assert plan.loads[0].host_slots == load.host_slots[:1], "a queued load still reads its slot"
+    m.process(WorkerReport(done={load.batch_id: 1, plan.loads[0].batch_id: 1}))
+    assert m.index.stats().free == 4 and m.reset() is True
+    assert m.stats().loaded_blocks == 3
+    m.scheduled("b", num_computed_tokens=2 * BT, new_block_ids=[[8, 9]], block_hashes=HASHES[:2])
+    assert m.build_plan().stores == (), "what was loaded from before the reset is not stored again"
+
+
+def test_a_batch_a_worker_never_reports_fails_at_the_report_deadline(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = ManualClock()
+    m = manager(num_slots=4, world_size=2, report_deadline_s=5.0, clock=clock)
+    m.process(done(store_blocks(m, "a", 2), workers=2))
+    m.finished("a")
+    m.allocated("b", HASHES[:2], [[8, 9, 10]], 0, 2 * BT)
+    m.scheduled("c", num_computed_tokens=2 * BT, new_block_ids=[[20, 21]], block_hashes=HASHES[4:])
+    plan = m.build_plan()
+    (load,), (store,) = plan.loads, plan.stores
+    assert m.finished("c") is True
+    m.build_plan()
+    report = WorkerReport(done={load.batch_id: 1, store.batch_id: 1})
+    clock.advance(4.9)
+    assert m.process(report).loaded_requests == ()
+    clock.advance(0.2)
+    with caplog.at_level(logging.DEBUG, logger="kvtier.offload.manager"):
+        progress = m.process(None)
+    assert progress.loaded_requests == ("b",)
+    assert progress.failed_loads == {"b": (DeviceBlock(0, 8), DeviceBlock(0, 9))}
+    assert progress.released_requests == ("c",)
+    assert m.num_inflight_batches == 0 and m.num_quarantined_batches == 2
+    stats = m.stats()
+    assert (stats.expired_batches, stats.failed_loads, stats.failed_stores) == (2, 2, 2)
+    assert stats.quarantined_slots == 4
+    warned = [r.message for r in caplog.records if r.levelno == logging.WARNING]
+    assert len([m for m in warned if "report_deadline_s" in m]) == 1, "once, not per batch"
+    assert m.lookup("e", HASHES[:2], 0, 99) == 0
+    m.scheduled("f", num_computed_tokens=BT, new_block_ids=[[30]], block_hashes=[HASHES[12]])
+    assert m.build_plan().stores == (), "no slot is reused while the silent worker may write it"
+    m.process(WorkerReport(done={load.batch_id: 1, store.batch_id: 1}))
+    assert m.num_quarantined_batches == 0 and m.stats().quarantined_slots == 0
+    assert m.index.stats().free == 4
+    assert m.build_plan().stores[0].device_blocks == (30,)
+
+
+def test_an_abandoned_copy_fails_its_batch_and_keeps_its_slots_until_it_settles() -> None:
+    m = manager(num_slots=2)
+    (store,) = store_blocks(m, "a", 2).stores
+    assert m.finished("a") is True
+    m.build_plan()
+    progress = m.process(WorkerReport(abandoned={store.batch_id: 1}))
+    assert progress.released_requests == ("a",) and len(progress.stored_blocks) == 2
+    stats = m.stats()
+    assert (stats.abandoned_copies, stats.failed_stores, stats.quarantined_slots) == (1, 2, 2)
+    assert m.lookup("b", HASHES[:2], 0, 99) == 0
+    m.scheduled("c", num_computed_tokens=BT, new_block_ids=[[5]], block_hashes=[HASHES[7]])
+    assert m.build_plan().stores == ()
+    m.process(WorkerReport(settled={store.batch_id: 1}))
+    assert m.index.stats().free == 2 and m.stats().quarantined_slots == 0
+    assert m.build_plan().stores[0].device_blocks == (5,)
+    with pytest.raises(ValueError, match="report_deadline_s"):
+        manager(report_deadline_s=0)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -10,7 +13,7 @@ from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, Direction
 from kvtier.layout.base import BlockRegion, KVLayout, LayoutError
 from kvtier.offload import OffloadWorker, Transfer, TransferPlan, WorkerReport
 from kvtier.plugins import default_registry
-from kvtier.testing.faults import FlakyBackend
+from kvtier.testing.faults import FlakyBackend, ManualClock
 from kvtier.tiers import HostTier
 
 NUM_BLOCKS = 8
@@ -24,7 +27,13 @@ def make_layout() -> KVLayout:
 
 
 def make_worker(
-    layout: KVLayout, *, delay_polls: int = 0, fail: bool = False, num_slots: int = 4
+    layout: KVLayout,
+    *,
+    delay_polls: int = 0,
+    fail: bool = False,
+    num_slots: int = 4,
+    clock: ManualClock | None = None,
+    **faults: Callable[[CopyBatch], bool],
 ) -> tuple[OffloadWorker, list[FlakyBackend]]:
     backends: list[FlakyBackend] = []
     registry = default_registry()
@@ -33,13 +42,29 @@ def make_worker(
     def factory(layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
         inner = registry.build("copy_backends", config, layout, host_buffer)
         backend = FlakyBackend(
-            inner, layout, host_buffer, fail=(lambda batch: fail), delay_polls=delay_polls
+            inner,
+            layout,
+            host_buffer,
+            fail=(lambda batch: fail),
+            delay_polls=delay_polls,
+            **faults,  # type: ignore[arg-type]
         )
         backends.append(backend)
         return backend
 
     tier = HostTier(num_slots, layout.record_bytes)
-    return OffloadWorker(layout, tier, factory), backends
+    if clock is None:
+        return OffloadWorker(layout, tier, factory), backends
+    worker = OffloadWorker(
+        layout,
+        tier,
+        factory,
+        copy_deadline_s=1.0,
+        close_timeout_s=2.0,
+        clock=clock,
+        sleep=clock.sleep,
+    )
+    return worker, backends
 
 
 def store(batch_id: int, blocks: tuple[int, ...], slots: tuple[int, ...]) -> Transfer:
@@ -185,3 +210,107 @@ def test_flaky_backend_corrupts_the_destination_of_a_failed_batch() -> None:
     with pytest.raises(CopyError, match="injected failure"):
         backend.wait(handle)
     assert set(host[0].tolist()) == {0xA5}
+
+
+def is_store(batch: CopyBatch) -> bool:
+    return batch.direction is Direction.STORE
+
+
+def test_a_hung_copy_is_abandoned_at_its_deadline_and_reported_when_it_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    layout = make_layout()
+    clock = ManualClock()
+    worker, backends = make_worker(layout, clock=clock, hang=lambda batch: True)
+    worker.bind(
+        TransferPlan(
+            stores=(store(0, (1,), (0,)), store(1, (2,), (1,))),
+            loads=(load(2, (4, 5), (2, 3), "r"),),
+            holds={"q": (0, 1)},
+        )
+    )
+    assert worker.get_finished() == (set(), set())
+    clock.advance(0.9)
+    assert worker.get_finished() == (set(), set()) and worker.num_inflight == 3
+    clock.advance(0.2)
+    with caplog.at_level(logging.DEBUG, logger="kvtier.offload.worker"):
+        assert worker.get_finished() == ({"q"}, {"r"})
+    assert worker.take_failed_load_blocks() == {4, 5}, "the engine recomputes the load"
+    assert worker.take_report() == WorkerReport(abandoned={0: 1, 1: 1, 2: 1})
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, "one warning for three abandoned copies"
+    assert "still running after 1.0 s" in warned[0].message
+    assert worker.num_inflight == 0 and worker.num_abandoned == 3
+    assert backends[0].release_hung() == 3
+    worker.bind(TransferPlan())
+    worker.get_finished()
+    assert worker.take_report() == WorkerReport(settled={0: 1, 1: 1, 2: 1})
+    assert worker.num_abandoned == 0
+
+
+def test_flush_waits_for_a_hung_copy_only_until_its_deadline() -> None:
+    layout = make_layout()
+    clock = ManualClock()
+    worker, _ = make_worker(layout, clock=clock, hang=is_store)
+    worker.bind(TransferPlan(stores=(store(0, (1,), (0,)),), loads=(load(1, (4,), (2,), "r"),)))
+    worker.get_finished()
+    worker.bind(TransferPlan(flush=True))
+    worker.handle_preemptions()
+    assert 1.0 <= clock() < 1.1 and worker.num_inflight == 0
+    assert worker.take_report() == WorkerReport(done={1: 1}, abandoned={0: 1})
+
+
+def test_close_gives_up_on_a_hung_copy_and_keeps_the_host_tier() -> None:
+    layout = make_layout()
+    clock = ManualClock()
+    worker, backends = make_worker(layout, clock=clock, hang=is_store)
+    worker.bind(TransferPlan(stores=(store(0, (1,), (0,)),), loads=(load(1, (4,), (2,), "r"),)))
+    worker.get_finished()
+    worker.close()
+    assert 2.0 <= clock() < 2.1, "close waits close_timeout_s, not forever"
+    assert worker.num_abandoned == 1
+    assert worker.tier.buffer.numel() > 0, "memory a copy may still write is not freed"
+    backends[0].release_hung()
+    worker.close()
+
+
+def test_close_frees_the_tier_when_every_copy_ends() -> None:
+    layout = make_layout()
+    clock = ManualClock()
+    worker, _ = make_worker(layout, clock=clock, delay_polls=3)
+    worker.bind(TransferPlan(stores=(store(0, (1,), (0,)),)))
+    worker.get_finished()
+    worker.close()
+    assert clock() < 0.1 and worker.num_abandoned == 0
+
+
+def test_backend_bugs_fail_their_batch_and_the_rest_of_the_plan_still_runs() -> None:
+    layout = make_layout()
+    original = block_bytes(layout, 3)
+    worker, backends = make_worker(
+        layout,
+        clock=ManualClock(),
+        submit_bug=lambda batch: list(batch.device_blocks) == [1],
+        poll_bug=lambda batch: list(batch.device_blocks) == [2],
+    )
+    worker.bind(
+        TransferPlan(
+            stores=(store(0, (1,), (0,)), store(1, (2,), (1,)), store(2, (3,), (2,))),
+            loads=(load(3, (5,), (2,), "r"),),
+        )
+    )
+    assert worker.get_finished() == (set(), {"r"})
+    assert backends[0].submitted == 3, "batches after the one that raised were submitted"
+    # the copy that raised while polled is over by the next poll, in the same call
+    assert worker.take_report() == WorkerReport(
+        done={2: 1, 3: 1}, failed={0: 1}, abandoned={1: 1}, settled={1: 1}
+    )
+    assert block_bytes(layout, 5) == original
+
+
+def test_deadlines_are_checked() -> None:
+    layout = make_layout()
+    with pytest.raises(ValueError, match="copy_deadline_s"):
+        OffloadWorker(
+            layout, HostTier(2, layout.record_bytes), lambda lay, buf: None, copy_deadline_s=0
+        )  # type: ignore[arg-type,return-value]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from pathlib import Path
 
@@ -14,15 +15,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # no
 from kvtier.copy.base import Direction  # noqa: E402
 from kvtier.integrations.vllm.stats import (  # noqa: E402
     METRICS,
+    OFFLOAD_COUNTERS,
     PROMETHEUS_PREFIX,
     KVTierPromMetrics,
     KVTierStats,
+    MetricKind,
 )
 from kvtier.integrations.vllm.version import (  # noqa: E402
     UnsupportedVLLMVersion,
     check_vllm_version,
 )
-from kvtier.offload import Transfer, TransferPlan, WorkerReport  # noqa: E402
+from kvtier.offload import OffloadStats, Transfer, TransferPlan, WorkerReport  # noqa: E402
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "vllm.md"
 
@@ -108,6 +111,14 @@ def test_docs_list_every_metric() -> None:
         assert f"`{PROMETHEUS_PREFIX}{name}`" in text, f"{name} is missing from docs/vllm.md"
 
 
+def test_every_offload_counter_is_a_vllm_counter() -> None:
+    gauges = {"num_slots", "used_slots", "quarantined_slots"}
+    counters = {field.name for field in dataclasses.fields(OffloadStats)} - gauges
+    assert set(OFFLOAD_COUNTERS.values()) == counters
+    assert all(METRICS[name].kind is MetricKind.COUNTER for name in OFFLOAD_COUNTERS)
+    assert METRICS["quarantined_blocks"].kind is MetricKind.GAUGE
+
+
 def test_plan_and_reports_cross_processes() -> None:
     from kvtier.integrations.vllm.connector import KVTierMetadata, KVTierWorkerMetadata
 
@@ -118,6 +129,6 @@ def test_plan_and_reports_cross_processes() -> None:
     )
     assert pickle.loads(pickle.dumps(KVTierMetadata(plan))).plan == plan
     rank0 = KVTierWorkerMetadata(WorkerReport(done={0: 1, 1: 1}))
-    rank1 = KVTierWorkerMetadata(WorkerReport(done={0: 1}, failed={1: 1}))
+    rank1 = KVTierWorkerMetadata(WorkerReport(done={0: 1}, abandoned={1: 1}, settled={1: 1}))
     merged = pickle.loads(pickle.dumps(rank0)).aggregate(rank1)
-    assert merged.report == WorkerReport(done={0: 2, 1: 1}, failed={1: 1})
+    assert merged.report == WorkerReport(done={0: 2, 1: 1}, abandoned={1: 1}, settled={1: 1})

@@ -33,21 +33,30 @@ Per step:
 7. :meth:`OffloadManager.process` — the merged :class:`WorkerReport` of the
    workers; a batch completes once all ``world_size`` workers reported it.
    Stores then become readable (or are dropped if any worker failed), loads
-   unpin their slots (a failed load is a recompute, never a hit).
+   unpin their slots (a failed load is a recompute, never a hit). A batch
+   not reported by every worker within ``report_deadline_s`` fails.
 
 At any time: :meth:`take_events`, :meth:`stats`, :meth:`reset`.
+
+Slots are never reused while a copy might still write them: when a worker
+abandons a copy (past its deadline, or after a backend error) or a worker
+never reports a batch, the batch fails at once for the engine, but its host
+slots stay quarantined until every worker said its copy is over.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from kvtier.config import DEFAULT_REPORT_DEADLINE_S
 from kvtier.copy.base import Direction
 from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent
 from kvtier.keys import KeyNamespace
+from kvtier.offload.failures import FailureLog
 from kvtier.offload.messages import (
     DeviceBlock,
     LazyCandidate,
@@ -72,28 +81,37 @@ class OffloadStats:
     """Cumulative counters and current usage of the host tier, for metrics.
 
     Byte counters count every rank's shard (``blocks * record_bytes * world_size``).
+    Every field defaults to 0: ``OffloadStats()`` is "nothing yet".
     """
 
-    num_slots: int
+    num_slots: int = 0
     """Slots in the host tier (per rank; every rank has the same slots)."""
-    used_slots: int
+    used_slots: int = 0
     """Slots holding a readable block or one being written."""
-    hit_tokens: int
+    hit_tokens: int = 0
     """Tokens the engine accepted from the tier (loads planned)."""
-    stored_blocks: int
+    stored_blocks: int = 0
     """Blocks whose stores completed on every worker."""
-    stored_bytes: int
+    stored_bytes: int = 0
     """Bytes of those blocks, all ranks together."""
-    loaded_blocks: int
+    loaded_blocks: int = 0
     """Blocks whose loads completed on every worker."""
-    loaded_bytes: int
+    loaded_bytes: int = 0
     """Bytes of those blocks, all ranks together."""
-    evicted_blocks: int
+    evicted_blocks: int = 0
     """Blocks evicted from the tier to make room (or by :meth:`OffloadManager.reset`)."""
-    failed_stores: int
-    """Blocks whose store failed on some worker (they were dropped)."""
-    failed_loads: int
-    """Blocks whose load failed on some worker or could not be started (recomputed)."""
+    failed_stores: int = 0
+    """Blocks whose store failed, timed out or was abandoned on some worker (they were dropped)."""
+    failed_loads: int = 0
+    """Blocks whose load failed, timed out or could not be started (recomputed)."""
+    abandoned_copies: int = 0
+    """Copies a worker stopped waiting for (past its copy deadline, or after a backend error)."""
+    expired_batches: int = 0
+    """Batches failed because some worker did not report them within the report deadline."""
+    rejected_reports: int = 0
+    """Worker report entries rejected as impossible (and ignored)."""
+    quarantined_slots: int = 0
+    """Slots kept out of use because an abandoned or unreported copy may still write them."""
 
 
 @dataclass(frozen=True)
@@ -115,8 +133,39 @@ class _Batch:
     transfer: Transfer
     keys: tuple[BlockKey, ...]
     requests: tuple[str, ...]
+    planned_at: float
     done: int = 0
     failed: int = 0
+    abandoned: int = 0
+    settled: int = 0
+    reset: bool = False
+    """A reset came while the batch was in flight: its store is never committed."""
+
+    @property
+    def reported(self) -> int:
+        """Workers that reported the batch (done, failed or abandoned)."""
+        return self.done + self.failed + self.abandoned
+
+    def copies_running(self, world_size: int) -> int:
+        """Workers whose copy of the batch may still be running."""
+        return world_size - self.reported + self.abandoned - self.settled
+
+
+@dataclass(frozen=True)
+class _PendingLoad:
+    group: int
+    keys: tuple[BlockKey, ...]
+    blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass
+class _Collected:
+    """What one :meth:`OffloadManager.process` call learnt, to become its :class:`Progress`."""
+
+    loaded: list[str] = field(default_factory=list)
+    failed_loads: dict[str, list[DeviceBlock]] = field(default_factory=dict)
+    stored: list[DeviceBlock] = field(default_factory=list)
 
 
 @dataclass
@@ -127,14 +176,14 @@ class _Request:
     block_ids: list[list[int]] = field(default_factory=list)
     store_cursor: list[int] = field(default_factory=list)
     computed_tokens: int = 0
-    pending_loads: list[tuple[int, tuple[BlockKey, ...], tuple[int, ...]]] = field(
-        default_factory=list
-    )
+    pending_loads: list[_PendingLoad] = field(default_factory=list)
     unavailable: list[DeviceBlock] = field(default_factory=list)
     batches: set[int] = field(default_factory=set)
     load_batches: set[int] = field(default_factory=set)
     finished: bool = False
     hold_announced: bool = False
+    load_end: int = 0
+    """Block position after the last one loaded from the tier."""
 
     def __post_init__(self) -> None:
         if not self.block_ids:
@@ -162,6 +211,8 @@ class OffloadManager:
         null_block_id: int | None = None,
         record_events: bool = False,
         group_windows: Sequence[int | None] | None = None,
+        report_deadline_s: float = DEFAULT_REPORT_DEADLINE_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Create a manager over ``index``, the directory of the host tier.
 
@@ -185,16 +236,20 @@ class OffloadManager:
                 blocks matter (sliding window: the blocks the window spans;
                 Mamba state: 1). Such a group stores, loads and requires for a
                 hit only those blocks. ``None`` means full attention everywhere.
+            report_deadline_s: Seconds after planning by which every worker must
+                have reported a batch; later, the batch fails (see :meth:`process`).
+            clock: Monotonic time in seconds (tests pass a manual clock).
 
         Raises:
-            ValueError: If a size is not positive, ``store_mode`` is unknown or
-                ``group_windows`` does not give one entry per group.
+            ValueError: If a size or the deadline is not positive, ``store_mode``
+                is unknown or ``group_windows`` does not give one entry per group.
         """
         for name, value in (
             ("block_tokens", block_tokens),
             ("record_bytes", record_bytes),
             ("world_size", world_size),
             ("num_groups", num_groups),
+            ("report_deadline_s", report_deadline_s),
         ):
             if value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -216,21 +271,28 @@ class OffloadManager:
             )
         self.group_windows: tuple[int | None, ...] = tuple(windows)
         self.record_events = record_events
+        self.report_deadline_s = report_deadline_s
+        self._clock = clock
         self._requests: dict[str, _Request] = {}
         self._batches: dict[int, _Batch] = {}
+        # Failed batches whose copies may still run on some worker: their slots stay held.
+        self._quarantine: dict[int, _Batch] = {}
         self._writing: dict[BlockKey, int] = {}
         self._next_batch_id = 0
         self._flush = False
         self._released: list[str] = []
         self._unavailable: dict[str, tuple[DeviceBlock, ...]] = {}
         self._events: list[IndexEvent] = []
-        self._resetting = False
+        self._failures = FailureLog(logger)
         self._hit_tokens = 0
         self._stored_blocks = 0
         self._loaded_blocks = 0
         self._evicted_blocks = 0
         self._failed_stores = 0
         self._failed_loads = 0
+        self._abandoned_copies = 0
+        self._expired_batches = 0
+        self._rejected_reports = 0
 
     @classmethod
     def from_config(
@@ -270,6 +332,7 @@ class OffloadManager:
             null_block_id=null_block_id,
             record_events=record_events,
             group_windows=group_windows,
+            report_deadline_s=config.report_deadline_s,
         )
 
     # ------------------------------------------------------------------ requests
@@ -344,6 +407,7 @@ class OffloadManager:
         if count == 0:
             return
         self._hit_tokens += count * self.block_tokens
+        state.load_end = first + count
         hashes = block_hashes[first : first + count]
         for group in range(self.num_groups):
             group_ids = block_ids[group][first : first + count] if group < len(block_ids) else []
@@ -364,8 +428,10 @@ class OffloadManager:
             readable = self.index.lookup(keys)
             if readable:
                 pinned = tuple(keys[:readable])
-                self.index.pin(pinned)
-                state.pending_loads.append((group, pinned, tuple(blocks[:readable])))
+                slots = tuple(self.index.pin(pinned))
+                state.pending_loads.append(
+                    _PendingLoad(group, pinned, tuple(blocks[:readable]), slots)
+                )
             if readable < len(keys):
                 logger.warning(
                     "request %s: %d of %d tier blocks of group %d are no longer readable; "
@@ -429,6 +495,7 @@ class OffloadManager:
             state.unavailable.clear()
             state.clear_blocks()
             state.computed_tokens = 0
+            state.load_end = 0
 
     def finished(self, request_id: str, num_computed_tokens: int | None = None) -> bool:
         """The request finished; return whether the engine must keep its device blocks.
@@ -467,15 +534,22 @@ class OffloadManager:
                 the tier are stored while slots last. Ignored in eager mode.
         """
         self._drain_index_events()
+        now = self._clock()
         loads: list[Transfer] = []
         unavailable: dict[str, tuple[int, ...]] = {}
         for state in self._requests.values():
-            for group, keys, blocks in state.pending_loads:
-                slots = tuple(self._slot(key) for key in keys)
+            for pending in state.pending_loads:
                 transfer = Transfer(
-                    self._new_batch_id(), Direction.LOAD, group, blocks, slots, state.request_id
+                    self._new_batch_id(),
+                    Direction.LOAD,
+                    pending.group,
+                    pending.blocks,
+                    pending.slots,
+                    state.request_id,
                 )
-                self._batches[transfer.batch_id] = _Batch(transfer, keys, (state.request_id,))
+                self._batches[transfer.batch_id] = _Batch(
+                    transfer, pending.keys, (state.request_id,), now
+                )
                 state.batches.add(transfer.batch_id)
                 state.load_batches.add(transfer.batch_id)
                 loads.append(transfer)
@@ -484,12 +558,10 @@ class OffloadManager:
                 unavailable[state.request_id] = tuple(b.block_id for b in state.unavailable)
                 self._unavailable[state.request_id] = tuple(state.unavailable)
                 state.unavailable.clear()
-        if self._resetting:
-            stores: list[Transfer] = []
-        elif self.store_mode == "eager":
-            stores = self._plan_eager_stores()
+        if self.store_mode == "eager":
+            stores = self._plan_eager_stores(now)
         else:
-            stores = self._plan_lazy_stores(lazy_candidates)
+            stores = self._plan_lazy_stores(lazy_candidates, now)
         holds: dict[str, tuple[int, ...]] = {}
         for request_id, state in list(self._requests.items()):
             if not state.finished or state.hold_announced:
@@ -511,85 +583,52 @@ class OffloadManager:
     def process(self, report: WorkerReport | Iterable[WorkerReport | None] | None) -> Progress:
         """Count worker completions; finish the batches every worker has reported.
 
+        A batch that some worker has not reported within ``report_deadline_s``
+        of its planning fails (a load becomes a recompute, a store is dropped).
+        A batch that failed while a worker's copy of it may still run (that
+        worker abandoned the copy or never reported) keeps its host slots
+        until every such worker reported the copy over.
+
+        Report entries that cannot be right (negative counts, a batch that is
+        not in flight, more workers than ``world_size``, more settled copies
+        than abandoned ones) are logged, counted in
+        :attr:`OffloadStats.rejected_reports` and ignored: a wrong report never
+        changes the tier.
+
         Args:
             report: One merged report, several (one per worker), or ``None``.
-
-        Raises:
-            ValueError: If a report names a batch that is not in flight, or
-                counts more workers than ``world_size`` for it.
         """
         if report is None:
-            merged = WorkerReport()
+            reports: list[WorkerReport] = []
         elif isinstance(report, WorkerReport):
-            merged = report
+            reports = [report]
         else:
-            merged = WorkerReport.merge_all(report)
-        loaded: list[str] = []
-        failed_loads: dict[str, list[DeviceBlock]] = {}
+            reports = [one for one in report if one is not None]
+        collected = _Collected()
         for request_id, blocks in self._unavailable.items():
-            failed_loads[request_id] = list(blocks)
+            collected.failed_loads[request_id] = list(blocks)
             state = self._requests.get(request_id)
             if state is not None and not state.load_batches:
-                loaded.append(request_id)
+                collected.loaded.append(request_id)
         self._unavailable.clear()
-        stored: list[DeviceBlock] = []
-        for outcome, counts in (("done", merged.done), ("failed", merged.failed)):
-            for batch_id, count in counts.items():
-                batch = self._batches.get(batch_id)
-                if batch is None:
-                    raise ValueError(
-                        f"a worker reported batch {batch_id}, which is not in flight; "
-                        "reports must come from plans of this manager, each worker once per batch"
-                    )
-                if outcome == "done":
-                    batch.done += count
-                else:
-                    batch.failed += count
-                if batch.done + batch.failed > self.world_size:
-                    raise ValueError(
-                        f"batch {batch_id} was reported by {batch.done + batch.failed} workers, "
-                        f"but world_size is {self.world_size}"
-                    )
-        for batch_id in sorted(set(merged.done) | set(merged.failed)):
-            batch = self._batches[batch_id]
-            if batch.done + batch.failed < self.world_size:
-                continue
-            del self._batches[batch_id]
-            transfer = batch.transfer
-            ok = batch.failed == 0
-            if transfer.direction is Direction.STORE:
-                self._finish_store(batch, ok)
-                stored.extend(DeviceBlock(transfer.group, b) for b in transfer.device_blocks)
-            else:
-                self.index.unpin(batch.keys)
-                if ok:
-                    self._loaded_blocks += len(transfer)
-                else:
-                    # What could not be read once is not offered as a hit again.
-                    self.index.discard(batch.keys)
-                    self._failed_loads += len(transfer)
-                    assert transfer.request_id is not None
-                    failed_loads.setdefault(transfer.request_id, []).extend(
-                        DeviceBlock(transfer.group, b) for b in transfer.device_blocks
-                    )
-            for request_id in batch.requests:
-                state = self._requests.get(request_id)
-                if state is None:
-                    continue
-                state.batches.discard(batch_id)
-                if batch_id in state.load_batches:
-                    state.load_batches.discard(batch_id)
-                    if not state.load_batches:
-                        loaded.append(request_id)
-                if state.finished and state.hold_announced and not state.batches:
-                    self._release(request_id)
+        touched: set[int] = set()
+        for one in reports:
+            touched |= self._count(one)
+        for batch_id in sorted(touched):
+            batch = self._batches.get(batch_id)
+            if batch is not None:
+                if batch.reported == self.world_size:
+                    self._complete(batch, collected)
+            elif batch_id in self._quarantine:
+                self._release_quarantined(self._quarantine[batch_id])
+        self._expire(collected)
         self._drain_index_events()
         released, self._released = tuple(self._released), []
         return Progress(
             released_requests=released,
-            loaded_requests=tuple(loaded),
-            failed_loads={rid: tuple(blocks) for rid, blocks in failed_loads.items()},
-            stored_blocks=tuple(stored),
+            loaded_requests=tuple(collected.loaded),
+            failed_loads={rid: tuple(blocks) for rid, blocks in collected.failed_loads.items()},
+            stored_blocks=tuple(collected.stored),
         )
 
     # ------------------------------------------------------------------- queries
@@ -601,18 +640,47 @@ class OffloadManager:
         return events
 
     def reset(self) -> bool:
-        """Empty the tier; return whether it is empty now.
+        """Empty the tier: no block stored before this call is served after it.
 
-        Readable blocks are evicted at once; blocks being read or written are
-        dropped when their copies complete, and no new store is planned until
-        a call returns ``True``. Call again (each step) until it does.
+        Readable blocks are evicted at once, those being loaded included (the
+        loads already promised still read them; their slots are freed when the
+        loads end). Stores in flight are dropped when they complete, and blocks
+        computed or being loaded before the reset are not stored later. Blocks
+        computed afterwards are stored as usual: a reset never stops storing.
+        Idempotent; calling it again changes nothing more.
+
+        vLLM calls this once per ``reset_prefix_cache(reset_connector=True)``
+        and does not retry. ``False`` makes vLLM's ``reset_prefix_cache``
+        return ``False`` (and not count the reset in its connector prefix-cache
+        stats), but the reset has taken effect all the same: nobody needs to
+        call again.
+
+        Returns:
+            ``True`` if every slot is free now; ``False`` if some slots are
+            still held by copies in flight, which free them as they complete.
         """
-        self._resetting = True
-        empty = self.index.clear() and not self._writing
+        for batch in self._batches.values():
+            if batch.transfer.direction is Direction.STORE:
+                batch.reset = True
+            else:
+                self.index.discard(batch.keys)
+        for state in self._requests.values():
+            for pending in state.pending_loads:
+                self.index.discard(pending.keys)
+            ready = min(len(state.block_hashes), state.computed_tokens // self.block_tokens)
+            # a cursor past the request's known blocks just means "nothing to store yet"
+            skip = max(ready, state.load_end)
+            state.store_cursor = [max(cursor, skip) for cursor in state.store_cursor]
+        empty = self.index.clear()
         self._drain_index_events()
         if empty:
-            self._resetting = False
             logger.info("host tier reset: empty")
+        else:
+            logger.info(
+                "host tier reset: nothing stored before it will be served; %d slot(s) are "
+                "freed as the copies still using them complete",
+                self.index.num_slots - self.index.stats().free,
+            )
         return empty
 
     def stats(self) -> OffloadStats:
@@ -631,12 +699,23 @@ class OffloadManager:
             evicted_blocks=self._evicted_blocks,
             failed_stores=self._failed_stores,
             failed_loads=self._failed_loads,
+            abandoned_copies=self._abandoned_copies,
+            expired_batches=self._expired_batches,
+            rejected_reports=self._rejected_reports,
+            quarantined_slots=len(
+                {slot for batch in self._quarantine.values() for slot in batch.transfer.host_slots}
+            ),
         )
 
     @property
     def num_inflight_batches(self) -> int:
-        """Batches planned and not yet reported by every worker."""
+        """Batches planned and not yet reported by every worker (nor failed by the deadline)."""
         return len(self._batches)
+
+    @property
+    def num_quarantined_batches(self) -> int:
+        """Failed batches whose copies may still run on some worker; their slots stay held."""
+        return len(self._quarantine)
 
     @property
     def num_requests(self) -> int:
@@ -671,22 +750,16 @@ class OffloadManager:
         self._next_batch_id += 1
         return batch_id
 
-    def _slot(self, key: BlockKey) -> int:
-        slot = self.index.slot_of(key)
-        if slot is None:
-            raise RuntimeError(f"pinned block {key.hex()} lost its slot; the block index is broken")
-        return slot
-
     def _present(self, key: BlockKey) -> bool:
         return key in self._writing or self.index.slot_of(key) is not None
 
     def _cancel_pending_loads(self, state: _Request) -> None:
-        for _, keys, _ in state.pending_loads:
-            self.index.unpin(keys)
+        for pending in state.pending_loads:
+            self.index.unpin(pending.keys)
         state.pending_loads.clear()
 
     def _has_unstored_blocks(self, state: _Request) -> bool:
-        if self.store_mode != "eager" or self._resetting:
+        if self.store_mode != "eager":
             return False
         ready = min(len(state.block_hashes), state.computed_tokens // self.block_tokens)
         return any(
@@ -694,7 +767,7 @@ class OffloadManager:
             for group in range(self.num_groups)
         )
 
-    def _plan_eager_stores(self) -> list[Transfer]:
+    def _plan_eager_stores(self, now: float) -> list[Transfer]:
         per_group: list[tuple[list[int], list[int], list[BlockKey], set[str]]] = [
             ([], [], [], set()) for _ in range(self.num_groups)
         ]
@@ -743,9 +816,9 @@ class OffloadManager:
                 state.store_cursor[group] = cursor
                 if out_of_space:
                     break
-        return self._store_transfers(per_group)
+        return self._store_transfers(per_group, now)
 
-    def _plan_lazy_stores(self, candidates: Sequence[LazyCandidate]) -> list[Transfer]:
+    def _plan_lazy_stores(self, candidates: Sequence[LazyCandidate], now: float) -> list[Transfer]:
         per_group: list[tuple[list[int], list[int], list[BlockKey], set[str]]] = [
             ([], [], [], set()) for _ in range(self.num_groups)
         ]
@@ -771,14 +844,15 @@ class OffloadManager:
             blocks.append(candidate.block_id)
             slot_list.append(slot)
             key_list.append(key)
-        return self._store_transfers(per_group)
+        return self._store_transfers(per_group, now)
 
     def _no_space(self) -> bool:
         stats = self.index.stats()
-        return stats.free == 0 and stats.readable == stats.pinned
+        # discarded slots are pinned too, but hold no readable block
+        return stats.free == 0 and stats.readable == stats.pinned - stats.discarded
 
     def _store_transfers(
-        self, per_group: list[tuple[list[int], list[int], list[BlockKey], set[str]]]
+        self, per_group: list[tuple[list[int], list[int], list[BlockKey], set[str]]], now: float
     ) -> list[Transfer]:
         transfers = []
         for group, (blocks, slots, keys, requests) in enumerate(per_group):
@@ -788,7 +862,7 @@ class OffloadManager:
                 self._new_batch_id(), Direction.STORE, group, tuple(blocks), tuple(slots)
             )
             self._batches[transfer.batch_id] = _Batch(
-                transfer, tuple(keys), tuple(sorted(requests))
+                transfer, tuple(keys), tuple(sorted(requests)), now
             )
             for key in keys:
                 self._writing[key] = transfer.batch_id
@@ -797,21 +871,150 @@ class OffloadManager:
             transfers.append(transfer)
         return transfers
 
-    def _finish_store(self, batch: _Batch, ok: bool) -> None:
-        for key in batch.keys:
-            del self._writing[key]
-        if ok and not self._resetting:
-            self.index.commit(batch.keys)
-            self._stored_blocks += len(batch.keys)
-        else:
-            self.index.abort(batch.keys)
+    def _count(self, report: WorkerReport) -> set[int]:
+        """Add one report's counts to its batches; return the batches it changed."""
+        touched: set[int] = set()
+        for batch_id in report.batch_ids:
+            counts = (
+                report.done.get(batch_id, 0),
+                report.failed.get(batch_id, 0),
+                report.abandoned.get(batch_id, 0),
+                report.settled.get(batch_id, 0),
+            )
+            batch = self._batches.get(batch_id) or self._quarantine.get(batch_id)
+            problem = self._impossible(batch, counts)
+            if problem is not None:
+                self._rejected_reports += 1
+                self._failures.failed(
+                    "worker report",
+                    "ignored a worker report for batch %s (done=%s, failed=%s, abandoned=%s, "
+                    "settled=%s): %s; reports must come from this manager's plans, each worker "
+                    "reporting a batch once",
+                    batch_id,
+                    *counts,
+                    problem,
+                )
+                continue
+            assert batch is not None
+            done, failed, abandoned, settled = counts
+            batch.done += done
+            batch.failed += failed
+            batch.abandoned += abandoned
+            batch.settled += settled
+            self._abandoned_copies += abandoned
+            touched.add(batch_id)
+        return touched
+
+    def _impossible(self, batch: _Batch | None, counts: tuple[int, int, int, int]) -> str | None:
+        """Why these counts cannot be a worker's report of ``batch``, or ``None`` if they can."""
+        if not all(isinstance(count, int) and count >= 0 for count in counts):
+            return "counts are numbers of workers and cannot be negative or fractional"
+        if batch is None:
+            return "the batch is not in flight"
+        done, failed, abandoned, settled = counts
+        reported = batch.reported + done + failed + abandoned
+        if reported > self.world_size:
+            return f"{reported} workers would have reported it, but world_size is {self.world_size}"
+        if batch.settled + settled > batch.abandoned + abandoned:
+            return (
+                f"{batch.settled + settled} workers would have settled its copy, but only "
+                f"{batch.abandoned + abandoned} abandoned it"
+            )
+        return None
+
+    def _complete(self, batch: _Batch, collected: _Collected) -> None:
+        """Apply a batch's outcome; keep its slots quarantined while a copy may still run."""
+        transfer = batch.transfer
+        del self._batches[transfer.batch_id]
+        ok = batch.done == self.world_size
+        running = batch.copies_running(self.world_size) > 0
+        if transfer.direction is Direction.STORE:
+            if ok and not batch.reset:
+                for key in batch.keys:
+                    del self._writing[key]
+                self.index.commit(batch.keys)
+                self._stored_blocks += len(batch.keys)
+            elif not running:
+                self._abort_store(batch)
             if not ok:
                 self._failed_stores += len(batch.keys)
-                logger.warning(
-                    "store batch %d of %d blocks failed on a worker; the blocks were dropped",
-                    batch.transfer.batch_id,
+                self._failures.failed(
+                    "store",
+                    "store batch %d of %d blocks did not complete on %d of %d workers; the "
+                    "blocks were dropped",
+                    transfer.batch_id,
                     len(batch.keys),
+                    self.world_size - batch.done,
+                    self.world_size,
                 )
+            collected.stored.extend(DeviceBlock(transfer.group, b) for b in transfer.device_blocks)
+        else:
+            if ok:
+                self._loaded_blocks += len(transfer)
+            else:
+                # What could not be read once is not offered as a hit again.
+                self.index.discard(batch.keys)
+                self._failed_loads += len(transfer)
+                assert transfer.request_id is not None
+                collected.failed_loads.setdefault(transfer.request_id, []).extend(
+                    DeviceBlock(transfer.group, b) for b in transfer.device_blocks
+                )
+            if not running:
+                self.index.unpin(batch.keys)
+        if running:
+            self._quarantine[transfer.batch_id] = batch
+        for request_id in batch.requests:
+            state = self._requests.get(request_id)
+            if state is None:
+                continue
+            state.batches.discard(transfer.batch_id)
+            if transfer.batch_id in state.load_batches:
+                state.load_batches.discard(transfer.batch_id)
+                if not state.load_batches:
+                    collected.loaded.append(request_id)
+            if state.finished and state.hold_announced and not state.batches:
+                self._release(request_id)
+
+    def _release_quarantined(self, batch: _Batch) -> None:
+        """Free a failed batch's slots once no worker's copy of it may still run."""
+        if batch.copies_running(self.world_size) > 0:
+            return
+        del self._quarantine[batch.transfer.batch_id]
+        if batch.transfer.direction is Direction.STORE:
+            self._abort_store(batch)
+        else:
+            self.index.unpin(batch.keys)
+        logger.debug(
+            "batch %d's copies are over on every worker; its %d host slots are free again",
+            batch.transfer.batch_id,
+            len(batch.transfer),
+        )
+
+    def _abort_store(self, batch: _Batch) -> None:
+        for key in batch.keys:
+            del self._writing[key]
+        self.index.abort(batch.keys)
+
+    def _expire(self, collected: _Collected) -> None:
+        """Fail the batches some worker did not report within ``report_deadline_s``."""
+        late = self._clock() - self.report_deadline_s
+        for batch in list(self._batches.values()):
+            if batch.planned_at > late:
+                break  # batches are kept in planning order
+            self._expired_batches += 1
+            self._failures.failed(
+                "report deadline",
+                "%s batch %d of %d blocks was not reported by %d of %d workers within "
+                "report_deadline_s=%s; it failed (a load is recomputed, a store dropped) and its "
+                "host slots stay out of use until those workers report it",
+                batch.transfer.direction.value,
+                batch.transfer.batch_id,
+                len(batch.transfer),
+                self.world_size - batch.reported,
+                self.world_size,
+                self.report_deadline_s,
+            )
+            self._complete(batch, collected)
 
     def _release(self, request_id: str) -> None:
         del self._requests[request_id]

@@ -78,19 +78,29 @@ class WorkerReport:
     """Batches that finished on workers since their last report, by outcome.
 
     Each value counts workers; reports from several workers (or steps) merge by
-    adding counts, and the manager completes a batch once ``world_size``
-    workers have reported it, counting it failed if any of them failed it.
+    adding counts. Every worker reports each batch once as ``done``, ``failed``
+    or ``abandoned``; the manager completes a batch once ``world_size`` workers
+    have reported it, counting it failed unless all of them reported it done.
+    A worker that abandoned a copy reports the batch once more, as ``settled``,
+    when the copy is over: only then may the batch's host slots be reused.
     """
 
     done: Mapping[int, int] = field(default_factory=dict)
     """Batch id -> number of workers that completed it successfully."""
     failed: Mapping[int, int] = field(default_factory=dict)
-    """Batch id -> number of workers on which it failed."""
+    """Batch id -> number of workers on which it failed (the copy is over)."""
+    abandoned: Mapping[int, int] = field(default_factory=dict)
+    """Batch id -> number of workers that stopped waiting for its copy, which may still run."""
+    settled: Mapping[int, int] = field(default_factory=dict)
+    """Batch id -> number of workers on which an abandoned copy of it is now over."""
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Return a report holding both reports' counts."""
         return WorkerReport(
-            _add_counts(self.done, other.done), _add_counts(self.failed, other.failed)
+            _add_counts(self.done, other.done),
+            _add_counts(self.failed, other.failed),
+            _add_counts(self.abandoned, other.abandoned),
+            _add_counts(self.settled, other.settled),
         )
 
     @classmethod
@@ -105,7 +115,12 @@ class WorkerReport:
     @property
     def empty(self) -> bool:
         """Whether the report holds no batch."""
-        return not (self.done or self.failed)
+        return not (self.done or self.failed or self.abandoned or self.settled)
+
+    @property
+    def batch_ids(self) -> set[int]:
+        """Every batch the report names."""
+        return {*self.done, *self.failed, *self.abandoned, *self.settled}
 
 
 @dataclass(frozen=True)

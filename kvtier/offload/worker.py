@@ -19,19 +19,37 @@ order each step:
 6. :meth:`OffloadWorker.take_report` — the :class:`WorkerReport` for the
    scheduler-side :class:`~kvtier.offload.OffloadManager`.
 
-:meth:`OffloadWorker.close` waits for everything in flight and frees the tier.
+No wait is unbounded. A copy still running ``copy_deadline_s`` after its
+submission is abandoned: the worker stops waiting for it, a load becomes a
+recompute (its device blocks are reported failed) and the batch is reported
+``abandoned``, so the manager keeps the copy's host slots out of use until a
+later report says the copy is over (``settled``). An exception other than
+:class:`~kvtier.copy.CopyError` from a backend never escapes the worker: from
+``submit`` it fails the batch, from a poll it abandons the copy.
+:meth:`OffloadWorker.close` waits at most ``close_timeout_s`` for copies still
+running, then abandons them, leaving the host tier and their backends open so
+that no late copy writes freed memory.
+
+A load abandoned while its copy still runs may still write the engine's device
+blocks, which the engine has started to recompute into: only a copy that
+finishes (or fails) makes those blocks safe. A deadline well above the longest
+normal copy keeps that to hung hardware.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvtier.config import DEFAULT_CLOSE_TIMEOUT_S, DEFAULT_COPY_DEADLINE_S
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
 from kvtier.layout.base import KVLayout, LayoutError
+from kvtier.offload.failures import FailureLog
 from kvtier.offload.messages import Transfer, TransferPlan, WorkerReport
 from kvtier.tiers.host import HostTier, capacity_per_rank
 
@@ -44,6 +62,19 @@ logger = logging.getLogger(__name__)
 BackendFactory = Callable[[KVLayout, torch.Tensor], CopyBackend]
 """Builds a copy backend for one layout over the host buffer."""
 
+_FIRST_PAUSE_S = 1e-4
+_LONGEST_PAUSE_S = 1e-2
+"""Bounds of the pause between polls while a flush or close waits for copies."""
+
+
+@dataclass(frozen=True)
+class _Copy:
+    backend: CopyBackend
+    handle: CopyHandle
+    transfer: Transfer
+    deadline: float
+    """Clock time after which the worker stops waiting for the copy."""
+
 
 class OffloadWorker:
     """Executes transfer plans on one rank and tracks their completion."""
@@ -53,6 +84,11 @@ class OffloadWorker:
         layouts: KVLayout | Sequence[KVLayout],
         tier: HostTier,
         backend_factory: BackendFactory,
+        *,
+        copy_deadline_s: float = DEFAULT_COPY_DEADLINE_S,
+        close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         """Bind a worker to the engine's layouts and a host tier.
 
@@ -62,10 +98,21 @@ class OffloadWorker:
                 layout's ``record_bytes`` must equal the tier's.
             tier: The host tier of this rank.
             backend_factory: ``factory(layout, host_buffer)`` returning a copy backend.
+            copy_deadline_s: Seconds after its submission at which the worker
+                abandons a copy that is still running.
+            close_timeout_s: Seconds :meth:`close` waits for copies still running.
+            clock: Monotonic time in seconds (tests pass a manual clock).
+            sleep: Pauses the caller between polls while a flush or close waits.
 
         Raises:
             LayoutError: If a layout's record size differs from the tier's.
+            ValueError: If the deadline is not positive or the timeout is negative.
         """
+        if copy_deadline_s <= 0 or close_timeout_s < 0:
+            raise ValueError(
+                f"copy_deadline_s must be positive and close_timeout_s not negative, got "
+                f"{copy_deadline_s} and {close_timeout_s}"
+            )
         self.layouts: tuple[KVLayout, ...] = (
             (layouts,) if isinstance(layouts, KVLayout) else tuple(layouts)
         )
@@ -85,11 +132,20 @@ class OffloadWorker:
                 backends[id(layout)] = backend_factory(layout, tier.buffer)
             self._group_backends.append(backends[id(layout)])
         self._backends = list(backends.values())
+        self.copy_deadline_s = copy_deadline_s
+        self.close_timeout_s = close_timeout_s
+        self._clock = clock
+        self._sleep = sleep
+        self._failures = FailureLog(logger)
         self._plan: TransferPlan | None = None
         self._flush_pending = False
-        self._inflight: dict[int, tuple[CopyBackend, CopyHandle, Transfer]] = {}
+        self._inflight: dict[int, _Copy] = {}
+        # Copies the worker stopped waiting for; polled until they are over.
+        self._abandoned: dict[int, _Copy] = {}
         self._done: dict[int, int] = {}
         self._failed: dict[int, int] = {}
+        self._abandoned_report: dict[int, int] = {}
+        self._settled: dict[int, int] = {}
         self._loads_by_request: dict[str, set[int]] = {}
         self._holds: dict[str, set[int]] = {}
         self._failed_load_blocks: set[int] = set()
@@ -122,7 +178,13 @@ class OffloadWorker:
         def build_backend(layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
             return registry.build("copy_backends", config.copy, layout, host_buffer)  # type: ignore[no-any-return]
 
-        return cls(layouts, tier, build_backend)
+        return cls(
+            layouts,
+            tier,
+            build_backend,
+            copy_deadline_s=config.copy_deadline_s,
+            close_timeout_s=config.close_timeout_s,
+        )
 
     def bind(self, plan: TransferPlan) -> None:
         """Take this step's plan; nothing is submitted until :meth:`get_finished`.
@@ -155,16 +217,9 @@ class OffloadWorker:
             self.flush()
 
     def flush(self) -> None:
-        """Wait for every submitted copy and record its outcome."""
+        """Wait for every submitted copy, each at most until its deadline, and record outcomes."""
         self._flush_pending = False
-        for batch_id in list(self._inflight):
-            backend, handle, transfer = self._inflight.pop(batch_id)
-            try:
-                backend.wait(handle)
-            except CopyError as exc:
-                self._record(transfer, ok=False, error=exc)
-            else:
-                self._record(transfer, ok=True)
+        self._wait(until=None)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Submit the bound plan, poll copies in flight, and say which requests are done.
@@ -181,17 +236,7 @@ class OffloadWorker:
         if plan is not None:
             for transfer in (*plan.stores, *plan.loads):
                 self._submit(transfer)
-        for batch_id in list(self._inflight):
-            backend, handle, transfer = self._inflight[batch_id]
-            try:
-                finished = backend.done(handle)
-            except CopyError as exc:
-                del self._inflight[batch_id]
-                self._record(transfer, ok=False, error=exc)
-                continue
-            if finished:
-                del self._inflight[batch_id]
-                self._record(transfer, ok=True)
+        self._poll()
         loaded = self._pop_settled(self._loads_by_request)
         released = self._pop_settled(self._holds)
         return released, loaded
@@ -214,25 +259,51 @@ class OffloadWorker:
 
     def take_report(self) -> WorkerReport | None:
         """This worker's completions since the last call, or ``None`` if there are none."""
-        if not (self._done or self._failed):
+        if not (self._done or self._failed or self._abandoned_report or self._settled):
             return None
-        report = WorkerReport(done=self._done, failed=self._failed)
-        self._done, self._failed = {}, {}
+        report = WorkerReport(self._done, self._failed, self._abandoned_report, self._settled)
+        self._done, self._failed, self._abandoned_report, self._settled = {}, {}, {}, {}
         return report
 
     @property
     def num_inflight(self) -> int:
-        """Batches submitted and not finished."""
+        """Batches submitted and not finished (abandoned ones not included)."""
         return len(self._inflight)
 
+    @property
+    def num_abandoned(self) -> int:
+        """Abandoned copies that may still be running."""
+        return len(self._abandoned)
+
     def close(self) -> None:
-        """Wait for copies in flight, close the backends and the host tier. Idempotent."""
+        """Wait at most ``close_timeout_s`` for copies, then close the backends and the tier.
+
+        Copies still running after that are abandoned; their backends and the
+        host tier are then left open (their memory deliberately not freed) so
+        that a late copy writes nothing freed. Idempotent.
+        """
         if self._closed:
             return
-        self.flush()
+        self._flush_pending = False
+        self._wait(until=self._clock() + self.close_timeout_s)
+        for batch_id in list(self._inflight):
+            self._abandon(batch_id, "close timeout", "still running when the worker closed")
+        live = {id(copy.backend) for copy in self._abandoned.values()}
         for backend in self._backends:
-            backend.close()
-        self.tier.close()
+            if id(backend) not in live:
+                backend.close()
+        if self._abandoned:
+            logger.warning(
+                "closing with %d copies still running after close_timeout_s=%s (batches %s); "
+                "their copy backends and the host tier's %d bytes are left open, not freed, so "
+                "that the copies cannot write freed memory",
+                len(self._abandoned),
+                self.close_timeout_s,
+                sorted(self._abandoned),
+                self.tier.num_slots * self.tier.record_bytes,
+            )
+        else:
+            self.tier.close()
         self._closed = True
 
     def _check(self, transfer: Transfer) -> None:
@@ -262,20 +333,104 @@ class OffloadWorker:
         try:
             handle = backend.submit(batch)
         except CopyError as exc:
-            self._record(transfer, ok=False, error=exc)
+            self._fail(transfer, "copy", str(exc))
             return
-        self._inflight[transfer.batch_id] = (backend, handle, transfer)
+        except Exception as exc:  # a backend's bug fails its batch, never the engine
+            self._fail(
+                transfer,
+                "copy backend error",
+                f"{type(backend).__name__} raised {type(exc).__name__} submitting it (a copy "
+                f"backend must raise CopyError): {exc}",
+                exc_info=True,
+            )
+            return
+        deadline = self._clock() + self.copy_deadline_s
+        self._inflight[transfer.batch_id] = _Copy(backend, handle, transfer, deadline)
 
-    def _record(self, transfer: Transfer, *, ok: bool, error: Exception | None = None) -> None:
+    def _poll(self) -> None:
+        """Poll every copy once; abandon those past their deadline."""
+        now = self._clock()
+        for batch_id, copy in list(self._inflight.items()):
+            try:
+                finished = copy.backend.done(copy.handle)
+            except CopyError as exc:
+                del self._inflight[batch_id]
+                self._fail(copy.transfer, "copy", str(exc))
+                continue
+            except Exception as exc:  # a backend's bug: the copy's state is unknown
+                self._abandon(
+                    batch_id,
+                    "copy backend error",
+                    f"{type(copy.backend).__name__} raised {type(exc).__name__} polling it "
+                    f"(a copy backend must raise CopyError): {exc}",
+                )
+                continue
+            if finished:
+                del self._inflight[batch_id]
+                self._record(copy.transfer, ok=True)
+            elif now >= copy.deadline:
+                self._abandon(
+                    batch_id, "copy deadline", f"still running after {self.copy_deadline_s} s"
+                )
+        for batch_id, copy in list(self._abandoned.items()):
+            try:
+                over = copy.backend.done(copy.handle)
+            except CopyError:
+                over = True
+            except Exception:  # still unknown: keep the slots held
+                logger.debug("polling abandoned batch %d raised", batch_id, exc_info=True)
+                continue
+            if over:
+                del self._abandoned[batch_id]
+                self._settled[batch_id] = self._settled.get(batch_id, 0) + 1
+
+    def _wait(self, until: float | None) -> None:
+        """Poll until no copy is in flight; with ``until``, also until abandoned ones are over.
+
+        A copy still running at its deadline is abandoned, so this returns
+        within ``copy_deadline_s``; with ``until``, by ``until`` at the latest.
+        """
+        pause = _FIRST_PAUSE_S
+        while True:
+            self._poll()
+            if not self._inflight and (until is None or not self._abandoned):
+                return
+            if until is not None and self._clock() >= until:
+                return
+            self._sleep(pause)
+            pause = min(2 * pause, _LONGEST_PAUSE_S)
+
+    def _abandon(self, batch_id: int, cause: str, why: str) -> None:
+        copy = self._inflight.pop(batch_id)
+        self._abandoned[batch_id] = copy
+        self._abandoned_report[batch_id] = self._abandoned_report.get(batch_id, 0) + 1
+        transfer = copy.transfer
+        self._failures.failed(
+            cause,
+            "stopped waiting for %s batch %d of %d blocks: %s; it counts as failed (a load is "
+            "recomputed, a store dropped) and its host slots stay out of use until it ends",
+            transfer.direction.value,
+            batch_id,
+            len(transfer),
+            why,
+        )
+        if transfer.direction is Direction.LOAD:
+            self._failed_load_blocks.update(transfer.device_blocks)
+
+    def _fail(self, transfer: Transfer, cause: str, why: str, *, exc_info: bool = False) -> None:
+        self._failures.failed(
+            cause,
+            "%s batch %d of %d blocks failed: %s",
+            transfer.direction.value,
+            transfer.batch_id,
+            len(transfer),
+            why,
+            exc_info=exc_info,
+        )
+        self._record(transfer, ok=False)
+
+    def _record(self, transfer: Transfer, *, ok: bool) -> None:
         counts = self._done if ok else self._failed
         counts[transfer.batch_id] = counts.get(transfer.batch_id, 0) + 1
-        if not ok:
-            logger.warning(
-                "%s batch %d of %d blocks failed: %s",
-                transfer.direction.value,
-                transfer.batch_id,
-                len(transfer),
-                error,
-            )
-            if transfer.direction is Direction.LOAD:
-                self._failed_load_blocks.update(transfer.device_blocks)
+        if not ok and transfer.direction is Direction.LOAD:
+            self._failed_load_blocks.update(transfer.device_blocks)

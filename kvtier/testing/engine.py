@@ -19,14 +19,21 @@ requests' blocks once every worker reported their copies.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.config import (
+    DEFAULT_CLOSE_TIMEOUT_S,
+    DEFAULT_COPY_DEADLINE_S,
+    DEFAULT_REPORT_DEADLINE_S,
+)
 from kvtier.index.base import BlockIndex, BlockKey
 from kvtier.keys import hash_token_blocks
 from kvtier.layout.base import KVCaches, KVLayout, LayoutResolver
@@ -191,6 +198,14 @@ def block_values(
     return (mixed % levels).reshape(tuple(shape)).to(dtype)
 
 
+@functools.lru_cache(maxsize=4096)
+def _shared_block_values(
+    key: BlockKey, tensor_index: int, shape: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`block_values`, computed once per argument set: engines only read the result."""
+    return block_values(key, tensor_index, shape, dtype)
+
+
 class SyntheticEngine:
     """Paged KV tensors with a free list and a prefix cache of device blocks."""
 
@@ -303,7 +318,7 @@ class SyntheticEngine:
         """Write ``key``'s values into ``block`` in every tensor and cache it."""
         for index, item in enumerate(self._tensors):
             target = item.tensor.select(item.block_dim, block)
-            target.copy_(block_values(key, index, target.shape, target.dtype))
+            target.copy_(_shared_block_values(key, index, tuple(target.shape), target.dtype))
         self.cache(block, key)
 
     def mismatches(self, block: int, key: BlockKey) -> list[str]:
@@ -311,7 +326,7 @@ class SyntheticEngine:
         wrong = []
         for index, item in enumerate(self._tensors):
             actual = item.tensor.select(item.block_dim, block)
-            expected = block_values(key, index, actual.shape, actual.dtype)
+            expected = _shared_block_values(key, index, tuple(actual.shape), actual.dtype)
             if not torch.equal(
                 actual.contiguous().view(torch.uint8).cpu(), expected.contiguous().view(torch.uint8)
             ):
@@ -389,6 +404,8 @@ class OffloadedEngine:
     and then decodes for ``decode_steps`` steps without new blocks; tier hits
     are loaded before it computes, and every loaded block is checked byte for
     byte on every rank (:attr:`mismatches` lists the wrong ones).
+    :meth:`silence` withholds a worker's reports for some steps, as a rank
+    that stops reporting (and may come back) would.
     """
 
     def __init__(
@@ -401,6 +418,11 @@ class OffloadedEngine:
         store_mode: StoreMode = "eager",
         late_worker: int | None = None,
         resolver: LayoutResolver | None = None,
+        copy_deadline_s: float = DEFAULT_COPY_DEADLINE_S,
+        report_deadline_s: float = DEFAULT_REPORT_DEADLINE_S,
+        close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         """Build the engines (one per worker), the manager and the workers.
 
@@ -412,6 +434,11 @@ class OffloadedEngine:
             store_mode: The manager's store mode.
             late_worker: A worker whose reports reach the manager one step late.
             resolver: Layout resolver (registered ``auto`` if ``None``).
+            copy_deadline_s: The workers' copy deadline.
+            report_deadline_s: The manager's report deadline.
+            close_timeout_s: How long :meth:`close` lets each worker wait for copies.
+            clock: Time for the manager's and the workers' deadlines.
+            sleep: How workers pause while they wait for copies.
         """
         self.spec = spec
         self.engines = [SyntheticEngine(spec, resolver) for _ in range(world_size)]
@@ -422,12 +449,24 @@ class OffloadedEngine:
             record_bytes=record_bytes,
             world_size=world_size,
             store_mode=store_mode,
+            report_deadline_s=report_deadline_s,
+            clock=clock,
         )
         self.workers = [
-            OffloadWorker(engine.layout, HostTier(index.num_slots, record_bytes), backend_factory)
+            OffloadWorker(
+                engine.layout,
+                HostTier(index.num_slots, record_bytes),
+                backend_factory,
+                copy_deadline_s=copy_deadline_s,
+                close_timeout_s=close_timeout_s,
+                clock=clock,
+                sleep=sleep,
+            )
             for engine in self.engines
         ]
         self.late_worker = late_worker
+        self._silent_steps = [0] * world_size
+        self._withheld: list[list[WorkerReport]] = [[] for _ in range(world_size)]
         self.stats = RunStats()
         self.mismatches: list[str] = []
         self._late_reports: list[WorkerReport | None] = []
@@ -450,11 +489,26 @@ class OffloadedEngine:
         return list(self._running)
 
     @property
+    def num_waiting(self) -> int:
+        """Requests submitted (or preempted) and not admitted yet."""
+        return len(self._waiting)
+
+    @property
     def idle(self) -> bool:
-        """Whether nothing waits, runs, is held or is in flight."""
+        """Whether nothing waits, runs, is held, is in flight, quarantined or unreported."""
         return not (
-            self._waiting or self._running or self._held or self.manager.num_inflight_batches
+            self._waiting
+            or self._running
+            or self._held
+            or self.manager.num_inflight_batches
+            or self.manager.num_quarantined_batches
+            or any(self._silent_steps)
+            or any(self._withheld)
         )
+
+    def silence(self, rank: int, steps: int) -> None:
+        """Withhold worker ``rank``'s reports for the next ``steps`` steps, then deliver them."""
+        self._silent_steps[rank] = max(self._silent_steps[rank], steps)
 
     def submit(self, tokens: Sequence[int], decode_steps: int = 1) -> None:
         """Queue a request; it is admitted by a later :meth:`step` once its blocks fit."""
@@ -511,7 +565,8 @@ class OffloadedEngine:
         raise AssertionError(
             f"not drained after {max_steps} steps: {len(self._waiting)} waiting, "
             f"{len(self._running)} running, {len(self._held)} held, "
-            f"{self.manager.num_inflight_batches} batches in flight"
+            f"{self.manager.num_inflight_batches} batches in flight, "
+            f"{self.manager.num_quarantined_batches} quarantined"
         )
 
     def close(self) -> None:
@@ -589,6 +644,14 @@ class OffloadedEngine:
             if rank == self.late_worker:
                 self._late_reports.append(report)
                 report = self._late_reports.pop(0) if len(self._late_reports) > 1 else None
+            if self._silent_steps[rank]:
+                self._silent_steps[rank] -= 1
+                if report is not None:
+                    self._withheld[rank].append(report)
+                report = None
+            elif self._withheld[rank]:
+                report = WorkerReport.merge_all([*self._withheld[rank], report])
+                self._withheld[rank] = []
             reports.append(report)
         progress = self.manager.process(reports)
         for request_id in progress.loaded_requests:

@@ -63,9 +63,11 @@ Back in the scheduler process, ``Scheduler.update_from_output()``:
     events for this step.
 
 Any time: ``reset_cache()`` (from ``LLM.reset_prefix_cache(reset_connector=True)``)
-empties the tier, answering ``False`` while copies are still in flight;
-``has_pending_push_work()`` keeps a served engine stepping until in-flight
-copies are reported.
+empties the tier at once (:meth:`OffloadManager.reset`); it answers ``False``
+while copies in flight still hold slots, which they free as they complete:
+vLLM does not call again and need not. ``has_pending_push_work()`` keeps a
+served engine stepping until in-flight copies are reported (or, for a rank
+that never reports, until ``report_deadline_s`` fails them).
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ from vllm.v1.request import RequestStatus
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.index.base import EventKind
-from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
+from kvtier.integrations.vllm.stats import OFFLOAD_COUNTERS, KVTierPromMetrics, KVTierStats
 from kvtier.keys import KeyNamespace
 from kvtier.offload import (
     LazyCandidate,
@@ -293,7 +295,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self._lazy_target = LAZY_HEADROOM * -(
             -vllm_config.scheduler_config.max_num_batched_tokens // block_tokens
         )
-        self._reported = OffloadStats(0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+        self._reported = OffloadStats()
         logger.info(
             "kvtier: %s mode, %d host slots of %d bytes per rank, world size %d, %d group(s)",
             self.config.store_mode,
@@ -435,6 +437,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.manager is not None and self.manager.num_inflight_batches > 0
 
     def reset_cache(self) -> bool | None:
+        """Empty the tier now; see :meth:`OffloadManager.reset`.
+
+        vLLM calls this once per ``reset_prefix_cache(reset_connector=True)``
+        and never retries. ``True``: every slot is free. ``False``: nothing
+        stored before the reset will be served, but copies in flight still hold
+        some slots and free them as they complete; vLLM then returns ``False``
+        from ``reset_prefix_cache`` and does not mark its connector prefix-cache
+        stats as reset, and nobody needs to call again.
+        """
         if self.manager is None:
             return None
         return self.manager.reset()
@@ -507,16 +518,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         now = self.manager.stats()
         last, self._reported = self._reported, now
         stats = KVTierStats()
-        for name, value in (
-            ("hit_tokens", now.hit_tokens - last.hit_tokens),
-            ("stored_blocks", now.stored_blocks - last.stored_blocks),
-            ("stored_bytes", now.stored_bytes - last.stored_bytes),
-            ("loaded_blocks", now.loaded_blocks - last.loaded_blocks),
-            ("loaded_bytes", now.loaded_bytes - last.loaded_bytes),
-            ("evicted_blocks", now.evicted_blocks - last.evicted_blocks),
-            ("store_failures", now.failed_stores - last.failed_stores),
-            ("load_failures", now.failed_loads - last.failed_loads),
-        ):
+        for name, field in OFFLOAD_COUNTERS.items():
+            value = getattr(now, field) - getattr(last, field)
             if value:
                 stats.record(name, value)
         if now.used_slots != last.used_slots or now.num_slots != last.num_slots:
@@ -524,6 +527,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             stats.record("capacity_blocks", now.num_slots)
             stats.record("used_bytes", now.used_slots * self.record_bytes)
             stats.record("capacity_bytes", now.num_slots * self.record_bytes)
+        if now.quarantined_slots != last.quarantined_slots:
+            stats.record("quarantined_blocks", now.quarantined_slots)
         return stats
 
     @classmethod
@@ -607,8 +612,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         report = self.worker.take_report()
         if report is not None:
             self._report = report if self._report is None else self._report.merge(report)
-            failed = {self._bound_loads[b] for b in report.failed if b in self._bound_loads}
-            for batch_id in (*report.done, *report.failed):
+            # An abandoned load is a failed one for vLLM: it recomputes the blocks.
+            unfinished = (*report.failed, *report.abandoned)
+            failed = {self._bound_loads[b] for b in unfinished if b in self._bound_loads}
+            for batch_id in (*report.done, *unfinished):
                 self._bound_loads.pop(batch_id, None)
         else:
             failed = set()

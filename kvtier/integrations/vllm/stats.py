@@ -73,14 +73,46 @@ METRICS: Mapping[str, MetricSpec] = {
         MetricKind.COUNTER,
         "Blocks whose load failed or was no longer possible; vLLM recomputed them.",
     ),
+    "abandoned_copies": MetricSpec(
+        MetricKind.COUNTER,
+        "Copies a rank stopped waiting for (past copy_deadline_s, or after a copy backend "
+        "error); their loads were recomputed and their stores dropped.",
+    ),
+    "expired_batches": MetricSpec(
+        MetricKind.COUNTER,
+        "Batches of copies failed because some rank did not report them within report_deadline_s.",
+    ),
+    "rejected_reports": MetricSpec(
+        MetricKind.COUNTER, "Entries of rank reports rejected as impossible and ignored."
+    ),
     "used_blocks": MetricSpec(
         MetricKind.GAUGE, "Host-tier slots holding a block or being written, per rank."
+    ),
+    "quarantined_blocks": MetricSpec(
+        MetricKind.GAUGE,
+        "Host-tier slots kept out of use, per rank, because an abandoned or unreported copy "
+        "may still write them.",
     ),
     "capacity_blocks": MetricSpec(MetricKind.GAUGE, "Host-tier slots per rank."),
     "used_bytes": MetricSpec(MetricKind.GAUGE, "Host-tier bytes in use, per rank."),
     "capacity_bytes": MetricSpec(MetricKind.GAUGE, "Host-tier bytes per rank."),
 }
 """Every metric the connector reports, by short name."""
+
+OFFLOAD_COUNTERS: Mapping[str, str] = {
+    "hit_tokens": "hit_tokens",
+    "stored_blocks": "stored_blocks",
+    "stored_bytes": "stored_bytes",
+    "loaded_blocks": "loaded_blocks",
+    "loaded_bytes": "loaded_bytes",
+    "evicted_blocks": "evicted_blocks",
+    "store_failures": "failed_stores",
+    "load_failures": "failed_loads",
+    "abandoned_copies": "abandoned_copies",
+    "expired_batches": "expired_batches",
+    "rejected_reports": "rejected_reports",
+}
+"""Counter metric name -> the cumulative :class:`~kvtier.offload.OffloadStats` field it counts."""
 
 
 @dataclass
@@ -160,4 +192,11 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 child.set(value)
 
 
-__all__ = ["KVTierPromMetrics", "KVTierStats", "METRICS", "MetricKind", "PROMETHEUS_PREFIX"]
+__all__ = [
+    "KVTierPromMetrics",
+    "KVTierStats",
+    "METRICS",
+    "MetricKind",
+    "OFFLOAD_COUNTERS",
+    "PROMETHEUS_PREFIX",
+]
