@@ -74,6 +74,7 @@ MAX_CONFIG_DEPTH = 32
 MAX_CONFIG_VALUES = 10_000
 """Most values (mappings, lists and scalars) one config source may hold."""
 MEMINFO = "/proc/meminfo"
+"""Where Linux reports memory; ``MemAvailable`` is what new allocations can get."""
 
 
 class KVTierModel(BaseModel):
@@ -713,12 +714,14 @@ def _read_config_text(path: str | os.PathLike[str], source: str) -> str:
     def problem(message: str) -> ConfigError:
         return ConfigError([Problem(source, CONFIG_FILE_KEY, message, str(path))])
 
+    too_large = problem(f"larger than the {MAX_CONFIG_FILE_BYTES} bytes a config file may have")
+
     def check(mode: int, size: int) -> None:
         kind = _file_kind(mode)
         if kind is not None:
             raise problem(f"{kind}, not a regular file; name a YAML or TOML file")
         if size > MAX_CONFIG_FILE_BYTES:
-            raise problem(f"larger than the {MAX_CONFIG_FILE_BYTES} bytes a config file may have")
+            raise too_large
 
     try:
         # Look before opening: opening a device can have effects of its own. Then open without
@@ -735,7 +738,8 @@ def _read_config_text(path: str | os.PathLike[str], source: str) -> str:
         raise problem("no such file") from None
     except OSError as exc:
         raise problem(f"cannot read file: {exc}") from None
-    check(stat.S_IFREG, len(data))
+    if len(data) > MAX_CONFIG_FILE_BYTES:  # a file whose size the kernel does not report
+        raise too_large
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -604,3 +604,27 @@ def test_host_memory_check_reads_the_machine_and_skips_when_unknown(
         config.check_host_memory()
     monkeypatch.setattr(kvtier.config, "available_memory_bytes", lambda: None)
     config.check_host_memory()
+
+
+def test_file_larger_than_it_reports_is_read_no_further_than_the_limit(
+    tmp_path: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file = tmp_path / "kvtier.yaml"
+    file.write_text("#" * (2 << 20))
+
+    def zero_size(stat: Callable[..., os.stat_result]) -> Callable[..., os.stat_result]:
+        def report(*args: object) -> os.stat_result:
+            fields = list(stat(*args))
+            fields[6] = 0  # st_size, as /proc reports it
+            return os.stat_result(fields)
+
+        return report
+
+    monkeypatch.setattr(os, "stat", zero_size(os.stat))
+    monkeypatch.setattr(os, "fstat", zero_size(os.fstat))
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={}, registry=registry, config_file=file)
+    assert lines_of(caught) == [
+        "argument config_file: config_file: larger than the 1048576 bytes a config file may have "
+        f"(got '{file}')"
+    ]
