@@ -33,7 +33,8 @@ from kvtier.config import (
     parse_bytes,
 )
 from kvtier.config_reference import render_config_reference
-from kvtier.plugins import KIND_TITLES, KINDS, PluginError, default_registry
+from kvtier.kinds import KINDS
+from kvtier.plugins import PluginError, default_registry
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def _command_plugins(args: argparse.Namespace) -> int:
     registry = default_registry()
     rows = [
         {
-            "kind": reg.kind,
+            "kind": reg.kind.name,
             "name": reg.name,
             "distribution": reg.distribution,
             "version": reg.version,
@@ -66,12 +67,12 @@ def _command_plugins(args: argparse.Namespace) -> int:
         return EXIT_OK
     table = [["KIND", "NAME", "DISTRIBUTION", "VERSION", "PLUGIN"]]
     for kind in KINDS:
-        found = [row for row in rows if row["kind"] == kind]
+        found = [row for row in rows if row["kind"] == kind.name]
         if not found:
-            table.append([KIND_TITLES[kind], "(none installed)", "", "", ""])
+            table.append([kind.title, "(none installed)", "", "", ""])
         for row in found:
             table.append(
-                [KIND_TITLES[kind], row["name"], row["distribution"], row["version"], row["plugin"]]
+                [kind.title, row["name"], row["distribution"], row["version"], row["plugin"]]
             )
     print(_format_table(table))
     return EXIT_OK

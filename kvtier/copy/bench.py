@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from kvtier.config import parse_bytes
 from kvtier.copy.base import CopyBackend, CopyBatch, Direction
+from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
 from kvtier.layout.resolvers import PerLayerResolver
 from kvtier.plugins import PluginError, default_registry
@@ -235,10 +236,10 @@ def _measure(
         rig.engine.device,
     )
     registry = default_registry()
-    config = registry.get("copy_backends", backend_name).config_model.model_validate(
+    config = registry.get(COPY_BACKEND, backend_name).config_model.model_validate(
         {"type": backend_name}
     )
-    backend: CopyBackend = registry.build("copy_backends", config, rig.layout, rig.host)
+    backend: CopyBackend = registry.build(COPY_BACKEND, config, rig.layout, rig.host)
     device = rig.engine.device
     nbytes = rig.blocks * block_bytes
     result: dict[str, object] = {"block_bytes": block_bytes, "blocks": rig.blocks}

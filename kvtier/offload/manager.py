@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Literal
 from kvtier.copy.base import Direction
 from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent
 from kvtier.keys import KeyNamespace
+from kvtier.kinds import BLOCK_INDEX
 from kvtier.offload.messages import (
     DeviceBlock,
     LazyCandidate,
@@ -258,7 +259,7 @@ class OffloadManager:
 
         num_slots = slots_for_bytes(capacity_per_rank(config, world_size), record_bytes)
         registry = registry if registry is not None else default_registry()
-        index = registry.build("block_indexes", config.index, num_slots)
+        index = registry.build(BLOCK_INDEX, config.index, num_slots)
         return cls(
             index,
             block_tokens=block_tokens,

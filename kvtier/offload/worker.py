@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
+from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout, LayoutError
 from kvtier.offload.messages import Transfer, TransferPlan, WorkerReport
 from kvtier.tiers.host import HostTier, capacity_per_rank
@@ -120,7 +121,7 @@ class OffloadWorker:
         )
 
         def build_backend(layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
-            return registry.build("copy_backends", config.copy, layout, host_buffer)  # type: ignore[no-any-return]
+            return registry.build(COPY_BACKEND, config.copy, layout, host_buffer)
 
         return cls(layouts, tier, build_backend)
 
