@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from kvtier.index.base import BlockIndex, BlockKey
 from kvtier.keys import KeyNamespace, hash_token_blocks
+from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
 
 LONG_CHAIN_BLOCKS = 8192
@@ -35,8 +36,8 @@ LONG_CHAIN_TARGET_S = 5e-3
 
 def build_index(name: str, num_slots: int) -> BlockIndex:
     """Build the registered index ``name`` from its default config."""
-    registration = default_registry().get("block_indexes", name)
-    return registration.factory(registration.config_model(), num_slots)  # type: ignore[no-any-return]
+    registration = default_registry().get(BLOCK_INDEX, name)
+    return registration.factory(registration.config_model(), num_slots)
 
 
 def make_chains(count: int, length: int, seed: int) -> list[list[BlockKey]]:
@@ -132,7 +133,7 @@ def bench_index(name: str, num_slots: int, chain_blocks: int, repeats: int) -> d
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print JSON; exit status 1 if LRU misses a target."""
-    registered = sorted(default_registry().block_indexes)
+    registered = sorted(default_registry().of_kind(BLOCK_INDEX))
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--index",

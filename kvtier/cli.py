@@ -34,7 +34,8 @@ from kvtier.config import (
     parse_bytes,
 )
 from kvtier.config_reference import render_config_reference
-from kvtier.plugins import KIND_TITLES, KINDS, PluginError, default_registry
+from kvtier.kinds import KINDS
+from kvtier.plugins import PluginError, default_registry
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ def _command_plugins(args: argparse.Namespace) -> int:
     registry = default_registry()
     rows = [
         {
-            "kind": reg.kind,
+            "kind": reg.kind.name,
             "name": reg.name,
             "distribution": reg.distribution,
             "version": reg.version,
@@ -67,12 +68,12 @@ def _command_plugins(args: argparse.Namespace) -> int:
         return EXIT_OK
     table = [["KIND", "NAME", "DISTRIBUTION", "VERSION", "PLUGIN"]]
     for kind in KINDS:
-        found = [row for row in rows if row["kind"] == kind]
+        found = [row for row in rows if row["kind"] == kind.name]
         if not found:
-            table.append([KIND_TITLES[kind], "(none installed)", "", "", ""])
+            table.append([kind.title, "(none installed)", "", "", ""])
         for row in found:
             table.append(
-                [KIND_TITLES[kind], row["name"], row["distribution"], row["version"], row["plugin"]]
+                [kind.title, row["name"], row["distribution"], row["version"], row["plugin"]]
             )
     print(_format_table(table))
     return EXIT_OK
@@ -88,7 +89,8 @@ def _format_table(rows: list[list[str]]) -> str:
 
 def _command_config_validate(args: argparse.Namespace) -> int:
     config = load_config(config_file=args.file)
-    config.check_host_memory(args.world_size, ranks=args.world_size)
+    if args.memory_check:
+        config.check_host_memory(args.world_size, ranks=args.world_size)
     if args.record_bytes is None:
         print(f"{args.file}: valid kvtier configuration")
         return EXIT_OK
@@ -193,6 +195,12 @@ def _build_parser() -> argparse.ArgumentParser:
             "ranks the host tier is split over, all on this machine: the memory check counts "
             "every rank's share (default: 1)"
         ),
+    )
+    validate.add_argument(
+        "--no-memory-check",
+        dest="memory_check",
+        action="store_false",
+        help="skip the memory check, e.g. to check a server's config on another machine",
     )
     validate.set_defaults(handler=_command_config_validate)
     show = config_commands.add_parser(

@@ -39,9 +39,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 import yaml
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
@@ -54,6 +52,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
+
+from kvtier.kinds import KINDS, Kind
+from kvtier.models import KVTierModel, PluginConfig
 
 if TYPE_CHECKING:
     from kvtier.plugins import Registry
@@ -80,52 +81,20 @@ MEMINFO = "/proc/meminfo"
 """Where Linux reports memory; ``MemAvailable`` is what new allocations can get."""
 
 
-class KVTierModel(BaseModel):
-    """Base of every kvtier config model.
-
-    Unknown keys are errors, values are immutable, and floats must be finite
-    (``inf`` and ``nan`` are rejected, so no size or factor computed from one
-    can overflow).
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
-
-
-class PluginConfig(KVTierModel):
-    """Base of a pluggable section's config; subclasses narrow ``type`` to ``Literal[name]``."""
-
-    type: str = Field(description="Name of the registered implementation to use.")
-
-
 @dataclass(frozen=True)
 class Section:
     """A pluggable section of :class:`KVTierConfig` and the plugin kind that fills it."""
 
     field: str
-    kind: str
+    kind: Kind[Any]
     default: str
     description: str
 
 
-SECTIONS: tuple[Section, ...] = (
-    Section(
-        "index",
-        "block_indexes",
-        "prefix_arc",
-        "Block index of the host tier: maps block keys to slots and picks eviction victims.",
-    ),
-    Section(
-        "copy",
-        "copy_backends",
-        "torch",
-        "Copy backend that moves blocks between engine memory and the host tier.",
-    ),
-    Section(
-        "layout",
-        "layout_resolvers",
-        "auto",
-        "Layout resolver that maps the engine's KV tensors to block regions.",
-    ),
+SECTIONS: tuple[Section, ...] = tuple(
+    Section(kind.section, kind, kind.default, kind.description)
+    for kind in KINDS
+    if kind.section is not None and kind.default is not None
 )
 """The pluggable sections, with the implementation each uses when the config names none."""
 
@@ -506,9 +475,7 @@ def _no_implementation(section: Section) -> Callable[[Any], Any]:
 
 
 def _title(section: Section) -> str:
-    from kvtier.plugins import KIND_TITLES
-
-    return KIND_TITLES[section.kind]
+    return section.kind.title
 
 
 _MODELS: dict[int, tuple[Registry, type[KVTierConfig]]] = {}

@@ -16,7 +16,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from kvtier.config import SECTIONS, KVTierConfig
-from kvtier.plugins import KIND_TITLES, Registry
+from kvtier.plugins import Registry
 
 _SECTION_FIELDS = {section.field: section for section in SECTIONS}
 
@@ -34,7 +34,7 @@ def render_config_reference(registry: Registry, *, distribution: str | None = No
     """
     lines = ["## Top level", "", *_fields_table(KVTierConfig.model_fields, "")]
     for section in SECTIONS:
-        title = KIND_TITLES[section.kind]
+        title = section.kind.title
         lines += [
             "",
             f"## `{section.field}`: {title}",

@@ -5,38 +5,43 @@ Each hook receives a ``register`` callable owned by kvtier's core::
     register(name: str, factory: Callable[..., T], config_model: type[PluginConfig])
 
 ``name`` is the value users write as ``type`` in the matching config section;
-``config_model`` is a :class:`kvtier.config.PluginConfig` subclass whose ``type``
+``config_model`` is a :class:`kvtier.api.PluginConfig` subclass whose ``type``
 field is ``Literal[name]``. kvtier rejects a second registration of the same
 name, naming both plugins. All hooks run once, in the process that builds the
-plugin manager (the scheduler and every worker each build their own).
+plugin manager (the scheduler and every worker each build their own), in the
+order of :data:`kvtier.kinds.KINDS`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import pluggy
+
+from kvtier.kinds import (
+    BlockIndexFactory,
+    CopyBackendFactory,
+    LayoutResolverFactory,
+    Register,
+    StorageTierFactory,
+)
 
 hookspec = pluggy.HookspecMarker("kvtier")
 
-Register = Callable[[str, Callable[..., Any], type], None]
-
 
 @hookspec
-def register_layout_resolvers(register: Register) -> None:
-    """Register layout resolvers: engine KV tensors in, a :class:`~kvtier.layout.KVLayout` out.
+def register_block_indexes(register: Register[BlockIndexFactory]) -> None:
+    """Register block indexes (key to slot directories with an eviction policy).
 
-    The factory is called as ``factory(config)`` with the validated config model
-    and returns a :class:`kvtier.layout.LayoutResolver`. Called in worker processes.
+    The factory is called as ``factory(config, num_slots)`` with the validated
+    config model and the tier's slot count, and returns a
+    :class:`kvtier.index.BlockIndex`. Called in the scheduler process.
 
-    :param register: ``register(name, factory, config_model)``; call it once per resolver.
+    :param register: ``register(name, factory, config_model)``; call it once per index.
     :return: Nothing; a return value is ignored.
     """
 
 
 @hookspec
-def register_copy_backends(register: Register) -> None:
+def register_copy_backends(register: Register[CopyBackendFactory]) -> None:
     """Register copy backends that move blocks between engine memory and host slots.
 
     The factory is called as ``factory(config, layout, host_buffer)`` with the
@@ -50,20 +55,19 @@ def register_copy_backends(register: Register) -> None:
 
 
 @hookspec
-def register_block_indexes(register: Register) -> None:
-    """Register block indexes (key to slot directories with an eviction policy).
+def register_layout_resolvers(register: Register[LayoutResolverFactory]) -> None:
+    """Register layout resolvers: engine KV tensors in, a :class:`~kvtier.layout.KVLayout` out.
 
-    The factory is called as ``factory(config, num_slots)`` with the validated
-    config model and the tier's slot count, and returns a
-    :class:`kvtier.index.BlockIndex`. Called in the scheduler process.
+    The factory is called as ``factory(config)`` with the validated config model
+    and returns a :class:`kvtier.layout.LayoutResolver`. Called in worker processes.
 
-    :param register: ``register(name, factory, config_model)``; call it once per index.
+    :param register: ``register(name, factory, config_model)``; call it once per resolver.
     :return: Nothing; a return value is ignored.
     """
 
 
 @hookspec
-def register_storage_tiers(register: Register) -> None:
+def register_storage_tiers(register: Register[StorageTierFactory]) -> None:
     """Register storage tiers that sit below the host tier (local disk, remote stores).
 
     The factory is called as ``factory(config, record_bytes)`` with the

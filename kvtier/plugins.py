@@ -1,4 +1,11 @@
-"""Plugin manager: loads the built-in and installed plugins and collects what they register."""
+"""Plugin manager: loads the built-in and installed plugins and collects what they register.
+
+Registration hooks are called through pluggy, one plugin at a time
+(:meth:`pluggy.PluginManager.subset_hook_caller`), so ``add_hookcall_monitoring``
+and pluggy's tracing see every call, and each plugin gets a ``register`` callable
+that knows its :class:`Owner` for messages. Where an entry-point plugin comes
+from is kept where pluggy keeps it (:meth:`~pluggy.PluginManager.list_plugin_distinfo`).
+"""
 
 from __future__ import annotations
 
@@ -6,15 +13,17 @@ import importlib
 import logging
 import os
 import typing
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, Generic
 
 import pluggy
 
 from kvtier import __version__, hookspecs
-from kvtier.config import PluginConfig
+from kvtier.kinds import KINDS, BuiltT, Kind
+from kvtier.models import PluginConfig
 
 logger = logging.getLogger(__name__)
 
@@ -23,27 +32,13 @@ ENTRY_POINT_GROUP = "kvtier"
 LOAD_PLUGINS_ENV = "KVTIER_LOAD_PLUGINS"
 
 DEFAULT_PLUGINS: tuple[str, ...] = (
-    "kvtier.layout.plugin",
-    "kvtier.copy.plugin",
     "kvtier.index.plugin",
+    "kvtier.copy.plugin",
+    "kvtier.layout.plugin",
 )
 """Modules of the built-in plugins, registered through the same hooks as any other plugin."""
 
-KINDS: dict[str, str] = {
-    "layout_resolvers": "register_layout_resolvers",
-    "copy_backends": "register_copy_backends",
-    "block_indexes": "register_block_indexes",
-    "storage_tiers": "register_storage_tiers",
-}
-"""Registry kind -> the hook that fills it."""
-
-KIND_TITLES: dict[str, str] = {
-    "layout_resolvers": "layout resolver",
-    "copy_backends": "copy backend",
-    "block_indexes": "block index",
-    "storage_tiers": "storage tier",
-}
-"""Registry kind -> what one of its implementations is called in messages."""
+_KINDS_BY_NAME: dict[str, Kind[Any]] = {kind.name: kind for kind in KINDS}
 
 
 class PluginError(Exception):
@@ -51,48 +46,98 @@ class PluginError(Exception):
 
 
 @dataclass(frozen=True)
-class Registration:
+class Owner:
+    """Who provides a plugin: its name in the plugin manager, its distribution and version."""
+
+    plugin: str
+    distribution: str
+    version: str
+
+    def __str__(self) -> str:
+        return f"plugin {self.plugin!r} ({self.distribution} {self.version})"
+
+
+def owner_of(pm: pluggy.PluginManager, plugin_name: str) -> Owner:
+    """Return who provides the plugin registered as ``plugin_name``.
+
+    The built-ins belong to kvtier; any other plugin's distribution comes from
+    pluggy's record of the entry points it was loaded from.
+    """
+    if plugin_name in DEFAULT_PLUGINS:
+        return Owner(plugin_name, PROJECT, __version__)
+    plugin = pm.get_plugin(plugin_name)
+    for loaded, dist in pm.list_plugin_distinfo():
+        if loaded is plugin:
+            return Owner(plugin_name, dist.project_name, dist.version)
+    return Owner(plugin_name, "unknown distribution", "unknown version")
+
+
+@dataclass(frozen=True)
+class Registration(Generic[BuiltT]):
     """One implementation a plugin registered."""
 
-    kind: str
+    kind: Kind[BuiltT]
     name: str
-    factory: Callable[..., Any]
+    factory: Callable[..., BuiltT]
     config_model: type[PluginConfig]
     plugin: str
     distribution: str
     version: str
 
 
+def _kind(kind: Kind[BuiltT] | str) -> Kind[BuiltT]:
+    """``kind`` itself; a kind's name (the older spelling) is looked up, with a warning."""
+    if isinstance(kind, Kind):
+        return kind
+    if kind not in _KINDS_BY_NAME:
+        raise PluginError(f"unknown plugin kind {kind!r}; kinds: {', '.join(_KINDS_BY_NAME)}")
+    found = _KINDS_BY_NAME[kind]
+    constant = found.title.upper().replace(" ", "_")
+    warnings.warn(
+        f"naming a plugin kind by the string {kind!r} is deprecated; pass kvtier.api.{constant}",
+        DeprecationWarning,
+        stacklevel=3,  # the caller of the Registry method
+    )
+    return found
+
+
 @dataclass(frozen=True)
 class Registry:
     """Everything the loaded plugins registered, by kind and then by name."""
 
-    layout_resolvers: Mapping[str, Registration] = field(default_factory=dict)
-    copy_backends: Mapping[str, Registration] = field(default_factory=dict)
-    block_indexes: Mapping[str, Registration] = field(default_factory=dict)
-    storage_tiers: Mapping[str, Registration] = field(default_factory=dict)
+    registrations: Mapping[Kind[Any], Mapping[str, Registration[Any]]]
 
-    def of_kind(self, kind: str) -> Mapping[str, Registration]:
-        """Return the registrations of ``kind`` (one of :data:`KINDS`) by name."""
-        if kind not in KINDS:
-            raise PluginError(f"unknown plugin kind {kind!r}; kinds: {', '.join(KINDS)}")
-        return typing.cast(Mapping[str, Registration], getattr(self, kind))
+    def of_kind(self, kind: Kind[BuiltT]) -> Mapping[str, Registration[BuiltT]]:
+        """Return the registrations of ``kind`` (one of :data:`kvtier.kinds.KINDS`) by name."""
+        return self.registrations.get(_kind(kind), {})
 
-    def get(self, kind: str, name: str) -> Registration:
+    def get(self, kind: Kind[BuiltT], name: str) -> Registration[BuiltT]:
         """Return the registration of ``name``; the error lists the installed choices."""
+        kind = _kind(kind)
         found = self.of_kind(kind)
         if name not in found:
             choices = ", ".join(sorted(found)) or "none"
-            raise PluginError(f"no {KIND_TITLES[kind]} named {name!r}; installed: {choices}")
+            raise PluginError(f"no {kind.title} named {name!r}; installed: {choices}")
         return found[name]
 
-    def build(self, kind: str, config: PluginConfig, *args: Any) -> Any:
-        """Build the implementation ``config.type`` of ``kind`` with its validated config."""
-        return self.get(kind, config.type).factory(config, *args)
+    def build(self, kind: Kind[BuiltT], config: PluginConfig, *args: Any) -> BuiltT:
+        """Build the implementation ``config.type`` of ``kind`` with its validated config.
 
-    def all(self) -> list[Registration]:
-        """Return every registration, kind by kind in the order of :data:`KINDS`."""
+        ``args`` are the kind's other factory arguments (see :mod:`kvtier.kinds`).
+        """
+        return self.get(_kind(kind), config.type).factory(config, *args)
+
+    def all(self) -> list[Registration[Any]]:
+        """Return every registration, kind by kind in the order of :data:`kvtier.kinds.KINDS`."""
         return [reg for kind in KINDS for reg in self.of_kind(kind).values()]
+
+    if not typing.TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Mapping[str, Registration[Any]]:
+            # ``registry.block_indexes``: the attributes of the older registry, one per kind.
+            if name not in _KINDS_BY_NAME:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            return self.of_kind(_kind(name))
 
 
 def _selected_entry_points(env: Mapping[str, str]) -> list[Any]:
@@ -108,10 +153,38 @@ def _selected_entry_points(env: Mapping[str, str]) -> list[Any]:
     ]
 
 
-def _owner(ep: Any) -> tuple[str, str]:
-    if ep.dist is None:
-        return ("unknown distribution", "unknown version")
-    return (ep.dist.name, ep.dist.version)
+def _load_entry_point(pm: pluggy.PluginManager, ep: Any) -> None:
+    """Import ``ep``'s plugin and register it under the entry point's name."""
+    dist, version = (
+        ("unknown distribution", "unknown version")
+        if ep.dist is None
+        else (ep.dist.name, ep.dist.version)
+    )
+    if pm.has_plugin(ep.name):
+        first = owner_of(pm, ep.name)
+        if first.distribution == dist:
+            return  # the same distribution seen twice on sys.path
+        raise PluginError(
+            f"two plugins are named {ep.name!r}: one from {first.distribution} {first.version}, "
+            f"one from {dist} {version}; uninstall one of them"
+        )
+    try:
+        plugin = ep.load()
+    except Exception as exc:  # a plugin's import can raise anything
+        raise PluginError(
+            f"plugin {ep.name!r} ({dist} {version}) failed to import {ep.value}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    try:
+        pm.register(plugin, name=ep.name)
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(f"plugin {ep.name!r} ({dist} {version}) is invalid: {exc}") from exc
+    if ep.dist is not None:
+        # What pluggy's own load_setuptools_entrypoints records, so list_plugin_distinfo()
+        # names the distribution. That loader is not used because it cannot select by
+        # distribution, skips a second distribution's plugin of the same name silently,
+        # and lets an import error escape without naming the plugin.
+        pm._plugin_distinfo.append((plugin, ep.dist))
 
 
 def build_plugin_manager(env: Mapping[str, str] | None = None) -> pluggy.PluginManager:
@@ -119,112 +192,84 @@ def build_plugin_manager(env: Mapping[str, str] | None = None) -> pluggy.PluginM
 
     ``KVTIER_LOAD_PLUGINS`` (a comma list of plugin or distribution names; empty
     loads none) limits which installed plugins load; the built-ins always load.
+    Nothing is called yet: :func:`collect` calls the registration hooks.
     """
     env = os.environ if env is None else env
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(hookspecs)
     for module_name in DEFAULT_PLUGINS:
         pm.register(importlib.import_module(module_name), name=module_name)
-    owners: dict[str, tuple[str, str]] = {name: (PROJECT, __version__) for name in DEFAULT_PLUGINS}
     for ep in _selected_entry_points(env):
-        dist, version = _owner(ep)
-        if pm.has_plugin(ep.name):
-            first_dist, first_version = owners[ep.name]
-            if first_dist == dist:
-                continue  # the same distribution seen twice on sys.path
-            raise PluginError(
-                f"two plugins are named {ep.name!r}: one from {first_dist} {first_version}, "
-                f"one from {dist} {version}; uninstall one of them"
-            )
-        try:
-            plugin = ep.load()
-        except Exception as exc:  # a plugin's import can raise anything
-            raise PluginError(
-                f"plugin {ep.name!r} ({dist} {version}) failed to import {ep.value}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        try:
-            pm.register(plugin, name=ep.name)
-        except pluggy.PluginValidationError as exc:
-            raise PluginError(f"plugin {ep.name!r} ({dist} {version}) is invalid: {exc}") from exc
-        owners[ep.name] = (dist, version)
+        _load_entry_point(pm, ep)
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
-        name = pm.get_name(exc.plugin) or "?"
-        dist, version = owners.get(name, ("unknown distribution", "unknown version"))
-        raise PluginError(
-            f"plugin {name!r} ({dist} {version}) implements a hook kvtier does not know: {exc}"
-        ) from exc
-    pm.kvtier_owners = owners  # type: ignore[attr-defined]
+        owner = owner_of(pm, pm.get_name(exc.plugin) or "?")
+        raise PluginError(f"{owner} implements a hook kvtier does not know: {exc}") from exc
     return pm
 
 
-def _check_config_model(kind: str, name: str, config_model: Any, owner: str) -> None:
+def _check_config_model(kind: Kind[Any], name: str, config_model: Any, owner: Owner) -> None:
     if not (isinstance(config_model, type) and issubclass(config_model, PluginConfig)):
         raise PluginError(
-            f"{owner} registered {KIND_TITLES[kind]} {name!r} with config model {config_model!r}, "
-            "which is not a kvtier.config.PluginConfig subclass"
+            f"{owner} registered {kind.title} {name!r} with config model {config_model!r}, "
+            "which is not a kvtier.api.PluginConfig subclass"
         )
     annotation = config_model.model_fields["type"].annotation
     if typing.get_origin(annotation) is not typing.Literal or typing.get_args(annotation) != (
         name,
     ):
         raise PluginError(
-            f"{owner} registered {KIND_TITLES[kind]} {name!r}, but {config_model.__name__}.type is "
+            f"{owner} registered {kind.title} {name!r}, but {config_model.__name__}.type is "
             f"{annotation!r}; declare it as Literal[{name!r}]"
         )
 
 
-def collect(pm: pluggy.PluginManager) -> Registry:
-    """Call every registration hook and return what was registered."""
-    owners: dict[str, tuple[str, str]] = getattr(pm, "kvtier_owners", {})
-    found: dict[str, dict[str, Registration]] = {kind: {} for kind in KINDS}
-    for kind, hook_name in KINDS.items():
-        for impl in getattr(pm.hook, hook_name).get_hookimpls():
-            dist, version = owners.get(
-                impl.plugin_name, ("unknown distribution", "unknown version")
+def _register_callable(
+    kind: Kind[Any], owner: Owner, found: dict[str, Registration[Any]]
+) -> Callable[[str, Callable[..., Any], type[PluginConfig]], None]:
+    """The ``register`` one plugin's hook for ``kind`` receives: checks, then records."""
+
+    def register(name: str, factory: Callable[..., Any], config_model: type[PluginConfig]) -> None:
+        if not isinstance(name, str) or not name:
+            raise PluginError(f"{owner} registered a {kind.title} without a name")
+        if not callable(factory):
+            raise PluginError(
+                f"{owner} registered {kind.title} {name!r} with a non-callable factory"
             )
-            owner = f"plugin {impl.plugin_name!r} ({dist} {version})"
+        _check_config_model(kind, name, config_model, owner)
+        if name in found:
+            first = found[name]
+            raise PluginError(
+                f"{kind.title} {name!r} is registered twice: by plugin {first.plugin!r} "
+                f"({first.distribution} {first.version}) and by {owner}"
+            )
+        found[name] = Registration(
+            kind, name, factory, config_model, owner.plugin, owner.distribution, owner.version
+        )
 
-            def register(
-                name: str,
-                factory: Callable[..., Any],
-                config_model: type[PluginConfig],
-                *,
-                _kind: str = kind,
-                _impl: Any = impl,
-                _owner: str = owner,
-                _dist: str = dist,
-                _version: str = version,
-            ) -> None:
-                if not isinstance(name, str) or not name:
-                    raise PluginError(f"{_owner} registered a {KIND_TITLES[_kind]} without a name")
-                if not callable(factory):
-                    raise PluginError(
-                        f"{_owner} registered {KIND_TITLES[_kind]} {name!r} "
-                        "with a non-callable factory"
-                    )
-                _check_config_model(_kind, name, config_model, _owner)
-                if name in found[_kind]:
-                    first = found[_kind][name]
-                    raise PluginError(
-                        f"{KIND_TITLES[_kind]} {name!r} is registered twice: by plugin "
-                        f"{first.plugin!r} ({first.distribution} {first.version}) and by {_owner}"
-                    )
-                found[_kind][name] = Registration(
-                    _kind, name, factory, config_model, _impl.plugin_name, _dist, _version
-                )
+    return register
 
+
+def collect(pm: pluggy.PluginManager) -> Registry:
+    """Call every registration hook, plugin by plugin in registration order; return the result."""
+    found: dict[Kind[Any], dict[str, Registration[Any]]] = {kind: {} for kind in KINDS}
+    for kind in KINDS:
+        implementations = getattr(pm.hook, kind.hook).get_hookimpls()
+        for impl in implementations:
+            others = [other.plugin for other in implementations if other is not impl]
+            owner = owner_of(pm, impl.plugin_name)
             try:
-                impl.function(**{arg: register for arg in impl.argnames})
+                pm.subset_hook_caller(kind.hook, others)(
+                    register=_register_callable(kind, owner, found[kind])
+                )
             except PluginError:
                 raise
             except Exception as exc:  # a plugin's hook can raise anything
                 raise PluginError(
-                    f"{owner} failed in {hook_name}: {type(exc).__name__}: {exc}"
+                    f"{owner} failed in {kind.hook}: {type(exc).__name__}: {exc}"
                 ) from exc
-    return Registry(**found)
+    return Registry(found)
 
 
 _default_registry: Registry | None = None

@@ -42,7 +42,7 @@ def test_plugins_table_lists_every_kind(capsys: pytest.CaptureFixture[str]) -> N
     assert status == 0
     rows = [line.split() for line in out.splitlines()]
     assert rows[0] == ["KIND", "NAME", "DISTRIBUTION", "VERSION", "PLUGIN"]
-    assert ["copy", "backend", "twin", "unknown"] == rows[3][:4]
+    assert ["copy", "backend", "twin", "unknown"] == rows[4][:4]
     assert rows[-1] == ["storage", "tier", "(none", "installed)"]
 
 
@@ -148,6 +148,9 @@ def test_validate_checks_every_rank_fits_in_the_memory_available(
         "(120.0 GiB), more than the 107374182400 bytes (100.0 GiB) of memory available on this "
         "machine; lower cpu_bytes_per_rank (got 32212254720)",
     ]
+    argv = ("config", "validate", str(file), "--world-size", "4", "--no-memory-check")
+    status, out, _ = run(capsys, *argv)
+    assert (status, out) == (0, f"{file}: valid kvtier configuration\n")
 
 
 def test_validate_rejects_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

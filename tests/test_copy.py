@@ -9,6 +9,7 @@ import torch
 from kvtier.copy.base import CopyBatch, CopyError, CopyHandle, Direction
 from kvtier.copy.cpu_rows import choose_plan, sort_ids
 from kvtier.copy.torch_backend import TorchCopyBackend, TorchCopyConfig
+from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
 from kvtier.layout.resolvers import AutoResolver, PerLayerResolver
 from kvtier.plugins import build_plugin_manager, collect
@@ -184,8 +185,8 @@ def test_registered_as_torch() -> None:
     registry = collect(build_plugin_manager(env={"KVTIER_LOAD_PLUGINS": ""}))
     layout = _layout()
     host = torch.zeros((8, layout.record_bytes), dtype=torch.uint8)
-    config = registry.get("copy_backends", "torch").config_model()
-    backend = registry.build("copy_backends", config, layout, host)
+    config = registry.get(COPY_BACKEND, "torch").config_model()
+    backend = registry.build(COPY_BACKEND, config, layout, host)
     assert isinstance(backend, TorchCopyBackend)
 
 

@@ -20,6 +20,7 @@ from kvtier.copy.base import CopyBackend, CopyBatch, Direction
 from kvtier.copy.dma import DmaCopyConfig
 from kvtier.copy.kernel import KernelCopyConfig
 from kvtier.cuda.pinning import PinnedRegion, pin_host_buffer
+from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import BlockRegion, KVLayout
 from kvtier.plugins import default_registry
 from kvtier.testing.contracts_copy import BackendFactory, CopyBackendContract
@@ -50,7 +51,7 @@ class Tier:
         self.pinned: PinnedRegion = region
         config = CONFIGS[name]
         self.backend: CopyBackend = default_registry().build(
-            "copy_backends", config, layout, self.host
+            COPY_BACKEND, config, layout, self.host
         )
 
     def run(self, direction: Direction, blocks: list[int], slots: list[int]) -> None:
@@ -158,4 +159,4 @@ class TestContractOnCuda(CopyBackendContract):
 
     @pytest.fixture
     def backend_factory(self, config: PluginConfig) -> BackendFactory:
-        return lambda layout, host: default_registry().build("copy_backends", config, layout, host)
+        return lambda layout, host: default_registry().build(COPY_BACKEND, config, layout, host)

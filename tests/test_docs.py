@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import inspect
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
 from kvtier import hookspecs
 from kvtier.config import KVTierConfig, load_config
+from kvtier.kinds import KINDS, Kind
 from kvtier.plugins import default_registry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,6 +49,16 @@ def test_hook_is_documented_with_its_arguments(name: str) -> None:
     assert f"::: kvtier.hookspecs.{name}\n" in page
 
 
+@pytest.mark.parametrize("kind", KINDS, ids=lambda kind: kind.name)
+def test_hook_section_names_the_factory_signature_and_what_it_builds(kind: Kind[Any]) -> None:
+    page = (DOCS / "plugin-hooks.md").read_text()
+    heading = f"### `{kind.hook}(register)`"
+    section = page[page.index(heading) :].split("\n### ", 1)[0]
+    assert f"[`{kind.factory.__name__}`](api.md#kvtier.kinds.{kind.factory.__name__})" in section
+    if kind.builds is not object:
+        assert f"[`{kind.builds.__name__}`](api.md#" in section
+
+
 @pytest.fixture(scope="module")
 def configuration_page() -> str:
     source = (DOCS / "configuration.md").read_text()
@@ -63,8 +76,8 @@ def test_top_level_field_is_documented(field: str, configuration_page: str) -> N
 
 
 BUILTINS = [
-    (kind, name)
-    for kind in ("layout_resolvers", "copy_backends", "block_indexes", "storage_tiers")
+    pytest.param(kind, name, id=f"{kind.section}-{name}")
+    for kind in KINDS
     for name, reg in default_registry().of_kind(kind).items()
     if reg.distribution == "kvtier"
 ]
@@ -72,11 +85,9 @@ BUILTINS = [
 
 @pytest.mark.parametrize(("kind", "name"), BUILTINS)
 def test_builtin_plugin_fields_are_documented(
-    kind: str, name: str, configuration_page: str
+    kind: Kind[Any], name: str, configuration_page: str
 ) -> None:
-    section = {"layout_resolvers": "layout", "copy_backends": "copy", "block_indexes": "index"}[
-        kind
-    ]
+    section = kind.section
     model = default_registry().get(kind, name).config_model
     assert f"#### `{section}.type: {name}`" in configuration_page
     for field, info in model.model_fields.items():
@@ -105,6 +116,19 @@ EXAMPLES = sorted(path.name for path in (DOCS / "examples").iterdir())
 def test_documented_example_config_is_valid(name: str) -> None:
     config = load_config(env={}, config_file=DOCS / "examples" / name)
     assert set(config.sources().values()) >= {f"file {DOCS / 'examples' / name}"}
+
+
+def test_example_plugin_imports_only_kvtier_api_from_kvtier() -> None:
+    for file in sorted((EXAMPLE_PLUGIN / "src").rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                assert name == "kvtier.api" or name.split(".")[0] != "kvtier", (file, name)
 
 
 def test_tutorial_includes_every_file_of_the_example_plugin() -> None:

@@ -7,6 +7,7 @@ import torch
 
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
+from kvtier.kinds import COPY_BACKEND, LAYOUT_RESOLVER
 from kvtier.layout.base import KVCaches, KVLayout, LayoutResolver
 from kvtier.plugins import default_registry
 from kvtier.testing.engine import (
@@ -85,18 +86,18 @@ class _DropsLastRegion(LayoutResolver):
     """A broken resolver: forgets the V half of every FlashAttention layer."""
 
     def resolve(self, kv_caches: KVCaches) -> KVLayout:
-        registration = default_registry().get("layout_resolvers", "flash_attn")
+        registration = default_registry().get(LAYOUT_RESOLVER, "flash_attn")
         layout = registration.factory(registration.config_model()).resolve(kv_caches)
         return KVLayout(layout.regions[:-1], layout.kind)
 
 
 def test_a_wrong_layout_is_caught_by_the_round_trip() -> None:
     registry = default_registry()
-    config = registry.get("copy_backends", "torch").config_model()
+    config = registry.get(COPY_BACKEND, "torch").config_model()
     engine = OffloadedEngine(
         EngineSpec(num_blocks=12, num_layers=1),
         PolicyIndex(8, LRUPolicy()),
-        lambda layout, host: registry.build("copy_backends", config, layout, host),
+        lambda layout, host: registry.build(COPY_BACKEND, config, layout, host),
         resolver=_DropsLastRegion(),
     )
     tokens = list(range(13))

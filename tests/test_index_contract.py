@@ -6,10 +6,11 @@ import pytest
 
 from kvtier.config import PluginConfig
 from kvtier.index.base import BlockIndex
+from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
 from kvtier.testing.contracts_index import BlockIndexContract, IndexFactory
 
-REGISTERED = sorted(default_registry().block_indexes)
+REGISTERED = sorted(default_registry().of_kind(BLOCK_INDEX))
 
 
 class TestRegisteredIndexes(BlockIndexContract):
@@ -17,11 +18,11 @@ class TestRegisteredIndexes(BlockIndexContract):
 
     @pytest.fixture(params=REGISTERED)
     def make_index(self, request: pytest.FixtureRequest) -> IndexFactory:
-        registration = default_registry().get("block_indexes", request.param)
+        registration = default_registry().get(BLOCK_INDEX, request.param)
         config: PluginConfig = registration.config_model()
 
         def build(num_slots: int) -> BlockIndex:
-            return registration.factory(config, num_slots)  # type: ignore[no-any-return]
+            return registration.factory(config, num_slots)
 
         return build
 

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtier.kinds import LAYOUT_RESOLVER
 from kvtier.layout.base import LayoutError, LayoutResolver
 from kvtier.layout.resolvers import AutoResolver, PerLayerResolver
 from kvtier.plugins import build_plugin_manager, collect
@@ -87,8 +88,8 @@ def test_every_case_is_resolved_by_auto() -> None:
 def test_builtins_are_registered_with_their_config_models() -> None:
     registry = collect(build_plugin_manager(env={"KVTIER_LOAD_PLUGINS": ""}))
     for name in ("auto", "flash_attn", "block_first", "mamba"):
-        registration = registry.get("layout_resolvers", name)
-        resolver = registry.build("layout_resolvers", registration.config_model())
+        registration = registry.get(LAYOUT_RESOLVER, name)
+        resolver = registry.build(LAYOUT_RESOLVER, registration.config_model())
         assert isinstance(resolver, LayoutResolver)
         layout = resolver.resolve(
             mamba_case().kv_caches

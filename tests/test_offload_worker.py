@@ -10,6 +10,7 @@ import torch
 
 from kvtier.config import load_config
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, Direction
+from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import BlockRegion, KVLayout, LayoutError
 from kvtier.offload import OffloadWorker, Transfer, TransferPlan, WorkerReport
 from kvtier.plugins import default_registry
@@ -37,10 +38,10 @@ def make_worker(
 ) -> tuple[OffloadWorker, list[FlakyBackend]]:
     backends: list[FlakyBackend] = []
     registry = default_registry()
-    config = registry.get("copy_backends", "torch").config_model()
+    config = registry.get(COPY_BACKEND, "torch").config_model()
 
     def factory(layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
-        inner = registry.build("copy_backends", config, layout, host_buffer)
+        inner = registry.build(COPY_BACKEND, config, layout, host_buffer)
         backend = FlakyBackend(
             inner,
             layout,
@@ -176,8 +177,8 @@ def test_groups_sharing_a_layout_share_a_backend() -> None:
     def factory(lay: KVLayout, buf: torch.Tensor) -> CopyBackend:
         built.append(lay)
         registry = default_registry()
-        config = registry.get("copy_backends", "torch").config_model()
-        return registry.build("copy_backends", config, lay, buf)  # type: ignore[no-any-return]
+        config = registry.get(COPY_BACKEND, "torch").config_model()
+        return registry.build(COPY_BACKEND, config, lay, buf)
 
     worker = OffloadWorker([layout, layout], HostTier(2, layout.record_bytes), factory)
     assert len(built) == 1
@@ -202,8 +203,8 @@ def test_flaky_backend_corrupts_the_destination_of_a_failed_batch() -> None:
     layout = make_layout()
     host = torch.zeros((2, layout.record_bytes), dtype=torch.uint8)
     registry = default_registry()
-    config = registry.get("copy_backends", "torch").config_model()
-    inner = registry.build("copy_backends", config, layout, host)
+    config = registry.get(COPY_BACKEND, "torch").config_model()
+    inner = registry.build(COPY_BACKEND, config, layout, host)
     backend = FlakyBackend(inner, layout, host, fail=lambda batch: True)
     batch = CopyBatch(Direction.STORE, (1,), (0,))
     handle = backend.submit(batch)

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import logging
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
 from typing import Any, Literal
 
 import pluggy
 import pytest
 
 import kvtier
-from kvtier import hookspecs, plugins
-from kvtier.config import PluginConfig
+from kvtier import api, hookspecs, plugins
+from kvtier.api import (
+    BLOCK_INDEX,
+    COPY_BACKEND,
+    LAYOUT_RESOLVER,
+    STORAGE_TIER,
+    Kind,
+    LazyFactory,
+    PluginConfig,
+)
 from kvtier.index.lru import LRUConfig
-from kvtier.plugins import PluginError, build_plugin_manager, collect
+from kvtier.kinds import KINDS
+from kvtier.plugins import LOAD_PLUGINS_ENV, PluginError, build_plugin_manager, collect
 
 
 class EchoConfig(PluginConfig):
@@ -49,6 +61,10 @@ class Misspelt:
 class FakeDistribution:
     name: str
     version: str
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        return {"name": self.name}
 
 
 @dataclass(frozen=True)
@@ -90,7 +106,7 @@ def fresh_manager(*objects: object) -> pluggy.PluginManager:
 
 def test_builtins_load_without_any_installed_plugin(installed: list[Any]) -> None:
     registry = collect(build_plugin_manager(env={}))
-    lru = registry.get("block_indexes", "lru")
+    lru = registry.get(BLOCK_INDEX, "lru")
     assert (lru.plugin, lru.distribution, lru.version) == (
         "kvtier.index.plugin",
         "kvtier",
@@ -101,9 +117,9 @@ def test_builtins_load_without_any_installed_plugin(installed: list[Any]) -> Non
 def test_entry_point_plugin_is_registered_with_its_distribution(installed: list[Any]) -> None:
     installed.append(entry_point("echo", EchoBackend()))
     registry = collect(build_plugin_manager(env={}))
-    echo = registry.get("copy_backends", "echo")
+    echo = registry.get(COPY_BACKEND, "echo")
     assert (echo.plugin, echo.distribution, echo.version) == ("echo", "kvtier-fake", "1.2.3")
-    assert registry.build("copy_backends", EchoConfig(), "layout", "buffer") == (
+    assert registry.build(COPY_BACKEND, EchoConfig(), "layout", "buffer") == (
         EchoConfig(),
         "layout",
         "buffer",
@@ -144,7 +160,7 @@ def test_two_distributions_with_one_plugin_name_are_rejected(installed: list[Any
 def test_one_distribution_seen_twice_loads_once(installed: list[Any]) -> None:
     installed.extend([entry_point("echo", EchoBackend()), entry_point("echo", EchoBackend())])
     registry = collect(build_plugin_manager(env={}))
-    assert registry.get("copy_backends", "echo").distribution == "kvtier-fake"
+    assert registry.get(COPY_BACKEND, "echo").distribution == "kvtier-fake"
 
 
 def test_misspelt_hook_names_distribution_and_version(installed: list[Any]) -> None:
@@ -182,7 +198,7 @@ def test_config_model_must_be_a_plugin_config_with_a_matching_literal() -> None:
         def register_copy_backends(self, register: hookspecs.Register) -> None:
             register("other", build_echo, EchoConfig)
 
-    with pytest.raises(PluginError, match="not a kvtier.config.PluginConfig subclass"):
+    with pytest.raises(PluginError, match="not a kvtier.api.PluginConfig subclass"):
         collect(fresh_manager(NotAModel()))
     with pytest.raises(PluginError, match=r"declare it as Literal\['other'\]"):
         collect(fresh_manager(WrongLiteral()))
@@ -211,7 +227,7 @@ def test_load_plugins_env_selects_by_plugin_or_distribution_name(installed: list
     for selection in ("echo", "kvtier-echo", " echo , "):
         registry = collect(build_plugin_manager(env={"KVTIER_LOAD_PLUGINS": selection}))
         assert {reg.distribution for reg in registry.all()} == {"kvtier", "kvtier-echo"}
-        assert registry.get("copy_backends", "echo").distribution == "kvtier-echo"
+        assert registry.get(COPY_BACKEND, "echo").distribution == "kvtier-echo"
 
 
 def test_empty_load_plugins_env_loads_only_the_builtins(installed: list[Any]) -> None:
@@ -231,11 +247,24 @@ def test_load_plugins_env_warns_about_unknown_names(
 def test_registry_get_lists_installed_choices() -> None:
     registry = collect(fresh_manager(EchoBackend()))
     with pytest.raises(PluginError, match=r"no copy backend named 'dma'; installed: echo"):
-        registry.get("copy_backends", "dma")
+        registry.get(COPY_BACKEND, "dma")
     with pytest.raises(PluginError, match=r"no storage tier named 'disk'; installed: none"):
-        registry.get("storage_tiers", "disk")
+        registry.get(STORAGE_TIER, "disk")
+
+
+def test_kind_names_still_work_with_a_deprecation_warning() -> None:
+    registry = collect(fresh_manager(EchoBackend()))
+    with pytest.warns(DeprecationWarning, match=r"pass kvtier.api.COPY_BACKEND") as caught:
+        assert registry.get("copy_backends", "echo") is registry.get(COPY_BACKEND, "echo")
+    assert caught[0].filename == __file__
+    with pytest.warns(DeprecationWarning, match=r"'block_indexes' is deprecated"):
+        assert registry.block_indexes == {}
+    with pytest.warns(DeprecationWarning):
+        assert registry.build("copy_backends", EchoConfig(), 1, 2) == (EchoConfig(), 1, 2)
     with pytest.raises(PluginError, match="unknown plugin kind 'copies'"):
         registry.of_kind("copies")
+    with pytest.raises(AttributeError, match="has no attribute 'copies'"):
+        registry.copies  # noqa: B018
 
 
 def test_example_plugin_is_discovered_through_its_entry_point() -> None:
@@ -244,5 +273,70 @@ def test_example_plugin_is_discovered_through_its_entry_point() -> None:
     except PackageNotFoundError:
         pytest.skip("kvtier-example is not installed (pip install -e plugins/kvtier-example)")
     registry = collect(build_plugin_manager(env={}))
-    fifo = registry.get("block_indexes", "fifo")
+    fifo = registry.get(BLOCK_INDEX, "fifo")
     assert (fifo.distribution, fifo.version) == ("kvtier-example", example.version)
+
+
+def test_registration_hooks_are_called_through_pluggy(installed: list[Any]) -> None:
+    installed.append(entry_point("echo", EchoBackend()))
+    pm = build_plugin_manager(env={})
+    calls: list[tuple[str, list[str]]] = []
+    pm.add_hookcall_monitoring(
+        lambda hook_name, impls, kwargs: calls.append(
+            (hook_name, [impl.plugin_name for impl in impls])
+        ),
+        lambda outcome, hook_name, impls, kwargs: None,
+    )
+    collect(pm)
+    assert calls == [
+        ("register_block_indexes", ["kvtier.index.plugin"]),
+        ("register_copy_backends", ["kvtier.copy.plugin"]),
+        ("register_copy_backends", ["echo"]),
+        ("register_layout_resolvers", ["kvtier.layout.plugin"]),
+    ]
+
+
+def test_entry_point_distributions_are_pluggys_distinfo(installed: list[Any]) -> None:
+    echo = EchoBackend()
+    installed.append(entry_point("echo", echo, dist="kvtier-echo", version="1.0"))
+    pm = build_plugin_manager(env={})
+    assert [
+        (plugin, dist.project_name, dist.version) for plugin, dist in pm.list_plugin_distinfo()
+    ] == [(echo, "kvtier-echo", "1.0")]
+
+
+def test_distinfo_of_a_manager_built_elsewhere_names_the_owner() -> None:
+    pm = fresh_manager()
+    backend = EchoBackend()
+    pm.register(backend, name="echo")
+    pm._plugin_distinfo.append((backend, FakeDistribution("kvtier-echo", "4.5")))
+    echo = collect(pm).get(COPY_BACKEND, "echo")
+    assert (echo.plugin, echo.distribution, echo.version) == ("echo", "kvtier-echo", "4.5")
+
+
+def test_every_kind_has_its_hook_and_every_hook_its_kind() -> None:
+    specs = {name for name in dir(hookspecs) if hasattr(getattr(hookspecs, name), "kvtier_spec")}
+    assert [kind.hook for kind in KINDS] == sorted(specs)
+    for kind in KINDS:
+        constant = kind.title.upper().replace(" ", "_")  # what the deprecation warning names
+        assert getattr(api, constant) is kind
+        assert getattr(api, kind.factory.__name__) is kind.factory
+
+
+def test_builtin_lazy_factories_name_functions_their_modules_define() -> None:
+    registry = collect(build_plugin_manager(env={LOAD_PLUGINS_ENV: ""}))
+    lazy = [reg for reg in registry.all() if isinstance(reg.factory, LazyFactory)]
+    assert {reg.kind for reg in lazy} == {COPY_BACKEND, LAYOUT_RESOLVER}
+    for reg in lazy:
+        # Read, not imported: importing them is what the lazy factories avoid (torch, CUDA).
+        spec = importlib.util.find_spec(reg.factory.module)
+        assert spec is not None and spec.origin is not None, reg.factory
+        tree = ast.parse(Path(spec.origin).read_text())
+        functions = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        assert reg.factory.attribute in functions, reg.factory
+
+
+def test_lazy_factory_names_what_is_missing() -> None:
+    with pytest.raises(ImportError, match=r"cannot import name 'nonesuch' from 'kvtier.kinds'"):
+        LazyFactory("kvtier.kinds", "nonesuch")(1)
+    assert LazyFactory("kvtier.kinds", "Kind").load() is Kind

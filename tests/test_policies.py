@@ -11,6 +11,7 @@ from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import EvictionPolicy, PolicyIndex
 from kvtier.index.prefix_arc import PrefixARCConfig, PrefixARCPolicy
 from kvtier.index.s3fifo import S3FIFOConfig, S3FIFOPolicy
+from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
 
 
@@ -35,8 +36,8 @@ def new_keys(prefix: str, count: int) -> list[BlockKey]:
 @pytest.mark.parametrize("name", ["arc", "s3fifo", "prefix_arc"])
 def test_registered_with_a_default_config(name: str) -> None:
     registry = default_registry()
-    config = registry.get("block_indexes", name).config_model()
-    index = registry.build("block_indexes", config, 8)
+    config = registry.get(BLOCK_INDEX, name).config_model()
+    index = registry.build(BLOCK_INDEX, config, 8)
     assert isinstance(index, PolicyIndex)
     assert index.num_slots == 8
 

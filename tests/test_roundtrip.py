@@ -11,6 +11,7 @@ from kvtier.copy.base import CopyBackend
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.keys import hash_token_blocks
+from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
 from kvtier.offload import OffloadManager, OffloadWorker
 from kvtier.plugins import default_registry
@@ -24,8 +25,8 @@ BLOCK_TOKENS = 4
 
 def torch_backend(layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
     registry = default_registry()
-    config = registry.get("copy_backends", "torch").config_model()
-    return registry.build("copy_backends", config, layout, host_buffer)  # type: ignore[no-any-return]
+    config = registry.get(COPY_BACKEND, "torch").config_model()
+    return registry.build(COPY_BACKEND, config, layout, host_buffer)
 
 
 def late_backend(layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:

@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtier.copy.base import CopyBackend, CopyBatch, Direction
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
+from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
 from kvtier.offload import StoreMode
 from kvtier.plugins import default_registry
@@ -34,11 +35,11 @@ class OffloadMachine(RuleBasedStateMachine):
         self.failing: set[int] = set()
         self.backends: list[FlakyBackend] = []
         registry = default_registry()
-        copy_config = registry.get("copy_backends", "torch").config_model()
+        copy_config = registry.get(COPY_BACKEND, "torch").config_model()
 
         def factory(layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
             rank = len(self.backends)
-            inner = registry.build("copy_backends", copy_config, layout, host_buffer)
+            inner = registry.build(COPY_BACKEND, copy_config, layout, host_buffer)
             backend = FlakyBackend(
                 inner,
                 layout,

@@ -15,6 +15,7 @@ import kvtier.plugins
 from kvtier.config import ConfigError, PluginConfig
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
 from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
+from kvtier.kinds import COPY_BACKEND
 from kvtier.plugins import build_plugin_manager, collect, default_registry
 
 pytest.importorskip("vllm")
@@ -332,7 +333,7 @@ class _FlakyPlugin:
     @kvtier.hookimpl
     def register_copy_backends(self, register: Callable[..., None]) -> None:
         def build(config: FlakyCopyConfig, layout: object, host_buffer: object) -> CopyBackend:
-            torch_backend = default_registry().get("copy_backends", "torch")
+            torch_backend = default_registry().get(COPY_BACKEND, "torch")
             return _FailingLoads(
                 torch_backend.factory(torch_backend.config_model(), layout, host_buffer)
             )

@@ -19,54 +19,21 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Literal
 
 import torch
-from pydantic import Field
 
 from kvtier.copy.base import Direction
-from kvtier.copy.dma import DmaCopyConfig, DmaExecutor
-from kvtier.copy.kernel import KernelCopyConfig, KernelExecutor
+from kvtier.copy.configs import AutoCopyConfig, DmaCopyConfig, KernelCopyConfig
+from kvtier.copy.dma import DmaExecutor
+from kvtier.copy.kernel import KernelExecutor
 from kvtier.copy.planner import Segments
-from kvtier.copy.streamed import SegmentExecutor, StreamCopyBackend, StreamCopyConfig
+from kvtier.copy.streamed import SegmentExecutor, StreamCopyBackend
 from kvtier.cuda.bindings import CudaError
 from kvtier.cuda.driver import CudaDriver
 from kvtier.cuda.pinning import PinningError
 from kvtier.layout.base import KVLayout
 
 logger = logging.getLogger(__name__)
-
-
-class AutoCopyConfig(StreamCopyConfig):
-    """Config of the ``auto`` copy backend."""
-
-    type: Literal["auto"] = Field(
-        default="auto",
-        description="Use the auto copy backend (kernel or dma per batch, by segment size).",
-    )
-    kernel_below_bytes: int = Field(
-        default=128 << 10,
-        ge=0,
-        description=(
-            "Batches whose mean merged segment is smaller than this many bytes use the copy "
-            "kernel, the others batched DMA; 0 always uses DMA. Measure the crossover with "
-            "benchmarks/gpu_check.sh."
-        ),
-    )
-    kernel_threads_per_block: int = Field(
-        default=256,
-        ge=32,
-        le=1024,
-        multiple_of=32,
-        description="Threads per thread block of the copy kernel (a multiple of the warp size).",
-    )
-    kernel_chunk_bytes: int = Field(
-        default=64 << 10,
-        ge=16,
-        le=1 << 30,
-        multiple_of=16,
-        description="Most bytes one thread block of the copy kernel copies (a multiple of 16).",
-    )
 
 
 class AutoExecutor(SegmentExecutor):

@@ -43,6 +43,7 @@ from tqdm import tqdm
 from kvtier.cli import check_output_file
 from kvtier.config import parse_bytes
 from kvtier.copy.base import CopyBackend, CopyBatch, Direction
+from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
 from kvtier.layout.resolvers import PerLayerResolver
 from kvtier.plugins import PluginError, default_registry
@@ -238,10 +239,10 @@ def _measure(
         rig.engine.device,
     )
     registry = default_registry()
-    config = registry.get("copy_backends", backend_name).config_model.model_validate(
+    config = registry.get(COPY_BACKEND, backend_name).config_model.model_validate(
         {"type": backend_name}
     )
-    backend: CopyBackend = registry.build("copy_backends", config, rig.layout, rig.host)
+    backend: CopyBackend = registry.build(COPY_BACKEND, config, rig.layout, rig.host)
     device = rig.engine.device
     nbytes = rig.blocks * block_bytes
     result: dict[str, object] = {"block_bytes": block_bytes, "blocks": rig.blocks}
@@ -335,7 +336,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
     device = _device(args.device)
     registry = default_registry()
     try:
-        registry.get("copy_backends", args.backend)
+        registry.get(COPY_BACKEND, args.backend)
     except PluginError as exc:
         raise _UsageError(f"--backend: {exc}") from None
     if args.output != "-":

@@ -12,38 +12,21 @@ engines reach the interconnect's bandwidth.
 from __future__ import annotations
 
 import logging
-from typing import Literal
 
 import torch
-from pydantic import Field
 
 from kvtier.copy.base import Direction
+from kvtier.copy.configs import DmaCopyConfig
 from kvtier.copy.planner import Segments
 from kvtier.copy.streamed import (
     SegmentExecutor,
     StreamCopyBackend,
-    StreamCopyConfig,
     as_address_arrays,
 )
 from kvtier.cuda.driver import CudaDriver
 from kvtier.layout.base import KVLayout
 
 logger = logging.getLogger(__name__)
-
-
-class DmaCopyConfig(StreamCopyConfig):
-    """Config of the ``dma`` copy backend."""
-
-    type: Literal["dma"] = Field(
-        default="dma", description="Use the dma copy backend (batched CUDA DMA)."
-    )
-    batched: bool = Field(
-        default=True,
-        description=(
-            "Use one cuMemcpyBatchAsync call per batch where the driver has it (CUDA 12.8+); "
-            "false issues one cuMemcpyAsync per segment."
-        ),
-    )
 
 
 class DmaExecutor(SegmentExecutor):

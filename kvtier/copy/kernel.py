@@ -19,15 +19,14 @@ from __future__ import annotations
 import ctypes
 import logging
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field
 
 from kvtier.copy.base import Direction
+from kvtier.copy.configs import KernelCopyConfig
 from kvtier.copy.planner import Segments
-from kvtier.copy.streamed import SegmentExecutor, StreamCopyBackend, StreamCopyConfig
+from kvtier.copy.streamed import SegmentExecutor, StreamCopyBackend
 from kvtier.cuda.driver import CudaDriver
 from kvtier.cuda.pinning import mapped_offset
 from kvtier.layout.base import KVLayout
@@ -93,32 +92,6 @@ MIN_TABLE_BYTES = 64 << 10
 
 MAX_GRID_X = (1 << 31) - 1
 """CUDA's limit on ``gridDim.x``: the most rows one launch can copy."""
-
-
-class KernelCopyConfig(StreamCopyConfig):
-    """Config of the ``kernel`` copy backend."""
-
-    type: Literal["kernel"] = Field(
-        default="kernel",
-        description="Use the kernel copy backend (one CUDA gather/scatter kernel per batch).",
-    )
-    threads_per_block: int = Field(
-        default=256,
-        ge=32,
-        le=1024,
-        multiple_of=32,
-        description="Threads per thread block of the copy kernel (a multiple of the warp size).",
-    )
-    chunk_bytes: int = Field(
-        default=64 << 10,
-        ge=16,
-        le=1 << 30,
-        multiple_of=16,
-        description=(
-            "Most bytes one thread block copies; longer segments are cut into several rows. "
-            "A multiple of 16 so that cut rows stay 16-byte aligned."
-        ),
-    )
 
 
 def split_rows(segments: Segments, chunk_bytes: int) -> np.ndarray:

@@ -1,15 +1,18 @@
-"""Built-in copy backends."""
+"""Built-in copy backends, each imported (with torch and CUDA) only when a config picks it."""
 
 from __future__ import annotations
 
-import kvtier
-from kvtier.copy import auto, dma, kernel, torch_backend
-from kvtier.hookspecs import Register
+from kvtier.api import CopyBackendFactory, LazyFactory, Register, hookimpl
+from kvtier.copy import configs
 
 
-@kvtier.hookimpl
-def register_copy_backends(register: Register) -> None:
-    register("torch", torch_backend.build, torch_backend.TorchCopyConfig)
-    register("dma", dma.build_dma_backend, dma.DmaCopyConfig)
-    register("kernel", kernel.build_kernel_backend, kernel.KernelCopyConfig)
-    register("auto", auto.build_auto_backend, auto.AutoCopyConfig)
+@hookimpl
+def register_copy_backends(register: Register[CopyBackendFactory]) -> None:
+    register("torch", LazyFactory("kvtier.copy.torch_backend", "build"), configs.TorchCopyConfig)
+    register("dma", LazyFactory("kvtier.copy.dma", "build_dma_backend"), configs.DmaCopyConfig)
+    register(
+        "kernel",
+        LazyFactory("kvtier.copy.kernel", "build_kernel_backend"),
+        configs.KernelCopyConfig,
+    )
+    register("auto", LazyFactory("kvtier.copy.auto", "build_auto_backend"), configs.AutoCopyConfig)

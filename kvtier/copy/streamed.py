@@ -28,9 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from pydantic import Field
 
-from kvtier.config import PluginConfig
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
 from kvtier.copy.planner import SegmentPlanner, Segments, batch_arrays
 from kvtier.cuda.bindings import CudaError, CudaUnavailable
@@ -45,20 +43,6 @@ def as_address_arrays(segments: Segments) -> tuple[np.ndarray, np.ndarray, np.nd
     return tuple(  # type: ignore[return-value]
         np.ascontiguousarray(array, dtype=np.uint64)
         for array in (segments.dst, segments.src, segments.nbytes)
-    )
-
-
-class StreamCopyConfig(PluginConfig):
-    """Settings every streamed CUDA copy backend (``dma``, ``kernel``, ``auto``) shares."""
-
-    stream_priority: int | None = Field(
-        default=None,
-        ge=-(2**31),
-        le=2**31 - 1,
-        description=(
-            "CUDA priority of the copy streams; lower numbers run first. Default: the lowest "
-            "priority the device offers, so copies yield to the engine's compute."
-        ),
     )
 
 

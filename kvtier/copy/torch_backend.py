@@ -19,41 +19,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import Field
 
-from kvtier.config import ByteCount, PluginConfig
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
+from kvtier.copy.configs import TorchCopyConfig
 from kvtier.copy.cpu_rows import RowCopier, run_starts, sort_ids
 from kvtier.copy.planner import batch_arrays, check_host_matrix
 from kvtier.layout.base import KVLayout
 
 logger = logging.getLogger(__name__)
-
-
-class TorchCopyConfig(PluginConfig):
-    """Copies with plain torch operations on CPU or CUDA."""
-
-    type: Literal["torch"] = Field(default="torch", description="Use the torch copy backend.")
-    cpu_threads: int | None = Field(
-        default=None,
-        ge=1,
-        le=1024,
-        description=(
-            "Threads that copy one large batch on CPU, the caller's included; by default "
-            "torch's intra-op thread count (at most 16). Unused on CUDA."
-        ),
-    )
-    cuda_staging_bytes: ByteCount = Field(
-        default=256 << 20,
-        description=(
-            "Largest device staging buffer a CUDA batch uses at a time, in bytes; larger "
-            "batches are copied in chunks of this size. Unused on CPU."
-        ),
-    )
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,17 @@
-"""Built-in block indexes."""
+"""Built-in block indexes.
+
+They are pure Python (no torch) and hold their config models, so they are
+imported when the plugins load.
+"""
 
 from __future__ import annotations
 
-import kvtier
-from kvtier.hookspecs import Register
+from kvtier.api import BlockIndexFactory, Register, hookimpl
 from kvtier.index import arc, lru, prefix_arc, s3fifo
 
 
-@kvtier.hookimpl
-def register_block_indexes(register: Register) -> None:
+@hookimpl
+def register_block_indexes(register: Register[BlockIndexFactory]) -> None:
     register("lru", lru.build, lru.LRUConfig)
     register("arc", arc.build, arc.ARCConfig)
     register("s3fifo", s3fifo.build, s3fifo.S3FIFOConfig)

@@ -15,8 +15,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # only annotations name torch, so plugin modules can import this without it
+    import torch
 
 KVCaches = Mapping[str, "torch.Tensor | Sequence[torch.Tensor]"]
 """What engines hand over: layer name -> KV tensor, or a list of state tensors (Mamba)."""

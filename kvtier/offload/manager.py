@@ -56,6 +56,7 @@ from kvtier.config import DEFAULT_REPORT_DEADLINE_S
 from kvtier.copy.base import Direction
 from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent
 from kvtier.keys import KeyNamespace
+from kvtier.kinds import BLOCK_INDEX
 from kvtier.offload.failures import FailureLog
 from kvtier.offload.messages import (
     DeviceBlock,
@@ -321,7 +322,7 @@ class OffloadManager:
 
         num_slots = config.host_slots(record_bytes, world_size)
         registry = registry if registry is not None else default_registry()
-        index = registry.build("block_indexes", config.index, num_slots)
+        index = registry.build(BLOCK_INDEX, config.index, num_slots)
         return cls(
             index,
             block_tokens=block_tokens,

@@ -48,6 +48,7 @@ import torch
 
 from kvtier.config import DEFAULT_CLOSE_TIMEOUT_S, DEFAULT_COPY_DEADLINE_S
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
+from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout, LayoutError
 from kvtier.offload.failures import FailureLog
 from kvtier.offload.messages import Transfer, TransferPlan, WorkerReport
@@ -179,7 +180,7 @@ class OffloadWorker:
         tier = HostTier.from_config(config, first.record_bytes, first.device, world_size=world_size)
 
         def build_backend(layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
-            return registry.build("copy_backends", config.copy, layout, host_buffer)  # type: ignore[no-any-return]
+            return registry.build(COPY_BACKEND, config.copy, layout, host_buffer)
 
         return cls(
             layouts,

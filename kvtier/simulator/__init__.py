@@ -23,6 +23,7 @@ from tqdm import tqdm
 from kvtier.cli import check_output_file
 from kvtier.config import PluginConfig, parse_bytes
 from kvtier.index.base import BlockIndex
+from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
 from kvtier.simulator.belady import belady_index
 from kvtier.simulator.generate import WORKLOADS, generate_trace
@@ -186,7 +187,7 @@ def _check_options(args: argparse.Namespace) -> None:
 
 
 def _policies(args: argparse.Namespace) -> list[str]:
-    registered = default_registry().block_indexes
+    registered = default_registry().of_kind(BLOCK_INDEX)
     if args.policies is None:
         return list(registered)
     specs = _parse_list(args.policies, "--policies")
@@ -221,7 +222,7 @@ def policy_config(spec: str) -> PluginConfig:
         if not equals or not key:
             raise UsageError(f"policy {spec!r}: settings are KEY=VALUE, got {setting!r}")
         values[key] = value
-    model = default_registry().get("block_indexes", name).config_model
+    model = default_registry().get(BLOCK_INDEX, name).config_model
     try:
         return model.model_validate(values)  # type: ignore[no-any-return]
     except ValidationError as exc:
@@ -288,7 +289,7 @@ def simulate(
                     index: BlockIndex
                     index, hook = belady_index(requests, capacity)
                 else:
-                    index = registry.build("block_indexes", policy_config(name), capacity)
+                    index = registry.build(BLOCK_INDEX, policy_config(name), capacity)
                 result = replay(
                     requests,
                     index,

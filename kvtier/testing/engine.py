@@ -36,6 +36,7 @@ from kvtier.config import (
 )
 from kvtier.index.base import BlockIndex, BlockKey
 from kvtier.keys import hash_token_blocks
+from kvtier.kinds import LAYOUT_RESOLVER
 from kvtier.layout.base import KVCaches, KVLayout, LayoutResolver
 from kvtier.offload.manager import OffloadManager, StoreMode
 from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
@@ -221,7 +222,7 @@ class SyntheticEngine:
         if resolver is None:
             from kvtier.plugins import default_registry
 
-            registration = default_registry().get("layout_resolvers", "auto")
+            registration = default_registry().get(LAYOUT_RESOLVER, "auto")
             resolver = registration.factory(registration.config_model.model_validate({}))
         self.layout: KVLayout = resolver.resolve(self.kv_caches)
         if self.layout.num_blocks != spec.num_blocks:

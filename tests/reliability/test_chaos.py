@@ -13,6 +13,7 @@ from kvtier.copy.base import CopyBackend, CopyBatch
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.keys import hash_token_blocks
+from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
 from kvtier.offload import StoreMode
 from kvtier.plugins import default_registry
@@ -50,9 +51,9 @@ class Chaos:
 
     def factory(self, layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
         registry = default_registry()
-        config = registry.get("copy_backends", "torch").config_model(cpu_threads=1)
+        config = registry.get(COPY_BACKEND, "torch").config_model(cpu_threads=1)
         backend = FlakyBackend(
-            registry.build("copy_backends", config, layout, host_buffer),
+            registry.build(COPY_BACKEND, config, layout, host_buffer),
             layout,
             host_buffer,
             delay_polls=len(self.backends),

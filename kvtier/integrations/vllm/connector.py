@@ -105,6 +105,7 @@ from kvtier.config import KVTierConfig, load_config
 from kvtier.index.base import EventKind
 from kvtier.integrations.vllm.stats import OFFLOAD_COUNTERS, KVTierPromMetrics, KVTierStats
 from kvtier.keys import KeyNamespace
+from kvtier.kinds import LAYOUT_RESOLVER
 from kvtier.offload import (
     LazyCandidate,
     OffloadManager,
@@ -551,7 +552,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._enabled:
             return
         registry = default_registry()
-        resolver = registry.build("layout_resolvers", self.config.layout)
+        resolver = registry.build(LAYOUT_RESOLVER, self.config.layout)
         groups = self._kv_cache_config.kv_cache_groups
         if len(groups) <= 1:
             layouts = [resolver.resolve(kv_caches)]

@@ -7,6 +7,7 @@ from importlib.metadata import entry_points
 import pytest
 from kvtier_example import FIFOConfig, build_fifo_index
 
+from kvtier.api import BLOCK_INDEX
 from kvtier.config import ConfigError, load_config
 from kvtier.plugins import build_plugin_manager, collect
 from kvtier.testing.contracts_index import BlockIndexContract, IndexFactory
@@ -79,7 +80,7 @@ def test_entry_point_registers_fifo_with_its_distribution() -> None:
     names = {ep.value for ep in entry_points(group="kvtier")}
     assert "kvtier_example.plugin" in names
     registry = collect(build_plugin_manager(env={"KVTIER_LOAD_PLUGINS": "kvtier-example"}))
-    registration = registry.get("block_indexes", "fifo")
+    registration = registry.get(BLOCK_INDEX, "fifo")
     assert (registration.distribution, registration.config_model) == ("kvtier-example", FIFOConfig)
 
 

@@ -4,7 +4,7 @@ Plain FIFO ignores hits, so its bookkeeping is one ordered dict and a hit costs
 nothing. With ``second_chance`` it becomes CLOCK: a hit marks the block, and
 when a marked block reaches the front of the queue it is unmarked and sent to
 the back instead of being evicted. Both plug into kvtier's
-:class:`~kvtier.index.PolicyIndex`, which owns the slots and the pins; this
+:class:`~kvtier.api.PolicyIndex`, which owns the slots and the pins; this
 module only ranks keys.
 """
 
@@ -16,8 +16,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvtier.config import PluginConfig
-from kvtier.index import BlockKey, EvictionPolicy, PolicyIndex
+from kvtier.api import BlockKey, EvictionPolicy, PluginConfig, PolicyIndex
 
 
 class FIFOConfig(PluginConfig):
@@ -72,6 +71,6 @@ def build_fifo_index(config: FIFOConfig, num_slots: int) -> PolicyIndex:
         num_slots: How many blocks the tier holds.
 
     Returns:
-        A :class:`~kvtier.index.PolicyIndex` ranked by :class:`FIFOPolicy`.
+        A :class:`~kvtier.api.PolicyIndex` ranked by :class:`FIFOPolicy`.
     """
     return PolicyIndex(num_slots, FIFOPolicy(second_chance=config.second_chance))

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import kvtier
-from kvtier.hookspecs import Register
+from kvtier.api import BlockIndexFactory, Register, hookimpl
 from kvtier_example.fifo import FIFOConfig, build_fifo_index
 
 
-@kvtier.hookimpl
-def register_block_indexes(register: Register) -> None:
+@hookimpl
+def register_block_indexes(register: Register[BlockIndexFactory]) -> None:
     """Register the ``fifo`` block index with its config model."""
     register("fifo", build_fifo_index, FIFOConfig)

@@ -1,0 +1,70 @@
+"""Everything a kvtier plugin needs, from one module that imports neither torch nor numpy.
+
+A plugin module writes ``from kvtier.api import ...`` and nothing else from kvtier:
+
+- :data:`hookimpl` marks the registration hooks (:mod:`kvtier.hookspecs`);
+  each receives a :class:`Register` callable;
+- :class:`PluginConfig` is the base of an implementation's config model;
+- the contracts an implementation fulfils: :class:`BlockIndex` (or an
+  :class:`EvictionPolicy` for :class:`PolicyIndex`), :class:`CopyBackend`,
+  :class:`LayoutResolver`, with the types they exchange;
+- the factory signatures, one :class:`~typing.Protocol` per kind
+  (:class:`BlockIndexFactory`, :class:`CopyBackendFactory`,
+  :class:`LayoutResolverFactory`, :class:`StorageTierFactory`), and
+  :class:`LazyFactory` to import a heavy implementation only when it is chosen;
+- the kinds (:data:`BLOCK_INDEX`, :data:`COPY_BACKEND`, :data:`LAYOUT_RESOLVER`,
+  :data:`STORAGE_TIER`) for ``registry.get(BLOCK_INDEX, "fifo")`` in a plugin's tests.
+"""
+
+from kvtier import hookimpl
+from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
+from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent, IndexStats
+from kvtier.index.policy import EvictionPolicy, PolicyIndex
+from kvtier.kinds import (
+    BLOCK_INDEX,
+    COPY_BACKEND,
+    LAYOUT_RESOLVER,
+    STORAGE_TIER,
+    BlockIndexFactory,
+    CopyBackendFactory,
+    Kind,
+    LayoutResolverFactory,
+    LazyFactory,
+    Register,
+    StorageTierFactory,
+)
+from kvtier.layout.base import BlockRegion, KVCaches, KVLayout, LayoutError, LayoutResolver
+from kvtier.models import PluginConfig
+
+__all__ = [
+    "BLOCK_INDEX",
+    "COPY_BACKEND",
+    "LAYOUT_RESOLVER",
+    "STORAGE_TIER",
+    "BlockIndex",
+    "BlockIndexFactory",
+    "BlockKey",
+    "BlockRegion",
+    "CopyBackend",
+    "CopyBackendFactory",
+    "CopyBatch",
+    "CopyError",
+    "CopyHandle",
+    "Direction",
+    "EventKind",
+    "EvictionPolicy",
+    "IndexEvent",
+    "IndexStats",
+    "KVCaches",
+    "KVLayout",
+    "Kind",
+    "LayoutError",
+    "LayoutResolver",
+    "LayoutResolverFactory",
+    "LazyFactory",
+    "PluginConfig",
+    "PolicyIndex",
+    "Register",
+    "StorageTierFactory",
+    "hookimpl",
+]

@@ -1,0 +1,194 @@
+"""The plugin kinds: one typed table shared by the registry, the config, the CLI and the docs.
+
+Each :class:`Kind` names the hook that fills it, what one implementation is
+called in messages, the config section that picks one (and the default
+implementation), the factory's signature (a :class:`~typing.Protocol`) and the
+type the factory builds. A kind is generic in that type, so
+``registry.build(COPY_BACKEND, config.copy, layout, host_buffer)`` is typed as a
+:class:`~kvtier.copy.base.CopyBackend`.
+
+This module imports neither torch nor numpy: plugin modules and the config
+loader import it before any implementation is chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+
+from kvtier.copy.base import CopyBackend
+from kvtier.index.base import BlockIndex
+from kvtier.layout.base import KVLayout, LayoutResolver
+from kvtier.models import PluginConfig
+
+if TYPE_CHECKING:
+    import torch
+
+BuiltT = TypeVar("BuiltT")
+FactoryT = TypeVar("FactoryT", contravariant=True)
+
+
+class BlockIndexFactory(Protocol):
+    """``factory(config, num_slots)``: a block index for one tier; called in the scheduler.
+
+    ``config`` is the validated instance of the registered config model and
+    ``num_slots`` the tier's slot count.
+    """
+
+    def __call__(self, config: Any, num_slots: int, /) -> BlockIndex: ...
+
+
+class CopyBackendFactory(Protocol):
+    """``factory(config, layout, host_buffer)``: a copy backend; called in worker processes.
+
+    ``layout`` is the resolved :class:`~kvtier.layout.base.KVLayout` and
+    ``host_buffer`` the host tier's ``[num_slots, layout.record_bytes]`` uint8 tensor.
+    """
+
+    def __call__(
+        self, config: Any, layout: KVLayout, host_buffer: torch.Tensor, /
+    ) -> CopyBackend: ...
+
+
+class LayoutResolverFactory(Protocol):
+    """``factory(config)``: a layout resolver; called in worker processes."""
+
+    def __call__(self, config: Any, /) -> LayoutResolver: ...
+
+
+class StorageTierFactory(Protocol):
+    """``factory(config, record_bytes)``: a tier below the host tier; called in workers.
+
+    ``record_bytes`` is the size of one block record. The storage-tier
+    contract is not fixed yet, so what the factory returns is not checked.
+    """
+
+    def __call__(self, config: Any, record_bytes: int, /) -> object: ...
+
+
+class Register(Protocol[FactoryT]):
+    """The ``register`` callable a registration hook receives; kvtier's core owns it.
+
+    ``Register[CopyBackendFactory]`` checks, for a type checker, that the
+    factory has the signature the hook's kind calls it with.
+    """
+
+    def __call__(self, name: str, factory: FactoryT, config_model: type[PluginConfig]) -> None:
+        """Register one implementation.
+
+        Args:
+            name: What users write as ``type`` in the kind's config section.
+            factory: Builds the implementation from its validated config (and the
+                kind's other arguments); a :class:`LazyFactory` imports it on first use.
+            config_model: A :class:`~kvtier.models.PluginConfig` subclass whose
+                ``type`` field is ``Literal[name]``.
+        """
+
+
+@dataclass(frozen=True)
+class LazyFactory:
+    """A factory named by module and attribute, imported when it is first called.
+
+    Register one for an implementation whose module is heavy (torch, CUDA
+    bindings), so that loading plugins and validating a config import none of
+    it: ``register("dma", LazyFactory("kvtier.copy.dma", "build_dma_backend"),
+    DmaCopyConfig)``. The config model is needed to validate a config, so keep
+    it in a module that is cheap to import.
+    """
+
+    module: str
+    """Dotted name of the module that defines the factory."""
+    attribute: str
+    """Name of the factory in that module."""
+
+    def load(self) -> Callable[..., Any]:
+        """Import :attr:`module` and return the factory.
+
+        Raises:
+            ImportError: The module cannot be imported or has no such attribute.
+        """
+        module = importlib.import_module(self.module)
+        try:
+            factory: Callable[..., Any] = getattr(module, self.attribute)
+        except AttributeError:
+            raise ImportError(
+                f"cannot import name {self.attribute!r} from {self.module!r}; the plugin that "
+                "registered it names a factory its installed version does not have"
+            ) from None
+        return factory
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.load()(*args, **kwargs)
+
+
+@dataclass(frozen=True, eq=False)
+class Kind(Generic[BuiltT]):
+    """One kind of plugin; ``BuiltT`` is the type its factories build."""
+
+    name: str
+    """The registry's key for the kind, as ``kvtier plugins --json`` prints it."""
+    hook: str
+    """The registration hook that fills it."""
+    title: str
+    """What one implementation is called in messages and tables."""
+    builds: type
+    """The type its factories build (``BuiltT`` at run time)."""
+    factory: type
+    """The :class:`~typing.Protocol` its factories follow."""
+    description: str
+    """What its implementations do, as the config reference describes its section."""
+    section: str | None = None
+    """The :class:`~kvtier.config.KVTierConfig` field that picks an implementation."""
+    default: str | None = None
+    """The implementation :attr:`section` uses when a config names none."""
+
+
+BLOCK_INDEX: Kind[BlockIndex] = Kind(
+    name="block_indexes",
+    hook="register_block_indexes",
+    title="block index",
+    builds=BlockIndex,
+    factory=BlockIndexFactory,
+    description=(
+        "Block index of the host tier: maps block keys to slots and picks eviction victims."
+    ),
+    section="index",
+    default="prefix_arc",
+)
+"""Block indexes, picked by the ``index`` section; built in the scheduler process."""
+COPY_BACKEND: Kind[CopyBackend] = Kind(
+    name="copy_backends",
+    hook="register_copy_backends",
+    title="copy backend",
+    builds=CopyBackend,
+    factory=CopyBackendFactory,
+    description="Copy backend that moves blocks between engine memory and the host tier.",
+    section="copy",
+    default="torch",
+)
+"""Copy backends, picked by the ``copy`` section; built in worker processes."""
+LAYOUT_RESOLVER: Kind[LayoutResolver] = Kind(
+    name="layout_resolvers",
+    hook="register_layout_resolvers",
+    title="layout resolver",
+    builds=LayoutResolver,
+    factory=LayoutResolverFactory,
+    description="Layout resolver that maps the engine's KV tensors to block regions.",
+    section="layout",
+    default="auto",
+)
+"""Layout resolvers, picked by the ``layout`` section; built in worker processes."""
+STORAGE_TIER: Kind[object] = Kind(
+    name="storage_tiers",
+    hook="register_storage_tiers",
+    title="storage tier",
+    builds=object,
+    factory=StorageTierFactory,
+    description="Storage tiers below the host tier (local disk, remote stores).",
+)
+"""Storage tiers below the host tier; no config section picks them yet."""
+
+KINDS: tuple[Kind[Any], ...] = (BLOCK_INDEX, COPY_BACKEND, LAYOUT_RESOLVER, STORAGE_TIER)
+"""Every kind, in the order hooks are called, sections configured and ``kvtier plugins`` lists."""
