@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import pytest
@@ -26,14 +27,26 @@ BLOCK = 32
 MIB = 1 << 20
 
 
+ENGINE_ENVIRONMENT = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_ATTN_SPLIT_KV": "0",
+}
+"""In-process engines (a few seconds each instead of half a minute), and CPU attention that
+rounds a request the same way whatever else shares its step.
+
+vLLM's CPU attention splits long sequences' KV across threads by default, and how it
+splits depends on the whole batch and on the thread count. A request's logits then round
+differently when its neighbours change, and bfloat16 greedy tokens flip at ties. kvtier
+changes which requests share a step (a tier hit skips most of a prefill, a load delays a
+request), so outputs with and without it are only comparable token for token with the
+split off; with it off they do not depend on the machine's core count either."""
+
+
 @pytest.fixture(scope="module", autouse=True)
-def _in_process_engines() -> Iterator[None]:
-    """One process for every engine: a few seconds per engine instead of half a minute."""
-    saved = {
-        k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE")
-    }
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+def _engine_environment() -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in ENGINE_ENVIRONMENT}
+    os.environ.update(ENGINE_ENVIRONMENT)
     yield
     for key, value in saved.items():
         if value is None:
@@ -48,11 +61,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def _engine(model_dir: str, kvtier: dict | None, **kwargs: object):  # noqa: ANN202
-    from vllm import LLM
+    from vllm import LLM, envs
     from vllm.distributed.kv_transfer import has_kv_transfer_group
 
     # vLLM keeps one worker connector per process: a live engine's would serve the new one.
     assert not has_kv_transfer_group(), "an earlier engine in this process was not shut down"
+    # vLLM freezes its environment when an engine starts; one started before this module's
+    # fixture would have frozen the split on.
+    assert not envs.VLLM_CPU_ATTN_SPLIT_KV, "vLLM's CPU attention still splits KV across threads"
 
     from kvtier.integrations.vllm.offline import engine_kwargs
 
@@ -82,24 +98,64 @@ def _shared_prefix_prompts(rng: random.Random, count: int) -> list[list[int]]:
 CHURN_PROMPTS = _shared_prefix_prompts(random.Random(3), 240)
 PREEMPT_PROMPTS = _random_prompts(random.Random(4), 24, 300, 600)
 
+SMALL_DEVICE: dict[str, int] = {
+    "num_device_blocks": 48,
+    "max_model_len": 1024,
+    "max_num_batched_tokens": 1024,
+    "max_num_seqs": 32,
+}
+"""vLLM's own cache and scheduler limits in the small-tier tests and in their baseline: a
+device cache that holds three or four of PREEMPT_PROMPTS at a time, so decoding preempts."""
+
+
+def _churn(llm) -> list[list[int]]:  # noqa: ANN001
+    """CHURN_PROMPTS in waves of 16, settling in between, so later waves hit what earlier stored."""
+    from kvtier.integrations.vllm.offline import generate, settle
+
+    got: list[list[int]] = []
+    for start in range(0, len(CHURN_PROMPTS), 16):
+        got.extend(generate(llm, CHURN_PROMPTS[start : start + 16], max_tokens=4))
+        settle(llm)
+    return got
+
+
+def _preempting_run(llm) -> tuple[list[list[int]], float]:  # noqa: ANN001
+    """Outputs of PREEMPT_PROMPTS, submitted together, and the preemptions vLLM counted."""
+    from kvtier.integrations.vllm.offline import generate, metric_values
+
+    before = metric_values(llm).get("vllm:num_preemptions", 0)
+    got = generate(llm, PREEMPT_PROMPTS, max_tokens=24)
+    return got, metric_values(llm).get("vllm:num_preemptions", 0) - before
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """What vLLM without the connector answered under the small-tier tests' conditions."""
+
+    churn: list[list[int]]
+    preempt: list[list[int]]
+    preemptions: float
+
 
 @pytest.fixture(scope="module")
-def expected(model_dir: str) -> dict[str, list[list[int]]]:
-    """Outputs of vLLM without the connector, with a device cache big enough for everything.
+def vanilla_small(model_dir: str) -> Baseline:
+    """vLLM without the connector, run exactly as ``small_engine`` is run.
 
-    Computed up front: vLLM keeps one worker connector per process, so engines
-    with and without kvtier cannot be alive at the same time.
+    Same device cache, scheduler limits, prompts, waves and submission order, so the
+    outputs may only differ by what kvtier does. A baseline with room for everything would
+    not preempt, and would compare vLLM's recompute after a preemption with its original
+    decode rather than kvtier with vLLM. Computed up front: vLLM keeps one worker connector
+    per process, so engines with and without kvtier cannot be alive at the same time.
     """
-    from kvtier.integrations.vllm.offline import generate, shutdown
+    from kvtier.integrations.vllm.offline import shutdown
 
-    llm = _engine(model_dir, None, num_device_blocks=1024)
+    llm = _engine(model_dir, None, **SMALL_DEVICE)
     try:
-        return {
-            "churn": generate(llm, CHURN_PROMPTS, max_tokens=4),
-            "preempt": generate(llm, PREEMPT_PROMPTS, max_tokens=24),
-        }
+        churn = _churn(llm)
+        preempt, preemptions = _preempting_run(llm)
     finally:
         shutdown(llm)
+    return Baseline(churn, preempt, preemptions)
 
 
 @pytest.fixture(scope="class")
@@ -226,18 +282,12 @@ def test_lazy_mode_serves_blocks_flushed_from_the_device(model_dir: str) -> None
 
 
 @pytest.fixture(scope="class")
-def small_engine(model_dir: str, expected: dict[str, list[list[int]]]) -> Iterator[object]:
+def small_engine(model_dir: str, vanilla_small: Baseline) -> Iterator[object]:
     """kvtier with a host tier smaller than the working set and a device cache that preempts."""
     from kvtier.integrations.vllm.offline import shutdown
 
     record_bytes = TinyLlamaSpec().kv_bytes_per_token() * BLOCK
-    llm = _engine(
-        model_dir,
-        {"cpu_bytes": 40 * record_bytes},
-        num_device_blocks=48,
-        max_model_len=1024,
-        max_num_batched_tokens=1024,
-    )
+    llm = _engine(model_dir, {"cpu_bytes": 40 * record_bytes}, **SMALL_DEVICE)
     yield llm
     shutdown(llm)
 
@@ -246,32 +296,21 @@ class TestSmallTier:
     """A tier smaller than the working set and a device cache small enough to preempt."""
 
     def test_churn_through_a_small_tier(
-        self, expected: dict[str, list[list[int]]], small_engine: object
+        self, vanilla_small: Baseline, small_engine: object
     ) -> None:
-        from kvtier.integrations.vllm.offline import generate, settle
-
-        prompts = CHURN_PROMPTS
-        got: list[list[int]] = []
-        for start in range(
-            0, len(prompts), 16
-        ):  # waves, so later waves hit what earlier ones stored
-            got.extend(generate(small_engine, prompts[start : start + 16], max_tokens=4))
-            settle(small_engine)
-        assert got == expected["churn"]
+        assert _churn(small_engine) == vanilla_small.churn
         stats = _tier(small_engine).stats()
         assert stats.evicted_blocks > 0, "the tier was meant to be smaller than the working set"
         assert stats.loaded_blocks > 0
         assert stats.failed_loads == 0 and stats.failed_stores == 0
 
     def test_preemption_keeps_outputs_identical(
-        self, expected: dict[str, list[list[int]]], small_engine: object
+        self, vanilla_small: Baseline, small_engine: object
     ) -> None:
-        from kvtier.integrations.vllm.offline import generate, metric_values
-
-        before = metric_values(small_engine).get("vllm:num_preemptions", 0)
-        got = generate(small_engine, PREEMPT_PROMPTS, max_tokens=24)
-        assert metric_values(small_engine)["vllm:num_preemptions"] > before, "nothing was preempted"
-        assert got == expected["preempt"]
+        got, preemptions = _preempting_run(small_engine)
+        assert vanilla_small.preemptions > 0, "the baseline was meant to preempt"
+        assert preemptions > 0, "nothing was preempted"
+        assert got == vanilla_small.preempt
 
 
 def test_bad_extra_config_fails_at_start_with_config_lines(model_dir: str) -> None:

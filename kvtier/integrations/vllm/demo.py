@@ -190,6 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # The arms batch differently (a tier hit skips most of a prefill), and CPU attention that
+    # splits KV across threads rounds a request according to its batch and the core count.
+    os.environ.setdefault("VLLM_CPU_ATTN_SPLIT_KV", "0")
     workload = Workload(conversations=args.conversations, turns=args.turns)
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as scratch:
         model_dir = write_tiny_llama(args.model_dir or Path(scratch) / "model", DEMO_MODEL)
