@@ -259,7 +259,7 @@ with warnings.catch_warnings():
                     worker about to allocate its own, ``world_size`` to check a whole
                     server ahead of time.
                 available_bytes: Memory to check against;
-                    :func:`~kvtier.config.sizes.available_memory_bytes` if ``None``
+                    :func:`~kvtier.config.available_memory_bytes` if ``None``
                     (no check when that cannot be read either).
 
             Raises:
