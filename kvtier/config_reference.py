@@ -15,7 +15,7 @@ from typing import Any
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from kvtier.config import SECTIONS, KVTierConfig
+from kvtier.config.model import SECTIONS, KVTierConfig
 from kvtier.plugins import Registry
 
 _SECTION_FIELDS = {section.field: section for section in SECTIONS}

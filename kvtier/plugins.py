@@ -123,9 +123,18 @@ class Registry:
     def build(self, kind: Kind[BuiltT], config: PluginConfig, *args: Any) -> BuiltT:
         """Build the implementation ``config.type`` of ``kind`` with its validated config.
 
+        ``config`` given as plain data (a section of a ``KVTierConfig`` built
+        directly) is first validated against the implementation's own config model.
         ``args`` are the kind's other factory arguments (see :mod:`kvtier.kinds`).
+
+        Raises:
+            pydantic.ValidationError: ``config``'s settings are not valid for the
+                implementation's config model.
         """
-        return self.get(_kind(kind), config.type).factory(config, *args)
+        registration = self.get(_kind(kind), config.type)
+        if not isinstance(config, registration.config_model):
+            config = registration.config_model.model_validate(config.model_dump(exclude_unset=True))
+        return registration.factory(config, *args)
 
     def all(self) -> list[Registration[Any]]:
         """Return every registration, kind by kind in the order of :data:`kvtier.kinds.KINDS`."""

@@ -25,7 +25,7 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> Registry:
     """Make the test registry the process default, fix the memory available, clear KVTIER_*."""
     registry = make_registry(Sections())
     monkeypatch.setattr(plugins, "_default_registry", registry)
-    monkeypatch.setattr(config, "available_memory_bytes", lambda: AVAILABLE_BYTES)
+    monkeypatch.setattr(config.sizes, "available_memory_bytes", lambda: AVAILABLE_BYTES)
     for name in [name for name in os.environ if name.startswith("KVTIER_")]:
         monkeypatch.delenv(name)
     return registry

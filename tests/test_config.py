@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -13,7 +15,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 import kvtier
 from kvtier import hookspecs, plugins
@@ -22,6 +24,7 @@ from kvtier.config import (
     ConfigError,
     KVTierConfig,
     PluginConfig,
+    SectionConfig,
     available_memory_bytes,
     config_model,
     load_config,
@@ -29,6 +32,7 @@ from kvtier.config import (
 )
 from kvtier.index.lru import LRUConfig
 from kvtier.index.prefix_arc import PrefixARCConfig
+from kvtier.kinds import COPY_BACKEND
 from kvtier.plugins import Registry, collect
 
 
@@ -250,11 +254,77 @@ def test_schema_includes_every_plugin_model(registry: Registry) -> None:
     assert schema["additionalProperties"] is False
 
 
-def test_direct_construction_needs_plugin_config_instances(registry: Registry) -> None:
+def test_direct_construction_keeps_sections_as_plain_data(registry: Registry) -> None:
     config = KVTierConfig(index=LRUConfig(), copy=TwinConfig(), layout=AutoConfig())
-    assert config.copy == TwinConfig()
-    with pytest.raises(ValueError, match="load_config"):
-        KVTierConfig(index=LRUConfig(), copy={"type": "twin"}, layout=AutoConfig())
+    assert (config.index, config.copy) == (LRUConfig(), TwinConfig())
+    plain = KVTierConfig(copy={"type": "torch"}, index="lru", layout={})
+    assert (plain.copy, plain.index, plain.layout) == (
+        SectionConfig(type="torch"),
+        SectionConfig(type="lru"),
+        SectionConfig(type="auto"),
+    )
+    assert KVTierConfig(copy={"depth": 3}).copy == SectionConfig(type="torch", depth=3)
+    assert type(load_config(env={}, registry=registry)) is KVTierConfig
+
+
+def test_building_from_plain_data_validates_against_the_plugins_model(
+    registry: Registry,
+) -> None:
+    config = KVTierConfig(copy={"type": "twin", "depth": 3})
+    assert registry.build(COPY_BACKEND, config.copy, None, None) == ("twin", TwinConfig(depth=3))
+    wrong = KVTierConfig(copy={"type": "twin", "depth": "deep"})
+    with pytest.raises(ValidationError, match="depth"):
+        registry.build(COPY_BACKEND, wrong.copy, None, None)
+
+
+def test_plain_and_loaded_configs_compare_by_their_settings(registry: Registry) -> None:
+    assert KVTierConfig() == load_config({}, env={}, registry=registry)
+    assert hash(KVTierConfig()) == hash(load_config({}, env={}, registry=registry))
+    given = {"cpu_bytes": "1GiB", "copy": {"type": "twin", "depth": 3}}
+    loaded = load_config(given, env={}, registry=registry)
+    assert loaded.source_of("cpu_bytes") == "explicit"
+    assert KVTierConfig(**given) == loaded, "where a value came from is not compared"
+    assert KVTierConfig(copy={"type": "torch", "streams": 1}) != KVTierConfig()
+    assert KVTierConfig(copy="twin") != loaded
+
+
+def test_constructing_a_config_loads_no_plugin_and_imports_no_torch() -> None:
+    code = (
+        "from kvtier.config import KVTierConfig; KVTierConfig(); import sys; "
+        "assert 'torch' not in sys.modules; "
+        "seen = set(sys.modules); from kvtier.plugins import DEFAULT_PLUGINS; "
+        "loaded = {'kvtier.plugins', *DEFAULT_PLUGINS} & seen; assert not loaded, loaded"
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_importing_the_config_installs_no_warning_filter() -> None:
+    code = (
+        "import warnings; before = list(warnings.filters); "
+        "import kvtier.config; kvtier.config.config_model(); "
+        "assert warnings.filters == before, warnings.filters[: len(warnings.filters) - len(before)]"
+    )
+    root = Path(__file__).resolve().parent.parent
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env={**env, "KVTIER_LOAD_PLUGINS": ""},
+    )
+    assert result.returncode == 0, result.stderr
 
 
 # One test per kind of bad input: each gives `<source>: <path>: <message> (got <value>)` lines.
@@ -622,7 +692,7 @@ def test_host_memory_check_reads_the_machine_and_skips_when_unknown(
     config = load_config({"cpu_bytes": "1000TiB"}, env={}, registry=registry)
     with pytest.raises(ConfigError, match="cpu_bytes: the host tier needs 1099511627776000 bytes"):
         config.check_host_memory()
-    monkeypatch.setattr(kvtier.config, "available_memory_bytes", lambda: None)
+    monkeypatch.setattr(kvtier.config.sizes, "available_memory_bytes", lambda: None)
     config.check_host_memory()
 
 

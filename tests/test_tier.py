@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier import config as config_module
-from kvtier.config import ConfigError, load_config
+from kvtier.config import ConfigError, load_config, sizes
 from kvtier.tiers import HostTier
 
 
@@ -22,7 +21,7 @@ def test_from_config_checks_memory_before_allocating(monkeypatch: pytest.MonkeyP
     def no_allocation(*args: object, **kwargs: object) -> None:
         raise AssertionError("the buffer was allocated")
 
-    monkeypatch.setattr(config_module, "available_memory_bytes", lambda: 1000)
+    monkeypatch.setattr(sizes, "available_memory_bytes", lambda: 1000)
     monkeypatch.setattr(torch, "empty", no_allocation)
     config = load_config({"cpu_bytes": "1000TiB"}, env={})
     with pytest.raises(ConfigError) as caught:

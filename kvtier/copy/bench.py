@@ -41,7 +41,7 @@ from pydantic import ByteSize
 from tqdm import tqdm
 
 from kvtier.cli import check_output_file
-from kvtier.config import parse_bytes
+from kvtier.config.sizes import parse_bytes
 from kvtier.copy.base import CopyBackend, CopyBatch, Direction
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout

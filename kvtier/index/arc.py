@@ -14,9 +14,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Literal
 
-from kvtier.config import PluginConfig
 from kvtier.index.base import BlockKey
 from kvtier.index.policy import EvictionPolicy, PolicyIndex
+from kvtier.models import PluginConfig
 
 
 class ARCConfig(PluginConfig):

@@ -54,10 +54,10 @@ from zlib import crc32
 
 from pydantic import Field
 
-from kvtier.config import PluginConfig
 from kvtier.index.arc import adapted_target_t1, arc_victim, first_evictable
 from kvtier.index.base import BlockKey
 from kvtier.index.policy import EvictionPolicy, PolicyIndex
+from kvtier.models import PluginConfig
 
 TAIL_BUCKETS = 4
 """Stored blocks are classed by distance from their chain's end: 0, 1, 2, or 3 and more."""

@@ -16,9 +16,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvtier.config import PluginConfig
 from kvtier.index.base import BlockKey
 from kvtier.index.policy import EvictionPolicy, PolicyIndex
+from kvtier.models import PluginConfig
 
 MAX_HITS = 3
 

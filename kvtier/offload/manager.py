@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from kvtier.config import DEFAULT_REPORT_DEADLINE_S
+from kvtier.config.model import DEFAULT_REPORT_DEADLINE_S
 from kvtier.copy.base import Direction
 from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent
 from kvtier.keys import KeyNamespace
@@ -67,7 +67,7 @@ from kvtier.offload.messages import (
 )
 
 if TYPE_CHECKING:
-    from kvtier.config import KVTierConfig
+    from kvtier.config.model import KVTierConfig
     from kvtier.plugins import Registry
 
 logger = logging.getLogger(__name__)

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.config import DEFAULT_CLOSE_TIMEOUT_S, DEFAULT_COPY_DEADLINE_S
+from kvtier.config.model import DEFAULT_CLOSE_TIMEOUT_S, DEFAULT_COPY_DEADLINE_S
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout, LayoutError
@@ -55,7 +55,7 @@ from kvtier.offload.messages import Transfer, TransferPlan, WorkerReport
 from kvtier.tiers.host import HostTier
 
 if TYPE_CHECKING:
-    from kvtier.config import KVTierConfig
+    from kvtier.config.model import KVTierConfig
     from kvtier.plugins import Registry
 
 logger = logging.getLogger(__name__)

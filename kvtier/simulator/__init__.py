@@ -21,9 +21,10 @@ from pydantic import ValidationError
 from tqdm import tqdm
 
 from kvtier.cli import check_output_file
-from kvtier.config import PluginConfig, parse_bytes
+from kvtier.config.sizes import parse_bytes
 from kvtier.index.base import BlockIndex
 from kvtier.kinds import BLOCK_INDEX
+from kvtier.models import PluginConfig
 from kvtier.plugins import default_registry
 from kvtier.simulator.belady import belady_index
 from kvtier.simulator.generate import WORKLOADS, generate_trace

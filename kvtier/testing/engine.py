@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.config import (
+from kvtier.config.model import (
     DEFAULT_CLOSE_TIMEOUT_S,
     DEFAULT_COPY_DEADLINE_S,
     DEFAULT_REPORT_DEADLINE_S,

@@ -24,7 +24,7 @@ import torch
 from kvtier.cuda.pinning import PinnedRegion, pin_host_buffer
 
 if TYPE_CHECKING:
-    from kvtier.config import KVTierConfig
+    from kvtier.config.model import KVTierConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,78 @@
+"""Configuration: the settings kvtier checks once at start-up, and where each value came from.
+
+The package is split by concern; every public name is importable from
+``kvtier.config`` itself:
+
+- :mod:`kvtier.config.model`: :class:`KVTierConfig` and its sections as plain
+  data; building one loads no plugin.
+- :mod:`kvtier.config.schema`: :func:`config_model`, the validating model for
+  a registry's plugins (and the JSON Schema ``kvtier config schema`` prints).
+- :mod:`kvtier.config.sources`: explicit values, ``KVTIER_*`` variables and
+  files, merged with their provenance, and the limits on reading them.
+- :mod:`kvtier.config.load`: :func:`load_config`, which merges the sources and
+  validates them against a registry.
+- :mod:`kvtier.config.errors`: :class:`ConfigError` and its one-line problems.
+- :mod:`kvtier.config.sizes`: byte sizes, the memory available, and the host
+  tier's slot count.
+"""
+
+from kvtier.config.errors import ConfigError, Problem
+from kvtier.config.load import load_config
+from kvtier.config.model import (
+    DEFAULT_CLOSE_TIMEOUT_S,
+    DEFAULT_COPY_DEADLINE_S,
+    DEFAULT_CPU_BYTES,
+    DEFAULT_REPORT_DEADLINE_S,
+    DEFAULT_SOURCE,
+    SECTIONS,
+    KVTierConfig,
+    RootSettings,
+    Section,
+    SectionConfig,
+)
+from kvtier.config.schema import config_model
+from kvtier.config.sizes import ByteCount, GiB, available_memory_bytes, parse_bytes
+from kvtier.config.sources import (
+    CONFIG_FILE_ENV,
+    CONFIG_FILE_KEY,
+    ENV_PREFIX,
+    EXPLICIT_SOURCE,
+    MAX_CONFIG_DEPTH,
+    MAX_CONFIG_FILE_BYTES,
+    MAX_CONFIG_VALUES,
+    RESERVED_ENV,
+    read_config_file,
+)
+from kvtier.models import KVTierModel, PluginConfig
+
+__all__ = [
+    "CONFIG_FILE_ENV",
+    "CONFIG_FILE_KEY",
+    "DEFAULT_CLOSE_TIMEOUT_S",
+    "DEFAULT_COPY_DEADLINE_S",
+    "DEFAULT_CPU_BYTES",
+    "DEFAULT_REPORT_DEADLINE_S",
+    "DEFAULT_SOURCE",
+    "ENV_PREFIX",
+    "EXPLICIT_SOURCE",
+    "MAX_CONFIG_DEPTH",
+    "MAX_CONFIG_FILE_BYTES",
+    "MAX_CONFIG_VALUES",
+    "RESERVED_ENV",
+    "SECTIONS",
+    "ByteCount",
+    "ConfigError",
+    "GiB",
+    "KVTierConfig",
+    "KVTierModel",
+    "PluginConfig",
+    "Problem",
+    "RootSettings",
+    "Section",
+    "SectionConfig",
+    "available_memory_bytes",
+    "config_model",
+    "load_config",
+    "parse_bytes",
+    "read_config_file",
+]

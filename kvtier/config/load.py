@@ -1,0 +1,183 @@
+"""Loading a config: merge the sources, validate against the plugins, report every problem.
+
+:func:`load_config` merges three sources, highest first:
+
+1. explicit arguments (a dict; vLLM passes ``kv_connector_extra_config``),
+2. ``KVTIER_*`` environment variables, nested with ``__``
+   (``KVTIER_CPU_BYTES=16GiB``, ``KVTIER_COPY__TYPE=torch``),
+3. a YAML or TOML file named by ``config_file`` (an argument or an explicit
+   key) or by ``KVTIER_CONFIG``,
+
+and validates the result against :func:`~kvtier.config.config_model` for the
+registry it is given. Every problem becomes one line
+``<source>: <dotted.path>: <message> (got <value>)`` of a
+:class:`~kvtier.config.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from pydantic import ValidationError
+
+from kvtier.config.errors import ConfigError, Problem
+from kvtier.config.model import SECTIONS, SECTIONS_BY_FIELD, KVTierConfig, Section
+from kvtier.config.schema import config_model
+from kvtier.config.sources import (
+    CONFIG_FILE_ENV,
+    CONFIG_FILE_KEY,
+    EXPLICIT_SOURCE,
+    Layers,
+    env_name_for,
+    read_config_file,
+    read_env,
+    shape_problem,
+)
+
+if TYPE_CHECKING:
+    from kvtier.plugins import Registry
+
+
+def load_config(
+    explicit: Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    registry: Registry | None = None,
+    config_file: str | os.PathLike[str] | None = None,
+) -> KVTierConfig:
+    """Merge the config sources and validate them against the installed plugins.
+
+    Sources, highest first: ``explicit``, ``KVTIER_*`` variables in ``env``,
+    then the file named by ``config_file`` (this argument, else the
+    ``config_file`` key of ``explicit``, else ``KVTIER_CONFIG``). When a higher
+    source names a different ``type`` for a section, the lower sources'
+    settings for that section are dropped.
+
+    Args:
+        explicit: Values given by the caller, e.g. vLLM's ``kv_connector_extra_config``.
+        env: Environment variables; ``os.environ`` if ``None``.
+        registry: Plugins to validate against; the process's default registry, loaded at
+            this call, if ``None``.
+        config_file: A YAML or TOML file, overriding any other way of naming one.
+
+    Returns:
+        A plain :class:`~kvtier.config.KVTierConfig` whose sections hold the
+        plugins' own config instances; :meth:`KVTierConfig.source_of
+        <kvtier.config.KVTierConfig.source_of>` tells where each value came from.
+
+    Raises:
+        ConfigError: Any source is invalid; one line per problem.
+    """
+    if registry is None:
+        from kvtier.plugins import default_registry
+
+        registry = default_registry()
+    env = os.environ if env is None else env
+    problems: list[Problem] = []
+    explicit_problem = shape_problem(explicit, EXPLICIT_SOURCE, "(root)")
+    if explicit_problem is not None:
+        problems.append(explicit_problem)
+        explicit = None
+    explicit = dict(explicit or {})
+    named_file = explicit.pop(CONFIG_FILE_KEY, None)
+    layers = Layers()
+
+    if config_file is not None:
+        file_name, file_source = config_file, "argument config_file"
+    elif named_file is not None:
+        file_name, file_source = named_file, EXPLICIT_SOURCE
+    elif env.get(CONFIG_FILE_ENV):
+        file_name, file_source = env[CONFIG_FILE_ENV], f"env {CONFIG_FILE_ENV}"
+    else:
+        file_name, file_source = None, ""
+    if file_name is not None:
+        if not isinstance(file_name, (str, os.PathLike)):
+            problems.append(
+                Problem(file_source, CONFIG_FILE_KEY, "expected a file path", file_name)
+            )
+        else:
+            try:
+                file_values = read_config_file(file_name, file_source)
+                layers.apply(file_values, lambda dotted: f"file {file_name}")
+            except ConfigError as exc:
+                problems.extend(exc.problems)
+
+    env_values, env_names, env_problems = read_env(env)
+    problems.extend(env_problems)
+    layers.apply(env_values, lambda dotted: f"env {env_name_for(dotted, env_names)}")
+    layers.apply(explicit, lambda dotted: EXPLICIT_SOURCE)
+
+    for section in SECTIONS:
+        given = layers.values.get(section.field)
+        if isinstance(given, dict) and "type" not in given:
+            given["type"] = section.default
+    model = config_model(registry)
+    try:
+        validated = model.model_validate(layers.values)
+    except ValidationError as exc:
+        problems.extend(_problem_from_error(error, layers, registry) for error in exc.errors())
+        raise ConfigError(problems) from None
+    if problems:
+        raise ConfigError(problems)
+    # Each section now holds its plugin's own config instance, which a plain KVTierConfig keeps.
+    config = KVTierConfig(**dict(validated))
+    config._sources = dict(layers.sources)
+    return config
+
+
+def _problem_from_error(error: Mapping[str, Any], layers: Layers, registry: Registry) -> Problem:
+    loc = tuple(error["loc"])
+    # A tagged union puts the tag into the location; users never write it there.
+    if len(loc) >= 2 and loc[0] in SECTIONS_BY_FIELD:
+        given = layers.values.get(loc[0])
+        if isinstance(given, Mapping) and loc[1] == given.get("type"):
+            loc = (loc[0], *loc[2:])
+    path = ".".join(str(part) for part in loc) or "(root)"
+    source = layers.source_of(loc)
+    kind = error["type"]
+    message = error["msg"]
+    value = error.get("input")
+    section = SECTIONS_BY_FIELD.get(str(loc[0])) if loc else None
+    if kind == "union_tag_invalid" and section is not None:
+        path = f"{section.field}.type"
+        source = layers.source_of((section.field, "type"))
+        message = f"unknown {section.kind.title} type; installed: {_choices(registry, section)}"
+        value = error["ctx"]["tag"]
+    elif kind == "union_tag_not_found" and section is not None:
+        message = (
+            f"missing 'type'; installed {section.kind.title} types: {_choices(registry, section)}"
+        )
+    elif kind == "extra_forbidden":
+        allowed = _allowed_keys(registry, loc[:-1], layers.values)
+        message = f"unknown key; valid keys here: {', '.join(allowed)}"
+    elif kind == "missing":
+        if section is not None and len(loc) == 1:
+            message = (
+                f"required: the default {section.kind.title} {section.default!r} is not "
+                f"installed; set {section.field}.type to one of: {_choices(registry, section)}"
+            )
+        return Problem(source, path, message, has_value=False)
+    elif message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    return Problem(source, path, message, value)
+
+
+def _choices(registry: Registry, section: Section) -> str:
+    return ", ".join(sorted(registry.of_kind(section.kind))) or "none"
+
+
+def _allowed_keys(
+    registry: Registry, parent: tuple[Any, ...], values: Mapping[str, Any]
+) -> list[str]:
+    if not parent:
+        return sorted(KVTierConfig.model_fields)
+    section = SECTIONS_BY_FIELD.get(str(parent[0]))
+    if len(parent) == 1 and section is not None:
+        given = values.get(section.field)
+        name = given.get("type", section.default) if isinstance(given, Mapping) else section.default
+        registered = registry.of_kind(section.kind)
+        if name in registered:
+            return sorted(registered[name].config_model.model_fields)
+    return ["(see kvtier config schema)"]

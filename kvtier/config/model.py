@@ -1,0 +1,280 @@
+"""The configuration as plain data: :class:`KVTierConfig`, its top-level settings and sections.
+
+Nothing here loads a plugin or imports an implementation: a pluggable section
+(``index``, ``copy``, ``layout``) holds either a plugin's own config instance or,
+when given as plain data, a :class:`SectionConfig` that keeps its ``type`` and
+settings as they were given. They are checked against the plugin's own model
+where a registry is at hand: :func:`~kvtier.config.load_config` and
+:meth:`Registry.build <kvtier.plugins.Registry.build>`.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+from pydantic import ConfigDict, Field, PrivateAttr, SerializeAsAny, ValidationInfo, field_validator
+
+from kvtier.config import sizes
+from kvtier.config.sizes import ByteCount
+from kvtier.kinds import KINDS, Kind
+from kvtier.models import KVTierModel, PluginConfig
+
+DEFAULT_CPU_BYTES = 8 * sizes.GiB
+DEFAULT_COPY_DEADLINE_S = 10.0
+DEFAULT_REPORT_DEADLINE_S = 30.0
+DEFAULT_CLOSE_TIMEOUT_S = 10.0
+DEFAULT_SOURCE = "default"
+"""What :meth:`KVTierConfig.source_of` answers for a value no source set."""
+
+
+@dataclass(frozen=True)
+class Section:
+    """A pluggable section of :class:`KVTierConfig` and the plugin kind that fills it."""
+
+    field: str
+    kind: Kind[Any]
+    default: str
+    description: str
+
+
+SECTIONS: tuple[Section, ...] = tuple(
+    Section(kind.section, kind, kind.default, kind.description)
+    for kind in KINDS
+    if kind.section is not None and kind.default is not None
+)
+"""The pluggable sections, with the implementation each uses when the config names none."""
+
+SECTIONS_BY_FIELD = {section.field: section for section in SECTIONS}
+
+
+def section_shorthand(value: Any) -> Any:
+    """Accept ``copy: torch`` for ``copy: {type: torch}``."""
+    return {"type": value} if isinstance(value, str) else value
+
+
+# The section is called ``copy`` in every config source; the ``BaseModel.copy`` method it hides
+# is deprecated in pydantic 2 (``model_copy`` replaces it). Models with the field are built
+# inside ``warnings.catch_warnings()`` with this filter, so no filter outlives them.
+COPY_SHADOWS = r'Field name "copy" in "KVTierConfig" shadows an attribute'
+
+
+class SectionConfig(PluginConfig):
+    """A pluggable section given as plain data: its ``type`` and its settings, unvalidated.
+
+    A plain :class:`KVTierConfig` keeps a section in this form; the plugin's
+    own config model checks the settings once a registry is given.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+
+class RootSettings(KVTierModel):
+    """The top-level settings of a config: :class:`KVTierConfig` without its pluggable sections.
+
+    The base of :class:`KVTierConfig` and of the validating model
+    :func:`~kvtier.config.config_model` builds for a registry.
+    """
+
+    cpu_bytes: ByteCount = Field(
+        DEFAULT_CPU_BYTES,
+        description=(
+            "Host (CPU DRAM) tier size in bytes for the whole server, split evenly over the "
+            "engine's ranks (tensor- and pipeline-parallel workers). Accepts sizes such as "
+            "'8GiB'."
+        ),
+    )
+    cpu_bytes_per_rank: ByteCount | None = Field(
+        None,
+        description=(
+            "Host tier size in bytes for each rank; when set it overrides the even split of "
+            "cpu_bytes. Accepts sizes such as '2GiB'."
+        ),
+    )
+    store_mode: Literal["eager", "lazy"] = Field(
+        "eager",
+        description=(
+            "When blocks are copied to the host tier: 'eager' stores every newly computed full "
+            "block; 'lazy' stores blocks only as the engine is about to evict them."
+        ),
+    )
+    copy_deadline_s: float = Field(
+        DEFAULT_COPY_DEADLINE_S,
+        gt=0,
+        le=3600,
+        description=(
+            "Seconds a copy between the engine and the host tier may run before its worker "
+            "stops waiting: a load becomes a recompute, a store is dropped, and the copy's host "
+            "slots stay out of use until it ends."
+        ),
+    )
+    report_deadline_s: float = Field(
+        DEFAULT_REPORT_DEADLINE_S,
+        gt=0,
+        le=3600,
+        description=(
+            "Seconds the scheduler waits for every rank to report a planned copy before it "
+            "fails the copy (a load becomes a recompute, a store is dropped); its host slots "
+            "stay out of use until every rank reported. Keep it above copy_deadline_s."
+        ),
+    )
+    close_timeout_s: float = Field(
+        DEFAULT_CLOSE_TIMEOUT_S,
+        ge=0,
+        le=3600,
+        description=(
+            "Seconds shutdown waits for copies still running; after it they are abandoned and "
+            "the host tier's memory is deliberately not freed, so a late copy cannot write "
+            "freed memory."
+        ),
+    )
+
+
+def _section_field(field: str) -> Any:
+    section = SECTIONS_BY_FIELD[field]
+    return Field(
+        default_factory=partial(SectionConfig, type=section.default),
+        description=section.description,
+    )
+
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=COPY_SHADOWS, category=UserWarning)
+
+    class KVTierConfig(RootSettings):
+        """The kvtier configuration, as plain data.
+
+        :func:`~kvtier.config.load_config` builds it from its sources,
+        validates every section against the installed plugins (each then holds
+        the plugin's own config instance) and records where each value came
+        from. Constructing it directly loads no plugin: a section given as a
+        string or mapping (``KVTierConfig(copy={"type": "torch"})``) is kept
+        as a :class:`SectionConfig`, a mapping without ``type`` naming the
+        section's default implementation; omitted sections name theirs.
+
+        Two configs are equal when they hold the same settings, wherever
+        each came from (:meth:`source_of` is not compared): the same
+        top-level values, and per section the same ``type`` and the same
+        settings as given. A setting left out is not filled in from the
+        plugin's defaults for the comparison (a plain config does not know
+        them), so ``copy: {type: torch}`` and ``copy: {type: torch, streams: 1}``
+        differ even where 1 is the default; ``KVTierConfig()`` equals
+        ``load_config({}, env={})``.
+        """
+
+        index: SerializeAsAny[PluginConfig] = _section_field("index")
+        copy: SerializeAsAny[PluginConfig] = _section_field("copy")  # type: ignore[assignment]
+        layout: SerializeAsAny[PluginConfig] = _section_field("layout")
+
+        _sources: dict[str, str] = PrivateAttr(default_factory=dict)
+
+        @field_validator("index", "copy", "layout", mode="before")
+        @classmethod
+        def _plain_section(cls, value: Any, info: ValidationInfo) -> Any:
+            value = section_shorthand(value)
+            if isinstance(value, Mapping):
+                assert info.field_name is not None
+                default = SECTIONS_BY_FIELD[info.field_name].default
+                return SectionConfig.model_validate({"type": default, **value})
+            return value
+
+        def __eq__(self, other: object) -> bool:
+            if not isinstance(other, KVTierConfig):
+                return NotImplemented
+            return self._compared() == other._compared()
+
+        def __hash__(self) -> int:
+            return hash(json.dumps(self._compared(), sort_keys=True, default=repr))
+
+        def _compared(self) -> dict[str, Any]:
+            """What equality compares: top-level values, and each section's type and settings."""
+            values: dict[str, Any] = {
+                name: getattr(self, name) for name in RootSettings.model_fields
+            }
+            for section in SECTIONS:
+                given: PluginConfig = getattr(self, section.field)
+                values[section.field] = {
+                    **given.model_dump(mode="json", exclude_unset=True),
+                    "type": given.type,
+                }
+            return values
+
+        def source_of(self, path: str) -> str:
+            """Return where the value at dotted ``path`` came from.
+
+            Args:
+                path: A dotted field path such as ``"cpu_bytes"`` or ``"copy.type"``.
+
+            Returns:
+                ``"explicit"``, ``"env KVTIER_..."``, ``"file <path>"`` or ``"default"``.
+            """
+            return self._sources.get(path, DEFAULT_SOURCE)
+
+        def sources(self) -> dict[str, str]:
+            """Return every leaf value's dotted path mapped to where it came from."""
+            return {path: self.source_of(path) for path in _leaf_paths(self.model_dump())}
+
+        def host_bytes_per_rank(self, world_size: int) -> int:
+            """Return the host tier bytes of one rank.
+
+            Args:
+                world_size: Number of ranks (workers) the engine runs.
+
+            Returns:
+                ``cpu_bytes_per_rank`` when set, else ``cpu_bytes // world_size``.
+            """
+            return sizes.host_bytes_per_rank(self, world_size)
+
+        def host_slots(self, record_bytes: int, world_size: int = 1) -> int:
+            """Return how many block records fit in one rank's host tier.
+
+            The one slot count of the host tier: the scheduler's manager, the
+            workers' tiers and ``kvtier config validate`` all call it.
+
+            Args:
+                record_bytes: Bytes of one block across all layers (``KVLayout.record_bytes``).
+                world_size: Number of ranks the host tier is split over.
+
+            Returns:
+                The slot count, at least 1.
+
+            Raises:
+                ConfigError: One rank's share is smaller than one block record; the
+                    line names ``cpu_bytes`` or ``cpu_bytes_per_rank`` and its source.
+            """
+            return sizes.host_slots(self, record_bytes, world_size)
+
+        def check_host_memory(
+            self, world_size: int = 1, *, ranks: int = 1, available_bytes: int | None = None
+        ) -> None:
+            """Check, before anything is allocated, that host tiers fit in the memory available.
+
+            Args:
+                world_size: Number of ranks the host tier is split over.
+                ranks: Ranks whose host tiers this machine is about to hold: 1 in a
+                    worker about to allocate its own, ``world_size`` to check a whole
+                    server ahead of time.
+                available_bytes: Memory to check against;
+                    :func:`~kvtier.config.available_memory_bytes` if ``None``
+                    (no check when that cannot be read either).
+
+            Raises:
+                ConfigError: The tiers need more; the line names ``cpu_bytes`` or
+                    ``cpu_bytes_per_rank``, its source, and both numbers.
+            """
+            sizes.check_host_memory(self, world_size, ranks, available_bytes)
+
+
+def _leaf_paths(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    paths = []
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            paths.extend(_leaf_paths(value, f"{path}."))
+        else:
+            paths.append(path)
+    return paths

@@ -1,0 +1,97 @@
+"""The validating schema: :class:`KVTierConfig`'s fields with each section narrowed to a plugin's.
+
+:func:`config_model` builds, for one registry, a model whose pluggable sections
+are discriminated unions (on ``type``) of the config models the registry's
+plugins registered. :func:`~kvtier.config.load_config` validates with it and
+``kvtier config schema`` publishes its JSON Schema; the configs it returns are
+plain :class:`~kvtier.config.KVTierConfig` instances.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any, Union
+
+from pydantic import AfterValidator, Field, create_model, field_validator
+
+from kvtier.config.model import (
+    COPY_SHADOWS,
+    SECTIONS,
+    KVTierConfig,
+    RootSettings,
+    Section,
+    section_shorthand,
+)
+from kvtier.models import PluginConfig
+
+if TYPE_CHECKING:
+    from kvtier.plugins import Registry
+
+_MODELS: dict[int, tuple[Registry, type[RootSettings]]] = {}
+
+
+def config_model(registry: Registry | None = None) -> type[RootSettings]:
+    """Return the model that validates a config against ``registry``'s plugins.
+
+    It has :class:`~kvtier.config.KVTierConfig`'s fields, each pluggable
+    section a discriminated union (on ``type``) of the config models registered
+    for its kind; a section's default is its default implementation when that
+    is registered, else the section is required.
+
+    Args:
+        registry: The plugins to validate against; the process's default
+            registry, loaded at this call, if ``None``.
+
+    Returns:
+        A model class whose JSON schema includes every plugin's config model.
+    """
+    if registry is None:
+        from kvtier.plugins import default_registry
+
+        registry = default_registry()
+    cached = _MODELS.get(id(registry))
+    if cached is not None and cached[0] is registry:
+        return cached[1]
+    fields: dict[str, Any] = {}
+    for section in SECTIONS:
+        registered = registry.of_kind(section.kind)
+        models = tuple(reg.config_model for reg in registered.values())
+        if models:
+            annotation: Any = Annotated[Union[models], Field(discriminator="type")]  # noqa: UP007
+        else:
+            annotation = Annotated[PluginConfig, AfterValidator(_no_implementation(section))]
+        if section.default in registered:
+            default = Field(
+                default_factory=registered[section.default].config_model,
+                description=section.description,
+            )
+        else:
+            default = Field(description=section.description)
+        fields[section.field] = (annotation, default)
+    shorthand = field_validator(*(section.field for section in SECTIONS), mode="before")(_shorthand)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=COPY_SHADOWS, category=UserWarning)
+        model: type[RootSettings] = create_model(
+            "KVTierConfig",
+            __base__=RootSettings,
+            __doc__=KVTierConfig.__doc__,
+            __module__=__name__,
+            __validators__={"section_shorthand": shorthand},
+            **fields,
+        )
+    _MODELS[id(registry)] = (registry, model)
+    return model
+
+
+def _shorthand(cls: type[RootSettings], value: Any) -> Any:
+    return section_shorthand(value)
+
+
+def _no_implementation(section: Section) -> Callable[[Any], Any]:
+    def reject(value: Any) -> Any:
+        raise ValueError(
+            f"no {section.kind.title} is installed; install a plugin that provides one"
+        )
+
+    return reject
