@@ -59,7 +59,9 @@ class RequestTokens:
         self._requests: dict[str, _Tracked] = {}
         self._forget: list[str] = []
 
-    def track(self, request_id: str, block_hashes: Sequence[bytes], token_ids: Sequence[int]) -> None:
+    def track(
+        self, request_id: str, block_hashes: Sequence[bytes], token_ids: Sequence[int]
+    ) -> None:
         """Keep ``request_id``'s hashes and tokens; the engine may keep growing both sequences."""
         self._requests[request_id] = _Tracked(block_hashes, token_ids)
 
