@@ -88,6 +88,7 @@ def _format_table(rows: list[list[str]]) -> str:
 
 def _command_config_validate(args: argparse.Namespace) -> int:
     config = load_config(config_file=args.file)
+    config.check_host_memory(args.world_size, ranks=args.world_size)
     if args.record_bytes is None:
         print(f"{args.file}: valid kvtier configuration")
         return EXIT_OK
@@ -169,7 +170,12 @@ def _build_parser() -> argparse.ArgumentParser:
     config = commands.add_parser("config", help="validate, show or describe the configuration")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     validate = config_commands.add_parser(
-        "validate", help="check a config file, with KVTIER_* variables applied"
+        "validate",
+        help="check a config file, with KVTIER_* variables applied",
+        description=(
+            "Check a config file, with KVTIER_* variables applied, and that its host tier fits "
+            "in the memory this machine has available."
+        ),
     )
     validate.add_argument("file", help="YAML (.yaml, .yml) or TOML (.toml) config file")
     validate.add_argument(
@@ -183,7 +189,10 @@ def _build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=1,
         metavar="N",
-        help="ranks the host tier is split over, with --record-bytes (default: 1)",
+        help=(
+            "ranks the host tier is split over, all on this machine: the memory check counts "
+            "every rank's share (default: 1)"
+        ),
     )
     validate.set_defaults(handler=_command_config_validate)
     show = config_commands.add_parser(

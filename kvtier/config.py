@@ -13,6 +13,12 @@ and validates the result against :func:`config_model`: the
 ``layout``) narrowed to a discriminated union, on ``type``, of the config
 models the installed plugins registered. Every problem becomes one line
 ``<source>: <dotted.path>: <message> (got <value>)`` of a :class:`ConfigError`.
+
+Reading is bounded, because a config may come from anywhere: a file must be a
+regular file of at most :data:`MAX_CONFIG_FILE_BYTES`, YAML aliases are
+refused, every source may nest at most :data:`MAX_CONFIG_DEPTH` levels and hold
+at most :data:`MAX_CONFIG_VALUES` values, numbers must be finite, and values
+in error lines are cut short.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import reprlib
+import stat
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -62,12 +70,25 @@ RESERVED_ENV: frozenset[str] = frozenset({CONFIG_FILE_ENV, "KVTIER_LOAD_PLUGINS"
 """``KVTIER_*`` variables that are not configuration values."""
 DEFAULT_SOURCE = "default"
 EXPLICIT_SOURCE = "explicit"
+MAX_CONFIG_FILE_BYTES = 1 << 20
+"""Largest config file kvtier reads; a real one is a few hundred bytes."""
+MAX_CONFIG_DEPTH = 32
+"""Deepest nesting of mappings and lists in one config source."""
+MAX_CONFIG_VALUES = 10_000
+"""Most values (mappings, lists and scalars) one config source may hold."""
+MEMINFO = "/proc/meminfo"
+"""Where Linux reports memory; ``MemAvailable`` is what new allocations can get."""
 
 
 class KVTierModel(BaseModel):
-    """Base of every kvtier config model: unknown keys are errors and values are immutable."""
+    """Base of every kvtier config model.
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    Unknown keys are errors, values are immutable, and floats must be finite
+    (``inf`` and ``nan`` are rejected, so no size or factor computed from one
+    can overflow).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class PluginConfig(KVTierModel):
@@ -155,9 +176,10 @@ def parse_bytes(value: Any) -> Any:
 ByteCount = Annotated[
     int,
     BeforeValidator(parse_bytes, json_schema_input_type=int | str),
-    Field(gt=0),
+    Field(gt=0, le=2**63 - 1),
 ]
-"""A positive number of bytes; strings with a unit (``"8GiB"``, ``"512MB"``) are accepted."""
+"""A positive number of bytes that fits a signed 64-bit size (what torch and CUDA take);
+strings with a unit (``"8GiB"``, ``"512MB"``) are accepted."""
 
 
 def _section_shorthand(value: Any) -> Any:
@@ -340,6 +362,70 @@ class KVTierConfig(KVTierModel):
             )
         raise ConfigError([Problem(self.source_of(field), field, message, value)])
 
+    def check_host_memory(
+        self, world_size: int = 1, *, ranks: int = 1, available_bytes: int | None = None
+    ) -> None:
+        """Check, before anything is allocated, that host tiers fit in the memory available.
+
+        Args:
+            world_size: Number of ranks the host tier is split over.
+            ranks: Ranks whose host tiers this machine is about to hold: 1 in a
+                worker about to allocate its own, ``world_size`` to check a whole
+                server ahead of time.
+            available_bytes: Memory to check against; :func:`available_memory_bytes`
+                if ``None`` (no check when that cannot be read either).
+
+        Raises:
+            ConfigError: The tiers need more; the line names ``cpu_bytes`` or
+                ``cpu_bytes_per_rank``, its source, and both numbers.
+        """
+        per_rank = self.host_bytes_per_rank(world_size)
+        if ranks < 1 or ranks > world_size:
+            raise ValueError(f"ranks must be within 1..{world_size}, got {ranks}")
+        available = available_memory_bytes() if available_bytes is None else available_bytes
+        needed = per_rank * ranks
+        if available is None or needed <= available:
+            return
+        field = "cpu_bytes" if self.cpu_bytes_per_rank is None else "cpu_bytes_per_rank"
+        if ranks > 1:
+            what = f"{ranks} ranks of {per_rank} bytes need {needed} bytes"
+        elif world_size > 1:
+            what = f"one rank of {world_size} needs {needed} bytes"
+        else:
+            what = f"the host tier needs {needed} bytes"
+        message = (
+            f"{what} ({_gib(needed)}), more than the {available} bytes ({_gib(available)}) of "
+            f"memory available on this machine; lower {field}"
+        )
+        raise ConfigError([Problem(self.source_of(field), field, message, getattr(self, field))])
+
+
+def _gib(count: int) -> str:
+    return f"{count / GiB:.1f} GiB"
+
+
+def available_memory_bytes(meminfo: str | os.PathLike[str] = MEMINFO) -> int | None:
+    """Return the memory this machine can give new allocations without swapping, in bytes.
+
+    Args:
+        meminfo: The kernel's memory report to read ``MemAvailable`` from.
+
+    Returns:
+        ``MemAvailable`` from ``meminfo``; where that cannot be read, the
+        machine's physical memory (``os.sysconf``); ``None`` when neither is known.
+    """
+    try:
+        with open(meminfo, encoding="ascii") as report:
+            for line in report:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
 
 def _restore_config(values: dict[str, Any], sources: dict[str, str]) -> KVTierConfig:
     config = config_model().model_validate(values)
@@ -377,8 +463,27 @@ class ConfigError(ValueError):
         return [str(problem) for problem in self.problems]
 
 
-def _short_repr(value: Any, limit: int = 80) -> str:
-    text = repr(value)
+class _ValueRepr(reprlib.Repr):
+    """``repr`` in bounded time and size: a few items and levels of a container, cut strings."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxstring = self.maxlong = self.maxother = limit
+
+    def repr_int(self, x: int, level: int) -> str:
+        # Decimal conversion of a huge integer is quadratic, and refused past 4300 digits.
+        if x.bit_length() > 4 * self.maxlong:
+            return f"<a {x.bit_length()}-bit integer>"
+        return super().repr_int(x, level)
+
+
+_VALUE_CHARS = 80
+_VALUE_REPR = _ValueRepr(_VALUE_CHARS)
+
+
+def _short_repr(value: Any, limit: int = _VALUE_CHARS) -> str:
+    text = _VALUE_REPR.repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -543,10 +648,17 @@ def _env_values(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str],
         if raw.lstrip().startswith(("{", "[")):
             try:
                 value = json.loads(raw)
-            except json.JSONDecodeError as exc:
+            except RecursionError:
+                problems.append(Problem(f"env {name}", dotted, _TOO_DEEP, raw))
+                continue
+            except ValueError as exc:
                 problems.append(
                     Problem(f"env {name}", dotted, f"value looks like JSON but is not: {exc}", raw)
                 )
+                continue
+            problem = _shape_problem(value, f"env {name}", dotted, depth=len(parts))
+            if problem is not None:
+                problems.append(problem)
                 continue
         node = values
         for part in parts[:-1]:
@@ -557,6 +669,116 @@ def _env_values(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str],
         node[parts[-1]] = value
         names[dotted] = name
     return values, names, problems
+
+
+_TOO_DEEP = f"nested more than {MAX_CONFIG_DEPTH} levels deep"
+
+
+def _shape_problem(data: Any, source: str, path: str, depth: int = 0) -> Problem | None:
+    """A problem if ``data`` nests too deep or holds too many values, else ``None``.
+
+    Walks without recursion and stops at the first limit crossed, so a cyclic
+    value, or one sharing a few containers many times over, costs at most
+    :data:`MAX_CONFIG_VALUES` steps.
+
+    Args:
+        data: A raw value from a config source.
+        source: The source, for the problem's line.
+        path: Where ``data`` sits in the config, for the problem's line.
+        depth: How deep ``data`` itself sits.
+    """
+    pending: list[tuple[Any, int]] = [(data, depth)]
+    count = 1
+    while pending:
+        value, level = pending.pop()
+        if isinstance(value, Mapping):
+            children: Any = value.values()
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            children = value
+        else:
+            continue
+        if level >= MAX_CONFIG_DEPTH:
+            return Problem(source, path, _TOO_DEEP, data)
+        count += len(children)
+        if count > MAX_CONFIG_VALUES:
+            return Problem(
+                source,
+                path,
+                f"more than {MAX_CONFIG_VALUES} values; a config needs far fewer",
+                data,
+            )
+        pending.extend((child, level + 1) for child in children)
+    return None
+
+
+class _ConfigYAMLLoader(yaml.SafeLoader):
+    """YAML's safe loader without aliases: ``*name`` can expand a few bytes exponentially."""
+
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"found alias *{event.anchor}; kvtier does not accept YAML aliases, write the "
+                "value out",
+                event.start_mark,
+            )
+        return super().compose_node(parent, index)  # type: ignore[no-any-return]
+
+
+def _file_kind(mode: int) -> str | None:
+    """What a file that is not a regular file is, or ``None`` for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def _read_config_text(path: str | os.PathLike[str], source: str) -> str:
+    """Read a config file's text: a regular file of at most ``MAX_CONFIG_FILE_BYTES``, UTF-8."""
+
+    def problem(message: str) -> ConfigError:
+        return ConfigError([Problem(source, CONFIG_FILE_KEY, message, str(path))])
+
+    too_large = problem(f"larger than the {MAX_CONFIG_FILE_BYTES} bytes a config file may have")
+
+    def check(mode: int, size: int) -> None:
+        kind = _file_kind(mode)
+        if kind is not None:
+            raise problem(f"{kind}, not a regular file; name a YAML or TOML file")
+        if size > MAX_CONFIG_FILE_BYTES:
+            raise too_large
+
+    try:
+        # Look before opening: opening a device can have effects of its own. Then open without
+        # blocking (a FIFO put in the file's place meanwhile would wait for a writer) and look
+        # again at what was opened.
+        info = os.stat(path)
+        check(info.st_mode, info.st_size)
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+        with os.fdopen(os.open(path, flags), "rb") as stream:
+            info = os.fstat(stream.fileno())
+            check(info.st_mode, info.st_size)
+            data = stream.read(MAX_CONFIG_FILE_BYTES + 1)
+    except FileNotFoundError:
+        raise problem("no such file") from None
+    except OSError as exc:
+        raise problem(f"cannot read file: {exc}") from None
+    if len(data) > MAX_CONFIG_FILE_BYTES:  # a file whose size the kernel does not report
+        raise too_large
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise problem(
+            f"not UTF-8 text: byte 0x{data[exc.start]:02x} at offset {exc.start}"
+        ) from None
 
 
 def read_config_file(path: str | os.PathLike[str], source: str) -> dict[str, Any]:
@@ -570,8 +792,10 @@ def read_config_file(path: str | os.PathLike[str], source: str) -> dict[str, Any
         The file's top-level mapping (empty for an empty YAML file).
 
     Raises:
-        ConfigError: The file is missing, unreadable, of an unknown type, not
-            parseable, or not a mapping at the top level.
+        ConfigError: The file is missing, not a regular file, unreadable, larger
+            than :data:`MAX_CONFIG_FILE_BYTES`, not UTF-8, of an unknown type, not
+            parseable (YAML aliases included), nested deeper than
+            :data:`MAX_CONFIG_DEPTH`, or not a mapping at the top level.
     """
     file = Path(path)
     suffix = file.suffix.lower()
@@ -586,18 +810,16 @@ def read_config_file(path: str | os.PathLike[str], source: str) -> dict[str, Any
                 )
             ]
         )
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError([Problem(source, CONFIG_FILE_KEY, "no such file", str(path))]) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(
-            [Problem(source, CONFIG_FILE_KEY, f"cannot read file: {exc}", str(path))]
-        ) from None
+    text = _read_config_text(path, source)
     file_source = f"file {path}"
     try:
-        data = tomllib.loads(text) if suffix == ".toml" else yaml.safe_load(text)
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        data = (
+            tomllib.loads(text) if suffix == ".toml" else yaml.load(text, Loader=_ConfigYAMLLoader)
+        )
+    except RecursionError:
+        raise ConfigError([Problem(file_source, "(file)", _TOO_DEEP, str(path))]) from None
+    # ValueError: TOML's errors, and numbers or dates Python cannot hold (a 5000-digit integer).
+    except (ValueError, yaml.YAMLError) as exc:
         message = " ".join(str(exc).split())
         raise ConfigError(
             [
@@ -611,6 +833,9 @@ def read_config_file(path: str | os.PathLike[str], source: str) -> dict[str, Any
         ) from None
     if data is None:
         return {}
+    problem = _shape_problem(data, file_source, "(file)")
+    if problem is not None:
+        raise ConfigError([problem])
     if not isinstance(data, dict):
         raise ConfigError(
             [Problem(file_source, "(file)", "the top level must be a mapping of config keys", data)]
@@ -705,9 +930,13 @@ def load_config(
 
     env = os.environ if env is None else env
     registry = registry or default_registry()
+    problems: list[Problem] = []
+    explicit_problem = _shape_problem(explicit, EXPLICIT_SOURCE, "(root)")
+    if explicit_problem is not None:
+        problems.append(explicit_problem)
+        explicit = None
     explicit = dict(explicit or {})
     named_file = explicit.pop(CONFIG_FILE_KEY, None)
-    problems: list[Problem] = []
     layers = _Layers()
 
     if config_file is not None:
@@ -752,8 +981,10 @@ def load_config(
 
 
 def _env_name_for(dotted: str, names: Mapping[str, str]) -> str:
-    """The variable that set ``dotted``, or the first one that set something below it."""
-    if dotted in names:
-        return names[dotted]
-    below = sorted(name for path, name in names.items() if path.startswith(f"{dotted}."))
-    return below[0] if below else f"{ENV_PREFIX}{dotted.upper().replace('.', '__')}"
+    """The variable that set ``dotted`` or a value around it, else the first that set one below."""
+    parts = dotted.split(".")
+    for end in range(len(parts), 0, -1):
+        name = names.get(".".join(parts[:end]))
+        if name is not None:
+            return name
+    return min(name for path, name in names.items() if path.startswith(f"{dotted}."))

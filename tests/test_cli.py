@@ -13,15 +13,19 @@ from pathlib import Path
 import pytest
 from test_config import Sections, make_registry
 
-from kvtier import cli, plugins
+from kvtier import cli, config, plugins
 from kvtier.plugins import PluginError, Registry
+
+AVAILABLE_BYTES = 100 * 1024**3
+"""Memory the tests' machine has available, whatever the machine running them has."""
 
 
 @pytest.fixture(autouse=True)
 def registry(monkeypatch: pytest.MonkeyPatch) -> Registry:
-    """Make the test registry the process default and clear any KVTIER_* variables."""
+    """Make the test registry the process default, fix the memory available, clear KVTIER_*."""
     registry = make_registry(Sections())
     monkeypatch.setattr(plugins, "_default_registry", registry)
+    monkeypatch.setattr(config, "available_memory_bytes", lambda: AVAILABLE_BYTES)
     for name in [name for name in os.environ if name.startswith("KVTIER_")]:
         monkeypatch.delenv(name)
     return registry
@@ -126,6 +130,23 @@ def test_validate_checks_the_host_tier_holds_a_block(
         "invalid kvtier configuration: 1 problem",
         f"file {file}: cpu_bytes: 262144 bytes per rank over 4 rank(s) is below one block "
         "record of 524288 bytes; set it to at least 2097152 (got 1048576)",
+    ]
+
+
+def test_validate_checks_every_rank_fits_in_the_memory_available(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "kvtier.yaml"
+    file.write_text("cpu_bytes_per_rank: 30GiB\n")
+    status, out, _ = run(capsys, "config", "validate", str(file), "--world-size", "3")
+    assert (status, out) == (0, f"{file}: valid kvtier configuration\n")
+    status, out, err = run(capsys, "config", "validate", str(file), "--world-size", "4")
+    assert (status, out) == (2, "")
+    assert err.splitlines() == [
+        "invalid kvtier configuration: 1 problem",
+        f"file {file}: cpu_bytes_per_rank: 4 ranks of 32212254720 bytes need 128849018880 bytes "
+        "(120.0 GiB), more than the 107374182400 bytes (100.0 GiB) of memory available on this "
+        "machine; lower cpu_bytes_per_rank (got 32212254720)",
     ]
 
 

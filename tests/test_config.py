@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -20,6 +22,7 @@ from kvtier.config import (
     ConfigError,
     KVTierConfig,
     PluginConfig,
+    available_memory_bytes,
     config_model,
     load_config,
     parse_bytes,
@@ -416,4 +419,232 @@ def test_missing_default_implementation_says_what_to_set() -> None:
         "(got {'type': 'torch'})",
         "default: layout: required: the default layout resolver 'auto' is not installed; set "
         "layout.type to one of: none (got nothing)",
+    ]
+
+
+def test_json_env_value_names_the_variable_set(registry: Registry) -> None:
+    env = {"KVTIER_COPY": '{"type": "nope"}', "KVTIER_INDEX": '{"type": "lru", "size": 1}'}
+    with pytest.raises(ConfigError) as caught:
+        load_config(env=env, registry=registry)
+    assert lines_of(caught) == [
+        "env KVTIER_INDEX: index.size: unknown key; valid keys here: type (got 1)",
+        "env KVTIER_COPY: copy.type: unknown copy backend type; installed: torch, twin "
+        "(got 'nope')",
+    ]
+
+
+# Hostile input: every limit answers with one line, in bounded time and size.
+
+
+def nested(depth: int) -> object:
+    value: object = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_explicit_values_nested_too_deep_or_cyclic(registry: Registry) -> None:
+    cyclic: dict[str, object] = {}
+    cyclic["self"] = cyclic
+    for explicit in ({"bogus": nested(5000)}, {"copy": cyclic}):
+        with pytest.raises(ConfigError) as caught:
+            load_config(explicit, env={}, registry=registry)
+        (line,) = lines_of(caught)
+        assert line.startswith("explicit: (root): nested more than 32 levels deep (got {")
+
+
+def test_explicit_values_sharing_containers_are_counted_expanded(registry: Registry) -> None:
+    laughs: object = ["lol"] * 10
+    for _ in range(9):
+        laughs = [laughs] * 10
+    with pytest.raises(ConfigError) as caught:
+        load_config({"bogus": laughs}, env={}, registry=registry)
+    (line,) = lines_of(caught)
+    assert line.startswith("explicit: (root): more than 10000 values; a config needs far fewer")
+
+
+def test_env_json_nested_too_deep_or_unreadable(registry: Registry) -> None:
+    env = {
+        "KVTIER_INDEX": "[" * 5000 + "]" * 5000,
+        "KVTIER_COPY__DEPTH": "[" * 40 + "]" * 40,
+        "KVTIER_CPU_BYTES": f"[1{'0' * 5000}]",
+    }
+    with pytest.raises(ConfigError) as caught:
+        load_config(env=env, registry=registry)
+    assert [line.split(" (got ")[0] for line in lines_of(caught)] == [
+        "env KVTIER_COPY__DEPTH: copy.depth: nested more than 32 levels deep",
+        "env KVTIER_CPU_BYTES: cpu_bytes: value looks like JSON but is not: Exceeds the limit "
+        "(4300 digits) for integer string conversion: value has 5001 digits; use "
+        "sys.set_int_max_str_digits() to increase the limit",
+        "env KVTIER_INDEX: index: nested more than 32 levels deep",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("deep.yaml", "x: " + "[" * 40 + "]" * 40, "nested more than 32 levels deep"),
+        ("deep.toml", "x = " + "[" * 5000 + "]" * 5000, "nested more than 32 levels deep"),
+        ("alias.yaml", "a: &a 1\nb: *a\n", "cannot parse YAML: found alias *a; kvtier does not"),
+        ("digits.toml", f"cpu_bytes = 1{'0' * 5000}", "cannot parse TOML: Exceeds the limit"),
+        ("date.yaml", "cpu_bytes: 2001-13-45", "cannot parse YAML: month must be in 1..12"),
+    ],
+    ids=["YAML 40 levels", "TOML 5000 levels", "YAML alias", "TOML 5000 digits", "YAML date"],
+)
+def test_file_content_python_cannot_hold(
+    name: str, text: str, message: str, tmp_path: Path, registry: Registry
+) -> None:
+    file = tmp_path / name
+    file.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={}, registry=registry, config_file=file)
+    assert lines_of(caught)[0].startswith(f"file {file}: (file): {message}")
+
+
+@pytest.mark.parametrize(
+    ("make", "shown"),
+    [
+        (lambda: "x" * 10_000_000, "'" + "x" * 30),
+        (lambda: list(range(5000)), "[0, 1, 2, 3, 4, 5, ...]"),
+        (lambda: 10**5000, "<a 16610-bit integer>"),
+        (lambda: -(10**90), "-100000000000"),
+    ],
+    ids=["long string", "long list", "huge integer", "long integer"],
+)
+def test_error_values_are_cut_short(
+    make: Callable[[], object], shown: str, registry: Registry
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config({"bogus": make()}, env={}, registry=registry)
+    (line,) = lines_of(caught)
+    got = line.partition(" (got ")[2]
+    assert got.startswith(shown) and len(got) <= 81
+
+
+def test_every_float_field_of_the_builtin_models_must_be_finite() -> None:
+    from kvtier.plugins import default_registry
+
+    models = [KVTierConfig, *(reg.config_model for reg in default_registry().all())]
+    checked = 0
+    for model in models:
+        for name, info in model.model_fields.items():
+            if info.annotation not in (float, float | None):
+                continue
+            checked += 1
+            for bad in (float("inf"), float("-inf"), float("nan"), "inf", "nan"):
+                with pytest.raises(ValueError, match=f"{name}\n  Input should be a finite number"):
+                    model.model_validate({name: bad})
+    assert checked >= 5
+
+
+@pytest.mark.parametrize("factor", ["history_factor", "first_sight_memory_factor"])
+def test_prefix_arc_memory_factors_are_bounded(factor: str) -> None:
+    from kvtier.index.prefix_arc import PrefixARCPolicy
+
+    with pytest.raises(ValueError, match="less than or equal to 1024"):
+        PrefixARCConfig.model_validate({factor: 1e308})
+    largest = PrefixARCConfig.model_validate({factor: 1024})
+    policy = PrefixARCPolicy(
+        10**9, largest.history_factor, first_sight_memory_factor=largest.first_sight_memory_factor
+    )
+    assert policy.num_slots == 10**9
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "field", "value"),
+    [
+        ("copy_backends", "torch", "cpu_threads", 10**6),
+        ("copy_backends", "torch", "cuda_staging_bytes", 2**63),
+        ("copy_backends", "dma", "stream_priority", 2**31),
+        ("copy_backends", "kernel", "stream_priority", -(2**31) - 1),
+    ],
+)
+def test_integers_that_reach_native_code_are_bounded(
+    kind: str, name: str, field: str, value: int
+) -> None:
+    from kvtier.plugins import default_registry
+
+    model = default_registry().get(kind, name).config_model
+    with pytest.raises(ValueError, match=f"{field}\n  Input should be"):
+        model.model_validate({field: value})
+
+
+def test_available_memory_reads_meminfo_else_physical_memory(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       4096 kB\nMemAvailable:   2048 kB\n")
+    assert available_memory_bytes(meminfo) == 2048 * 1024
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    meminfo.write_text("MemTotal:       4096 kB\n")
+    assert available_memory_bytes(meminfo) == physical
+    assert available_memory_bytes(tmp_path / "absent") == physical
+
+
+@pytest.mark.parametrize(
+    ("explicit", "world_size", "ranks", "message"),
+    [
+        (
+            {"cpu_bytes": 5000},
+            1,
+            1,
+            "explicit: cpu_bytes: the host tier needs 5000 bytes (0.0 GiB), more than the 4096 "
+            "bytes (0.0 GiB) of memory available on this machine; lower cpu_bytes (got 5000)",
+        ),
+        (
+            {"cpu_bytes": 40_000},
+            8,
+            1,
+            "explicit: cpu_bytes: one rank of 8 needs 5000 bytes (0.0 GiB), more than the 4096 "
+            "bytes (0.0 GiB) of memory available on this machine; lower cpu_bytes (got 40000)",
+        ),
+        (
+            {"cpu_bytes_per_rank": 2000},
+            4,
+            3,
+            "explicit: cpu_bytes_per_rank: 3 ranks of 2000 bytes need 6000 bytes (0.0 GiB), more "
+            "than the 4096 bytes (0.0 GiB) of memory available on this machine; lower "
+            "cpu_bytes_per_rank (got 2000)",
+        ),
+    ],
+)
+def test_host_memory_check_names_the_field_and_both_numbers(
+    explicit: dict[str, int], world_size: int, ranks: int, message: str, registry: Registry
+) -> None:
+    config = load_config(explicit, env={}, registry=registry)
+    with pytest.raises(ConfigError) as caught:
+        config.check_host_memory(world_size, ranks=ranks, available_bytes=4096)
+    assert lines_of(caught) == [message]
+    config.check_host_memory(world_size, ranks=ranks - 1 or 1, available_bytes=4096 * 2)
+
+
+def test_host_memory_check_reads_the_machine_and_skips_when_unknown(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = load_config({"cpu_bytes": "1000TiB"}, env={}, registry=registry)
+    with pytest.raises(ConfigError, match="cpu_bytes: the host tier needs 1099511627776000 bytes"):
+        config.check_host_memory()
+    monkeypatch.setattr(kvtier.config, "available_memory_bytes", lambda: None)
+    config.check_host_memory()
+
+
+def test_file_larger_than_it_reports_is_read_no_further_than_the_limit(
+    tmp_path: Path, registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file = tmp_path / "kvtier.yaml"
+    file.write_text("#" * (2 << 20))
+
+    def zero_size(stat: Callable[..., os.stat_result]) -> Callable[..., os.stat_result]:
+        def report(*args: object) -> os.stat_result:
+            fields = list(stat(*args))
+            fields[6] = 0  # st_size, as /proc reports it
+            return os.stat_result(fields)
+
+        return report
+
+    monkeypatch.setattr(os, "stat", zero_size(os.stat))
+    monkeypatch.setattr(os, "fstat", zero_size(os.fstat))
+    with pytest.raises(ConfigError) as caught:
+        load_config(env={}, registry=registry, config_file=file)
+    assert lines_of(caught) == [
+        "argument config_file: config_file: larger than the 1048576 bytes a config file may have "
+        f"(got '{file}')"
     ]

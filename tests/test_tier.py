@@ -5,27 +5,33 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.config import load_config
-from kvtier.tiers import HostTier, capacity_per_rank, slots_for_bytes
+from kvtier import config as config_module
+from kvtier.config import ConfigError, load_config
+from kvtier.tiers import HostTier
 
 
-def test_capacity_splits_over_ranks_unless_given_per_rank() -> None:
-    config = load_config({"cpu_bytes": 1000})
-    assert capacity_per_rank(config, 1) == 1000
-    assert capacity_per_rank(config, 4) == 250
-    per_rank = load_config({"cpu_bytes": 1000, "cpu_bytes_per_rank": 700})
-    assert capacity_per_rank(per_rank, 4) == 700
-    with pytest.raises(ValueError, match="world_size must be positive"):
-        capacity_per_rank(config, 0)
+def test_from_config_sizes_one_ranks_share() -> None:
+    config = load_config({"cpu_bytes": 1099}, env={})
+    assert HostTier.from_config(config, 100, torch.device("cpu")).num_slots == 10
+    assert HostTier.from_config(config, 100, torch.device("cpu"), world_size=4).num_slots == 2
+    with pytest.raises(ConfigError, match="below one block record"):
+        HostTier.from_config(config, 100, torch.device("cpu"), world_size=11)
 
 
-def test_slots_for_bytes() -> None:
-    assert slots_for_bytes(1000, 100) == 10
-    assert slots_for_bytes(1099, 100) == 10
-    with pytest.raises(ValueError, match="hold no block"):
-        slots_for_bytes(99, 100)
-    with pytest.raises(ValueError, match="record_bytes must be positive"):
-        slots_for_bytes(100, 0)
+def test_from_config_checks_memory_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_allocation(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the buffer was allocated")
+
+    monkeypatch.setattr(config_module, "available_memory_bytes", lambda: 1000)
+    monkeypatch.setattr(torch, "empty", no_allocation)
+    config = load_config({"cpu_bytes": "1000TiB"}, env={})
+    with pytest.raises(ConfigError) as caught:
+        HostTier.from_config(config, 4096, torch.device("cpu"), world_size=8)
+    assert caught.value.lines == [
+        "explicit: cpu_bytes: one rank of 8 needs 137438953472000 bytes (128000.0 GiB), more than "
+        "the 1000 bytes (0.0 GiB) of memory available on this machine; lower cpu_bytes "
+        "(got 1099511627776000)"
+    ]
 
 
 def test_buffer_shape_and_close() -> None:
@@ -40,7 +46,7 @@ def test_buffer_shape_and_close() -> None:
 
 
 def test_cpu_layouts_are_not_pinned() -> None:
-    tier = HostTier.for_device(1024, 100, torch.device("cpu"))
+    tier = HostTier.from_config(load_config({"cpu_bytes": 1024}, env={}), 100, torch.device("cpu"))
     assert tier.num_slots == 10 and not tier.pinned
 
 
@@ -52,7 +58,8 @@ def test_sizes_must_be_positive() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_layouts_pin_the_buffer() -> None:
-    tier = HostTier.for_device(1 << 20, 4096, torch.device("cuda"))
+    config = load_config({"cpu_bytes": "1MiB"}, env={})
+    tier = HostTier.from_config(config, 4096, torch.device("cuda"))
     assert tier.pinned
     tier.close()
     assert not tier.pinned

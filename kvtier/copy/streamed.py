@@ -53,6 +53,8 @@ class StreamCopyConfig(PluginConfig):
 
     stream_priority: int | None = Field(
         default=None,
+        ge=-(2**31),
+        le=2**31 - 1,
         description=(
             "CUDA priority of the copy streams; lower numbers run first. Default: the lowest "
             "priority the device offers, so copies yield to the engine's compute."

@@ -41,6 +41,7 @@ class TorchCopyConfig(PluginConfig):
     cpu_threads: int | None = Field(
         default=None,
         ge=1,
+        le=1024,
         description=(
             "Threads that copy one large batch on CPU, the caller's included; by default "
             "torch's intra-op thread count (at most 16). Unused on CUDA."

@@ -70,6 +70,8 @@ SAMPLE_SPACE = 1 << 16
 SAMPLE_MASK = SAMPLE_SPACE - 1
 MIN_SHADOW_SLOTS = 128
 """Slots of the smallest shadow cache; a tier too small for its sample rate samples more."""
+MAX_MEMORY_FACTOR = 1024.0
+"""Largest multiple of the slot count a memory of keys may be configured to hold."""
 DUEL_LIMIT = 256
 """Bound of the counter of shadow hits, so a change of workload turns the choice within a few
 hundred sampled hits."""
@@ -82,6 +84,7 @@ class PrefixARCConfig(PluginConfig):
     history_factor: float = Field(
         default=4.0,
         ge=0.0,
+        le=MAX_MEMORY_FACTOR,
         description=(
             "Evicted keys remembered beyond ARC's ghost lists, as a multiple of the slot count "
             "(about 16 bytes of memory per remembered key plus the key itself); a remembered key "
@@ -108,6 +111,7 @@ class PrefixARCConfig(PluginConfig):
     first_sight_memory_factor: float = Field(
         default=16.0,
         gt=0.0,
+        le=MAX_MEMORY_FACTOR,
         description=(
             "Keys seen once and not stored that adaptive admission remembers, as a multiple of "
             "the slot count (about 100 bytes of memory per key plus the key itself)."

@@ -313,14 +313,15 @@ class OffloadManager:
     ) -> OffloadManager:
         """Build a manager, and its index, from a validated :class:`~kvtier.config.KVTierConfig`.
 
-        The tier gets ``capacity_per_rank(config, world_size) // record_bytes``
+        The tier gets :meth:`config.host_slots <kvtier.config.KVTierConfig.host_slots>`
         slots, the same count :meth:`OffloadWorker.from_config
-        <kvtier.offload.worker.OffloadWorker.from_config>` allocates.
+        <kvtier.offload.worker.OffloadWorker.from_config>` allocates (after it
+        checked the memory available: vLLM builds the scheduler once the workers
+        hold their buffers, so the memory left then says nothing about the tier).
         """
         from kvtier.plugins import default_registry
-        from kvtier.tiers.host import capacity_per_rank, slots_for_bytes
 
-        num_slots = slots_for_bytes(capacity_per_rank(config, world_size), record_bytes)
+        num_slots = config.host_slots(record_bytes, world_size)
         registry = registry if registry is not None else default_registry()
         index = registry.build("block_indexes", config.index, num_slots)
         return cls(

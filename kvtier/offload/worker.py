@@ -53,7 +53,7 @@ from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Dire
 from kvtier.layout.base import KVLayout, LayoutError
 from kvtier.offload.failures import FailureLog
 from kvtier.offload.messages import Transfer, TransferPlan, WorkerReport
-from kvtier.tiers.host import HostTier, capacity_per_rank
+from kvtier.tiers.host import HostTier
 
 if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
@@ -175,18 +175,21 @@ class OffloadWorker:
     ) -> OffloadWorker:
         """Build a worker, its host tier and copy backends from a validated config.
 
-        The tier holds ``capacity_per_rank(config, world_size) // record_bytes``
-        slots (what :meth:`OffloadManager.from_config
+        The tier holds :meth:`config.host_slots
+        <kvtier.config.KVTierConfig.host_slots>` slots (what
+        :meth:`OffloadManager.from_config
         <kvtier.offload.manager.OffloadManager.from_config>` assumes) and is
         pinned when the layout lives on a CUDA device.
+
+        Raises:
+            kvtier.config.ConfigError: The tier does not fit in the memory
+                available (checked before it is allocated) or holds no block.
         """
         from kvtier.plugins import default_registry
 
         registry = registry if registry is not None else default_registry()
         first = layouts if isinstance(layouts, KVLayout) else layouts[0]
-        tier = HostTier.for_device(
-            capacity_per_rank(config, world_size), first.record_bytes, first.device
-        )
+        tier = HostTier.from_config(config, first.record_bytes, first.device, world_size=world_size)
 
         def build_backend(layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
             return registry.build("copy_backends", config.copy, layout, host_buffer)  # type: ignore[no-any-return]

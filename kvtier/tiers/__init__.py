@@ -1,5 +1,5 @@
 """Storage tiers below the engine's own KV cache; the host (CPU memory) tier first."""
 
-from kvtier.tiers.host import HostTier, capacity_per_rank, slots_for_bytes
+from kvtier.tiers.host import HostTier
 
-__all__ = ["HostTier", "capacity_per_rank", "slots_for_bytes"]
+__all__ = ["HostTier"]

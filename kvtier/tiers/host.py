@@ -10,7 +10,8 @@ power-of-two rounding of a pinned allocator.
 The tier's directory (which key sits in which slot) is a
 :class:`~kvtier.index.BlockIndex` held by the scheduler-side
 :class:`~kvtier.offload.OffloadManager`; the buffer lives in each worker. Both
-sides size the tier with :func:`slots_for_bytes` so they agree on the slot count.
+sides size the tier with :meth:`KVTierConfig.host_slots
+<kvtier.config.KVTierConfig.host_slots>` so they agree on the slot count.
 """
 
 from __future__ import annotations
@@ -26,36 +27,6 @@ if TYPE_CHECKING:
     from kvtier.config import KVTierConfig
 
 logger = logging.getLogger(__name__)
-
-
-def capacity_per_rank(config: KVTierConfig, world_size: int) -> int:
-    """Host-tier bytes one rank may use: ``cpu_bytes_per_rank``, else ``cpu_bytes // world_size``.
-
-    Raises:
-        ValueError: If ``world_size`` is not positive.
-    """
-    if world_size <= 0:
-        raise ValueError(f"world_size must be positive, got {world_size}")
-    if config.cpu_bytes_per_rank is not None:
-        return int(config.cpu_bytes_per_rank)
-    return int(config.cpu_bytes) // world_size
-
-
-def slots_for_bytes(capacity_bytes: int, record_bytes: int) -> int:
-    """How many records of ``record_bytes`` fit in ``capacity_bytes``.
-
-    Raises:
-        ValueError: If ``record_bytes`` is not positive or not even one record fits.
-    """
-    if record_bytes <= 0:
-        raise ValueError(f"record_bytes must be positive, got {record_bytes}")
-    num_slots = capacity_bytes // record_bytes
-    if num_slots <= 0:
-        raise ValueError(
-            f"the host tier's {capacity_bytes} bytes per rank hold no block of {record_bytes} "
-            "bytes; raise cpu_bytes (or cpu_bytes_per_rank)"
-        )
-    return num_slots
 
 
 class HostTier:
@@ -90,10 +61,25 @@ class HostTier:
         )
 
     @classmethod
-    def for_device(cls, capacity_bytes: int, record_bytes: int, device: torch.device) -> HostTier:
-        """Size a tier from bytes and pin it when ``device`` is a CUDA device and CUDA works."""
+    def from_config(
+        cls, config: KVTierConfig, record_bytes: int, device: torch.device, *, world_size: int = 1
+    ) -> HostTier:
+        """Allocate one rank's tier as ``config`` sizes it; pin it for a working CUDA ``device``.
+
+        Args:
+            config: The validated config (``cpu_bytes``, ``cpu_bytes_per_rank``).
+            record_bytes: Bytes of one block record (``KVLayout.record_bytes``).
+            device: Where the engine's KV cache lives.
+            world_size: Ranks the host tier is split over.
+
+        Raises:
+            kvtier.config.ConfigError: This rank's share does not fit in the memory
+                available, or holds no record; checked before anything is allocated.
+        """
+        config.check_host_memory(world_size)
+        num_slots = config.host_slots(record_bytes, world_size)
         pin = device.type == "cuda" and torch.cuda.is_available()
-        return cls(slots_for_bytes(capacity_bytes, record_bytes), record_bytes, pin=pin)
+        return cls(num_slots, record_bytes, pin=pin)
 
     @property
     def pinned(self) -> bool:
