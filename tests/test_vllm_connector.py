@@ -11,6 +11,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+pytestmark = pytest.mark.vllm033
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
 from kvtier.copy.base import Direction  # noqa: E402
@@ -69,9 +71,7 @@ def test_installed_vllm_is_supported() -> None:
 
 
 def test_only_releases_with_sleep_hooks_run_with_sleep_mode() -> None:
-    from vllm.config import VllmConfig
-
-    VLLM_0_32.check(VllmConfig())
+    VLLM_0_32.check(SimpleNamespace(model_config=None))  # type: ignore[arg-type]
     sleeping = SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=True))
     with pytest.raises(ValueError, match="sleep mode on vLLM 0.32"):
         VLLM_0_32.check(sleeping)  # type: ignore[arg-type]
@@ -122,10 +122,11 @@ class _Registered:
 
 
 def test_prometheus_metrics_publish_every_payload() -> None:
-    from vllm.config import VllmConfig
+    from vllm.config import DeviceConfig, VllmConfig
 
     bound = _Registered()
-    prom = KVTierPromMetrics(VllmConfig(), bound.types, ["model_name", "engine"], {0: ["m", "0"]})
+    config = VllmConfig(device_config=DeviceConfig("cpu"))
+    prom = KVTierPromMetrics(config, bound.types, ["model_name", "engine"], {0: ["m", "0"]})
     prom.observe({"hit_tokens": 64, "used_blocks": 3}, engine_idx=0)
     prom.observe({"hit_tokens": 32, "used_blocks": 5}, engine_idx=0)
     labels = {"model_name": "m", "engine": "0"}

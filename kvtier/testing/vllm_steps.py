@@ -94,6 +94,9 @@ class StepsSpec:
     """Tokens per block."""
     layout: str = "LBNHC"
     """vLLM's ``KVCacheLayout`` name of the KV tensors."""
+    kernel_block_tokens: int | None = None
+    """Tokens per attention-kernel block, when kernels take smaller blocks than the scheduler
+    (vLLM then views each layer in kernel blocks); ``None``: the scheduler's blocks."""
     max_num_batched_tokens: int = 256
     """Tokens one step may schedule (long prompts prefill in chunks)."""
     max_num_seqs: int = 8
@@ -143,6 +146,7 @@ class VllmSteps:
         from vllm.v1.structured_output import StructuredOutputManager
 
         from kvtier.integrations.vllm.connector import KVTierConnector
+        from kvtier.integrations.vllm.worker import manager_block_views
 
         self.spec = spec
         self._sampling = SamplingParams
@@ -197,9 +201,16 @@ class VllmSteps:
         self.vllm_config.cache_config.num_gpu_blocks = spec.num_blocks
         raw = torch.zeros(tensor.size, dtype=torch.int8)
         views = create_kv_cache_views(
-            raw, attention, spec.num_blocks, KVCacheLayout[spec.layout], tensor
+            raw,
+            attention,
+            spec.num_blocks,
+            KVCacheLayout[spec.layout],
+            tensor,
+            kernel_block_size=spec.kernel_block_tokens,
         )
         self.kv_caches: dict[str, torch.Tensor] = dict(zip(self.layer_names, views, strict=True))
+        # The "model" writes and checks whole scheduler blocks, however the kernels see them.
+        self.block_views = manager_block_views(self.kv_caches, spec.num_blocks)
 
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(spec.block_tokens, sha256)
@@ -210,7 +221,9 @@ class VllmSteps:
             block_size=spec.block_tokens,
             log_stats=True,
         )
-        self.worker = KVTierConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+        self.worker = KVTierConnector(
+            self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
+        )
         self.worker.register_kv_caches(self.kv_caches)
 
         self.events: list[Any] = []
@@ -342,7 +355,7 @@ class VllmSteps:
 
     def _write(self, block: int, block_hash: bytes) -> None:
         for index, name in enumerate(self.layer_names):
-            target = self.kv_caches[name][block]
+            target = self.block_views[name][block]
             target.copy_(block_values(block_hash, index, tuple(target.shape), target.dtype))
 
     def _check_loaded(self, request_id: str, failed: set[int]) -> None:
@@ -356,7 +369,7 @@ class VllmSteps:
                 continue
             block_hash = request.block_hashes[block_ids.index(block)]
             for index, name in enumerate(self.layer_names):
-                actual = self.kv_caches[name][block].contiguous()
+                actual = self.block_views[name][block].contiguous()
                 expected = block_values(block_hash, index, tuple(actual.shape), actual.dtype)
                 if not torch.equal(actual.view(torch.uint8), expected.view(torch.uint8)):
                     self.mismatches.append(f"{request_id} block {block} layer {name}")
