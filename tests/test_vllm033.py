@@ -2,25 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
 import pytest
-import torch
-from pydantic import Field
 
 pytest.importorskip("vllm")
 
-import kvtier  # noqa: E402
 import kvtier.plugins  # noqa: E402
-from kvtier.config import PluginConfig  # noqa: E402
-from kvtier.copy.base import CopyBackend  # noqa: E402
 from kvtier.integrations.vllm.adapters import VLLM_0_33  # noqa: E402
 from kvtier.integrations.vllm.connector import VLLM  # noqa: E402
-from kvtier.layout.base import KVLayout  # noqa: E402
-from kvtier.plugins import build_plugin_manager, collect, default_registry  # noqa: E402
-from kvtier.testing.faults import FlakyBackend  # noqa: E402
+from kvtier.testing.faults import flaky_copy_registry  # noqa: E402
 from kvtier.testing.vllm_steps import StepsSpec, VllmSteps, write_model_config  # noqa: E402
 
 pytestmark = [
@@ -42,33 +33,12 @@ def test_vllm_lets_sleep_mode_run_with_the_connector() -> None:
     assert connector_class.supports_sleep_mode(transfer) is True
 
 
-class SlowCopyConfig(PluginConfig):
-    """The torch copy backend, each copy reported done a few polls late."""
-
-    type: Literal["slow"] = Field(default="slow", description="Report copies late.")
-
-
-class _SlowCopyPlugin:
-    @kvtier.hookimpl
-    def register_copy_backends(self, register: Callable[..., None]) -> None:
-        def build(
-            config: SlowCopyConfig, layout: KVLayout, host_buffer: torch.Tensor
-        ) -> CopyBackend:
-            torch_backend = default_registry().get("copy_backends", "torch")
-            inner = torch_backend.factory(torch_backend.config_model(), layout, host_buffer)
-            return FlakyBackend(inner, layout, host_buffer, delay_polls=5)
-
-        register("slow", build, SlowCopyConfig)
-
-
 def test_unregistering_before_sleep_waits_for_every_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    manager = build_plugin_manager()
-    manager.register(_SlowCopyPlugin(), name="slow-copy-test-plugin")
-    monkeypatch.setattr(kvtier.plugins, "_default_registry", collect(manager))
+    monkeypatch.setattr(kvtier.plugins, "_default_registry", flaky_copy_registry(delay_polls=5))
     engine = VllmSteps(
-        write_model_config(tmp_path), {"cpu_bytes": 4 << 20, "copy": {"type": "slow"}}, StepsSpec()
+        write_model_config(tmp_path), {"cpu_bytes": 4 << 20, "copy": {"type": "flaky"}}, StepsSpec()
     )
     try:
         engine.add(list(range(40)))

@@ -12,18 +12,16 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pytest
-from pydantic import Field
 
 pytest.importorskip("vllm")
 
 import kvtier  # noqa: E402
 import kvtier.plugins  # noqa: E402
-from kvtier.config import PluginConfig  # noqa: E402
-from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction  # noqa: E402
-from kvtier.plugins import build_plugin_manager, collect, default_registry  # noqa: E402
+from kvtier.copy.base import Direction  # noqa: E402
+from kvtier.testing.faults import flaky_copy_registry  # noqa: E402
 from kvtier.testing.vllm_steps import StepsSpec, VllmSteps, write_model_config  # noqa: E402
 
 pytestmark = pytest.mark.vllm033
@@ -128,50 +126,12 @@ def test_finished_requests_are_held_until_their_stores_complete(
     assert engine.connector.manager.stats().stored_blocks == len(prompt) // BLOCK
 
 
-class FailingLoadsConfig(PluginConfig):
-    """The torch copy backend whose loads fail."""
-
-    type: Literal["failing-loads"] = Field(default="failing-loads", description="Fail loads.")
-
-
-class _FailingLoads(CopyBackend):
-    def __init__(self, inner: CopyBackend) -> None:
-        self.inner = inner
-
-    def submit(self, batch: CopyBatch) -> CopyHandle:
-        if batch.direction is Direction.LOAD:
-            raise CopyError(f"injected failure of a {len(batch)}-block load")
-        return self.inner.submit(batch)
-
-    def done(self, handle: CopyHandle) -> bool:
-        return self.inner.done(handle)
-
-    def wait(self, handle: CopyHandle) -> None:
-        self.inner.wait(handle)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class _FailingLoadsPlugin:
-    @kvtier.hookimpl
-    def register_copy_backends(self, register: Callable[..., None]) -> None:
-        def build(config: FailingLoadsConfig, layout: object, host_buffer: object) -> CopyBackend:
-            torch_backend = default_registry().get("copy_backends", "torch")
-            return _FailingLoads(
-                torch_backend.factory(torch_backend.config_model(), layout, host_buffer)
-            )
-
-        register("failing-loads", build, FailingLoadsConfig)
-
-
 def test_failed_loads_are_recomputed(
     engine_factory: Callable[..., VllmSteps], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    manager = build_plugin_manager()
-    manager.register(_FailingLoadsPlugin(), name="failing-loads-test-plugin")
-    monkeypatch.setattr(kvtier.plugins, "_default_registry", collect(manager))
-    engine = engine_factory({"cpu_bytes": 4 * MIB, "copy": {"type": "failing-loads"}})
+    failing_loads = flaky_copy_registry(fail=lambda batch: batch.direction is Direction.LOAD)
+    monkeypatch.setattr(kvtier.plugins, "_default_registry", failing_loads)
+    engine = engine_factory({"cpu_bytes": 4 * MIB, "copy": {"type": "flaky"}})
     batch = prompts(5, 3, 40, 100)
     cold = engine.generate(batch, max_tokens=4)
     reset_device_cache(engine)
@@ -181,6 +141,25 @@ def test_failed_loads_are_recomputed(
     assert stats.hit_tokens == full_blocks * BLOCK
     assert stats.loaded_blocks == 0
     assert stats.failed_loads == engine.failed_blocks == full_blocks
+
+
+def test_a_reset_with_copies_in_flight_succeeds_and_serves_nothing_older(
+    engine_factory: Callable[..., VllmSteps], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kvtier.plugins, "_default_registry", flaky_copy_registry(delay_polls=3))
+    engine = engine_factory({"cpu_bytes": 4 * MIB, "copy": {"type": "flaky"}})
+    (prompt,) = prompts(11, 1, 64, 65)
+    engine.add(prompt)
+    engine.step()
+    manager = engine.connector.manager
+    assert manager.num_inflight_batches > 0, "the stores are meant to be still running"
+    # pausing or putting vLLM to sleep raises if the connector's reset answers False
+    assert engine.scheduler.reset_connector_cache() is True
+    engine.run()
+    assert manager.stats().used_slots == 0
+    reset_device_cache(engine)
+    engine.generate([prompt])
+    assert manager.stats().hit_tokens == 0
 
 
 def test_reset_empties_the_tier(engine_factory: Callable[..., VllmSteps]) -> None:

@@ -232,13 +232,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler is not None and self.scheduler.has_pending_push_work()
 
     def reset_cache(self) -> bool | None:
-        """Empty the tier now; see :meth:`KVTierScheduler.reset_cache`.
-
-        vLLM calls this once per ``reset_prefix_cache(reset_connector=True)``
-        and never retries. ``False`` makes vLLM's ``reset_prefix_cache`` return
-        ``False`` (and not mark its connector prefix-cache stats as reset), but
-        the reset has taken effect all the same.
-        """
+        """Empty the tier now; see :meth:`KVTierScheduler.reset_cache`."""
         return self.scheduler.reset_cache() if self.scheduler is not None else None
 
     def take_events(self) -> Iterable[KVCacheEvent]:

@@ -275,13 +275,16 @@ class KVTierScheduler:
         return self.manager.num_inflight_batches > 0
 
     def reset_cache(self) -> bool:
-        """Empty the tier now (:meth:`kvtier.offload.OffloadManager.reset`).
+        """Empty the tier now (:meth:`kvtier.offload.OffloadManager.reset`); always ``True``.
 
-        ``True``: every slot is free. ``False``: nothing stored before the
-        reset will be served, but copies in flight still hold some slots and
-        free them as they complete; nobody needs to call again.
+        The reset takes effect in this call: nothing stored before it is served
+        after it. Copies still in flight keep their host slots until they
+        complete, but vLLM must not hear ``False`` for that: it treats
+        ``False`` as a failed reset, and pausing or putting the engine to
+        sleep (``pause_scheduler(clear_cache=True)``) then raises.
         """
-        return self.manager.reset()
+        self.manager.reset()
+        return True
 
     def take_events(self) -> list[KVCacheEvent]:
         """This step's KV-cache events of the tier (none unless vLLM publishes events)."""
