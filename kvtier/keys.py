@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvtier.index.base import BlockKey
 
@@ -27,6 +28,7 @@ DEFAULT_HASH_ALGORITHM = "sha256"
 
 _TOKEN_BYTES = 8
 _NAMESPACE_DIGEST_BYTES = 8
+_GROUP_BYTES = 2
 
 
 def hash_token_blocks(
@@ -88,6 +90,13 @@ def hash_token_blocks(
     return keys
 
 
+class SplitKey(NamedTuple):
+    """A namespaced key taken apart: its kv-cache group and the engine's block hash."""
+
+    group: int
+    block_hash: bytes
+
+
 @dataclass(frozen=True)
 class KeyNamespace:
     """Turns engine block hashes into keys private to one model, layout, rank and group.
@@ -120,7 +129,7 @@ class KeyNamespace:
                     )
                 ).encode()
             ).digest()[:_NAMESPACE_DIGEST_BYTES]
-            found = digest + group.to_bytes(2, "little")
+            found = digest + group.to_bytes(_GROUP_BYTES, "little")
             self._prefixes[group] = found
         return found
 
@@ -132,6 +141,22 @@ class KeyNamespace:
         """Namespace a sequence of engine block hashes."""
         prefix = self.prefix(group)
         return [prefix + block_hash for block_hash in block_hashes]
+
+    def split(self, key: BlockKey) -> SplitKey:
+        """Take a key made by :meth:`key` apart again.
+
+        Raises:
+            ValueError: ``key`` was not made by this namespace (another model,
+                layout or rank, or not a namespaced key at all).
+        """
+        group_end = _NAMESPACE_DIGEST_BYTES + _GROUP_BYTES
+        group = int.from_bytes(key[_NAMESPACE_DIGEST_BYTES:group_end], "little")
+        if len(key) < group_end or not key.startswith(self.prefix(group)):
+            raise ValueError(
+                f"key {key[:group_end].hex()}... was not made by this namespace "
+                f"({self!r}); split keys with the namespace that made them"
+            )
+        return SplitKey(group, key[group_end:])
 
     def for_rank(self, rank: int) -> KeyNamespace:
         """The same namespace for one rank's own shard."""

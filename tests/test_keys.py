@@ -114,3 +114,18 @@ def test_namespace_pickles_and_rejects_negative_groups() -> None:
     assert clone == namespace and clone.key(b"x") == namespace.key(b"x")
     with pytest.raises(ValueError, match="never negative"):
         namespace.key(b"x", group=-1)
+
+
+def test_split_returns_the_group_and_the_engine_hash() -> None:
+    namespace = KeyNamespace("model", "fp")
+    assert namespace.split(namespace.key(b"\x01\x02hash", 3)) == (3, b"\x01\x02hash")
+    assert namespace.split(namespace.key(b"", 0)).block_hash == b""
+    assert namespace.split(namespace.key(b"h", 300)).group == 300
+
+
+def test_split_refuses_keys_of_another_namespace() -> None:
+    key = KeyNamespace("model").key(b"hash", 1)
+    with pytest.raises(ValueError, match="was not made by this namespace"):
+        KeyNamespace("other").split(key)
+    with pytest.raises(ValueError, match="was not made by this namespace"):
+        KeyNamespace("model").split(b"short")

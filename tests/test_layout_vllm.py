@@ -1,10 +1,14 @@
-"""The layout contract on KV-cache views built by vLLM's own allocator code (vLLM 0.32).
+"""The layout contract on KV-cache views built by vLLM's own allocator code (vLLM 0.32 and 0.33).
 
 vLLM places every layer's pages in one raw int8 buffer
 (``KVCacheTensor``: ``offset + layer * layer_stride + block * block_stride``)
 and views it per layer with ``create_kv_cache_views`` in one of its
 ``KVCacheLayout`` stride orders. These tests build exactly those views and
-check that ``auto`` resolves each of them.
+check that ``auto`` resolves each of them: every stride order, and the shapes
+the GPU backends of vLLM 0.33 allocate (FlashAttention's default ``LBNHC``,
+FlashInfer's ``LBHNC`` / ``BLHNC`` on Blackwell, MLA's single 576-wide head,
+the block-outermost cross-layer packing, and blocks split into smaller
+kernel blocks, which the connector regroups per scheduler block).
 """
 
 from __future__ import annotations
@@ -15,38 +19,42 @@ import torch
 from kvtier.layout.base import KVLayout, LayoutResolver
 from kvtier.layout.resolvers import AutoResolver
 from kvtier.testing.contracts_layout import LayoutCase, LayoutResolverContract, mamba_state_views
+from kvtier.testing.vllm_steps import kv_cache_tensor_strides
 
 kv_cache_interface = pytest.importorskip("vllm.v1.kv_cache_interface")
 kv_cache_layout = pytest.importorskip("vllm.v1.kv_cache_layout")
 KVCacheLayout = kv_cache_layout.KVCacheLayout
 
+pytestmark = pytest.mark.vllm033
+
 NUM_BLOCKS, NUM_LAYERS, HEADS = 6, 3, 2
 
 
-def _strides(order: object, page: int, num_layers: int, heads: int) -> tuple[int, int]:
-    """``(layer_stride, block_stride)`` of a dense buffer in ``order`` (vLLM's packing)."""
-    head_page = page // heads
-    return {
-        KVCacheLayout.LBHNC: (NUM_BLOCKS * page, page),
-        KVCacheLayout.LBNHC: (NUM_BLOCKS * page, page),
-        KVCacheLayout.LHBNC: (NUM_BLOCKS * page, head_page),
-        KVCacheLayout.BLHNC: (page, num_layers * page),
-        KVCacheLayout.BLNHC: (page, num_layers * page),
-        KVCacheLayout.BHLNC: (head_page, num_layers * page),
-    }[order]
-
-
 def _views(
-    spec: object, order: object, names: list[str], raw: torch.Tensor | None = None, heads: int = 1
+    spec: object,
+    order: object,
+    names: list[str],
+    raw: torch.Tensor | None = None,
+    heads: int = 1,
+    kernel_block_size: int | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     page = spec.page_size_bytes  # type: ignore[attr-defined]
-    layer_stride, block_stride = _strides(order, page, len(names), heads)
+    layer_stride, block_stride = kv_cache_tensor_strides(
+        order.name,  # type: ignore[attr-defined]
+        page,
+        len(names),
+        NUM_BLOCKS,
+        heads,
+    )
     size = len(names) * NUM_BLOCKS * page
     tensor = kv_cache_interface.KVCacheTensor(
         size=size, layers=names, layer_stride=layer_stride, block_stride=block_stride
     )
     raw = torch.zeros(size, dtype=torch.int8) if raw is None else raw
-    return raw, kv_cache_interface.create_kv_cache_views(raw, spec, NUM_BLOCKS, order, tensor)
+    views = kv_cache_interface.create_kv_cache_views(
+        raw, spec, NUM_BLOCKS, order, tensor, kernel_block_size=kernel_block_size
+    )
+    return raw, views
 
 
 def _attention_case(order: object, dtype: torch.dtype) -> LayoutCase:
@@ -131,6 +139,71 @@ def _hybrid_case() -> LayoutCase:
     return LayoutCase("hybrid_overlay", caches, NUM_BLOCKS, tuple(tensors), frozenset({"auto"}))
 
 
+def _gpu_case(
+    name: str,
+    spec: object,
+    order: object,
+    heads: int,
+    kernel_block_size: int | None = None,
+) -> LayoutCase:
+    """A GPU backend's allocation, seen as the connector sees it (per scheduler block)."""
+    from kvtier.integrations.vllm.worker import manager_block_views
+
+    names = [f"model.layers.{index}.self_attn.attn" for index in range(NUM_LAYERS)]
+    _, views = _views(spec, order, names, heads=heads, kernel_block_size=kernel_block_size)
+    caches = manager_block_views(dict(zip(names, views, strict=True)), NUM_BLOCKS)
+    return LayoutCase(
+        name,
+        caches,
+        NUM_BLOCKS,
+        tuple((caches[name], 0) for name in names),  # type: ignore[misc]
+        frozenset({"block_first", "auto"}),
+    )
+
+
+def _llama_8b(block_size: int = 16, dtype: torch.dtype = torch.bfloat16) -> object:
+    """Llama-3-8B's attention on one rank: 8 KV heads of 128."""
+    return kv_cache_interface.FullAttentionSpec(
+        block_size=block_size, num_kv_heads=8, head_size=128, dtype=dtype
+    )
+
+
+def _deepseek_mla(block_size: int) -> object:
+    """DeepSeek's MLA latent cache: one 576-wide head (512 latent + 64 rotary)."""
+    return kv_cache_interface.MLAAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=576, dtype=torch.bfloat16
+    )
+
+
+GPU_BUILDERS = {
+    # FlashAttention declares no layout: vLLM's default preference puts LBNHC (NHD) first.
+    "gpu_flash_attn_LBNHC": lambda: _gpu_case(
+        "gpu_flash_attn_LBNHC", _llama_8b(), KVCacheLayout.LBNHC, 8
+    ),
+    "gpu_flash_attn_fp8_LBNHC": lambda: _gpu_case(
+        "gpu_flash_attn_fp8_LBNHC", _llama_8b(dtype=torch.float8_e4m3fn), KVCacheLayout.LBNHC, 8
+    ),
+    # FlashInfer's trtllm-gen kernels on Blackwell take head-major blocks: LBHNC or BLHNC.
+    "gpu_flashinfer_LBHNC": lambda: _gpu_case(
+        "gpu_flashinfer_LBHNC", _llama_8b(), KVCacheLayout.LBHNC, 8
+    ),
+    # The cross-layer layout: each block's pages of every layer side by side.
+    "gpu_cross_layer_BLHNC": lambda: _gpu_case(
+        "gpu_cross_layer_BLHNC", _llama_8b(), KVCacheLayout.BLHNC, 8
+    ),
+    "gpu_mla_flashmla_LBNHC": lambda: _gpu_case(
+        "gpu_mla_flashmla_LBNHC", _deepseek_mla(64), KVCacheLayout.LBNHC, 1
+    ),
+    # 128-token scheduler blocks split into the 64-token kernel blocks FlashInfer and FlashMLA take.
+    "gpu_flashinfer_kernel_blocks": lambda: _gpu_case(
+        "gpu_flashinfer_kernel_blocks", _llama_8b(128), KVCacheLayout.LBHNC, 8, 64
+    ),
+    "gpu_mla_kernel_blocks": lambda: _gpu_case(
+        "gpu_mla_kernel_blocks", _deepseek_mla(128), KVCacheLayout.LBNHC, 1, 64
+    ),
+}
+
+
 BUILDERS = {
     **{
         f"attention_{order.name}_{dtype}": (
@@ -146,6 +219,7 @@ BUILDERS = {
         for kind in ("pages", "states")
     },
     "hybrid_overlay": _hybrid_case,
+    **GPU_BUILDERS,
 }
 
 
@@ -192,3 +266,22 @@ def test_mamba_pages_exclude_the_padding() -> None:
     content = 3 * 40 * 2 + 2 * 8 * 4 * 4
     assert [region.bytes_per_block for region in layout.regions] == [content] * NUM_LAYERS
     assert {region.block_stride_bytes for region in layout.regions} == {NUM_LAYERS * 1024}
+
+
+@pytest.mark.parametrize("name", sorted(GPU_BUILDERS))
+def test_gpu_layouts_hold_each_scheduler_block_whole(name: str) -> None:
+    case = GPU_BUILDERS[name]()
+    layout = _resolve(case)
+    assert layout.num_blocks == NUM_BLOCKS
+    first = next(iter(case.kv_caches.values()))
+    assert isinstance(first, torch.Tensor)
+    page = first[0].numel() * first.element_size()
+    assert layout.record_bytes == NUM_LAYERS * page
+
+
+def test_kernel_block_views_need_regrouping() -> None:
+    names = [f"model.layers.{index}.self_attn.attn" for index in range(NUM_LAYERS)]
+    _, views = _views(_llama_8b(128), KVCacheLayout.LBHNC, names, heads=8, kernel_block_size=64)
+    assert views[0].shape[0] == 2 * NUM_BLOCKS, "vLLM views kernel blocks, not its own blocks"
+    layout = AutoResolver().resolve(dict(zip(names, views, strict=True)))
+    assert layout.num_blocks == 2 * NUM_BLOCKS

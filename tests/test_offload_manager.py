@@ -148,6 +148,20 @@ def test_failed_load_is_a_recompute() -> None:
     assert m.index.stats().readable == 0
 
 
+def test_a_request_whose_load_failed_is_not_offered_the_tier_again_until_it_finished() -> None:
+    m = manager()
+    m.process(done(store_blocks(m, "a", 3)))
+    m.allocated("b", HASHES[:3], [[8, 9, 10]], 0, 2 * BT)
+    (load,) = m.build_plan().loads
+    m.process(WorkerReport(failed={load.batch_id: 1}))
+    assert m.lookup("c", HASHES[:3], 0, 99) == 0, "the failed blocks are discarded"
+    m.process(done(store_blocks(m, "d", 3)))
+    assert m.lookup("c", HASHES[:3], 0, 99) == 3 * BT
+    assert m.lookup("b", HASHES[:3], 0, 99) == 0, "b recomputes instead of loading again"
+    m.finished("b")
+    assert m.lookup("b", HASHES[:3], 0, 99) == 3 * BT, "a new request may reuse the id"
+
+
 def test_blocks_gone_before_allocation_are_reported_unavailable() -> None:
     m = manager(num_slots=2)
     m.process(done(store_blocks(m, "a", 2)))
@@ -164,6 +178,7 @@ def test_blocks_gone_before_allocation_are_reported_unavailable() -> None:
     assert progress.failed_loads == {"b": (DeviceBlock(0, 31),)}
     assert progress.loaded_requests == ("b",)
     assert m.stats().failed_loads == 1
+    assert m.lookup("b", HASHES[:2], 0, 99) == 0, "b recomputes instead of loading again"
 
 
 def test_request_with_no_loadable_block_still_finishes_loading() -> None:

@@ -12,7 +12,7 @@ from kvtier.config import load_config
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, Direction
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import BlockRegion, KVLayout, LayoutError
-from kvtier.offload import OffloadWorker, Transfer, TransferPlan, WorkerReport
+from kvtier.offload import LoadFailures, OffloadWorker, Transfer, TransferPlan, WorkerReport
 from kvtier.plugins import default_registry
 from kvtier.testing.faults import FlakyBackend, ManualClock
 from kvtier.tiers import HostTier
@@ -141,6 +141,40 @@ def test_unavailable_blocks_fail_without_a_copy() -> None:
     assert worker.get_finished() == (set(), {"r"})
     assert worker.take_failed_load_blocks() == {6, 7}
     assert backends[0].submitted == 0
+
+
+def test_with_one_group_load_failures_are_blocks() -> None:
+    worker, _ = make_worker(make_layout(), fail=True)
+    worker.bind(TransferPlan(loads=(load(0, (4, 5), (2, 3), "r"),), unavailable={"u": (6,)}))
+    _, loaded = worker.get_finished()
+    assert loaded == {"r", "u"}
+    assert worker.take_load_failures(loaded) == LoadFailures(blocks=frozenset({4, 5, 6}))
+    assert worker.take_load_failures(set()) == LoadFailures()
+
+
+def test_with_several_groups_load_failures_are_requests_once_their_loads_end() -> None:
+    layout = make_layout()
+    worker, backends = make_worker(layout, delay_polls=1)
+    two_groups = OffloadWorker(
+        [layout, layout], HostTier(4, layout.record_bytes), lambda lay, buf: backends[0]
+    )
+    backends[0].fail = lambda batch: 4 in batch.device_blocks
+    two_groups.bind(
+        TransferPlan(
+            loads=(
+                Transfer(0, Direction.LOAD, 1, (4,), (2,), "r"),
+                Transfer(1, Direction.LOAD, 0, (5,), (3,), "ok"),
+            ),
+            unavailable={"u": (6,)},
+        )
+    )
+    _, loaded = two_groups.get_finished()
+    assert loaded == {"u"}, "loads still running are not finished"
+    assert two_groups.take_load_failures(loaded) == LoadFailures(requests=frozenset({"u"}))
+    two_groups.bind(TransferPlan())
+    _, loaded = two_groups.get_finished()
+    assert loaded == {"r", "ok"}
+    assert two_groups.take_load_failures(loaded) == LoadFailures(requests=frozenset({"r"}))
 
 
 def test_a_hold_on_completed_batches_is_released_at_once() -> None:

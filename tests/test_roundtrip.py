@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvtier.copy.base import CopyBackend
+from kvtier.index.base import EventKind
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.keys import hash_token_blocks
@@ -98,6 +99,32 @@ def test_roundtrip_lazy_mode(layout: str) -> None:
         run_roundtrip(engine, seed=7)
     finally:
         engine.close()
+
+
+def test_stored_events_name_each_block_with_its_tokens_and_parent() -> None:
+    spec = EngineSpec(num_blocks=24, block_tokens=BLOCK_TOKENS)
+    engine = OffloadedEngine(spec, PolicyIndex(10, LRUPolicy()), torch_backend, record_events=True)
+    try:
+        requests = prompts(11, 6)
+        for tokens in requests:
+            engine.submit(tokens)
+        engine.drain()
+    finally:
+        engine.close()
+    blocks: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
+    for tokens in requests:
+        keys = hash_token_blocks(tokens, BLOCK_TOKENS)
+        for position, key in enumerate(keys):
+            start = position * BLOCK_TOKENS
+            parent = keys[position - 1] if position else None
+            blocks[key] = (parent, tuple(tokens[start : start + BLOCK_TOKENS]))
+    stored = [event for event in engine.events if event.kind is EventKind.STORED]
+    assert len(stored) == engine.manager.stats().stored_blocks > 0
+    for event in stored:
+        assert (event.parent_hash, event.token_ids) == blocks[event.block_hash]
+    evicted = [event for event in engine.events if event.kind is EventKind.EVICTED]
+    assert len(evicted) == engine.manager.stats().evicted_blocks > 0
+    assert engine.tokens.num_requests == 0, "finished requests are forgotten"
 
 
 def test_roundtrip_two_kv_cache_groups_with_their_own_layouts() -> None:

@@ -5,14 +5,23 @@ from __future__ import annotations
 import dataclasses
 import pickle
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("vllm")
 
+pytestmark = pytest.mark.vllm033
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
 from kvtier.copy.base import Direction  # noqa: E402
+from kvtier.integrations.vllm.adapters import (  # noqa: E402
+    VLLM_0_32,
+    VLLM_0_33,
+    VllmAdapter,
+    adapter_for,
+)
 from kvtier.integrations.vllm.stats import (  # noqa: E402
     METRICS,
     OFFLOAD_COUNTERS,
@@ -30,23 +39,43 @@ from kvtier.offload import OffloadStats, Transfer, TransferPlan, WorkerReport  #
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "vllm.md"
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.7", "0.32.1+cpu"])
-def test_supported_versions_pass(version: str) -> None:
-    assert check_vllm_version(version) == version
+@pytest.mark.parametrize(
+    "version, adapter",
+    [
+        ("0.32.0", VLLM_0_32),
+        ("0.32.7", VLLM_0_32),
+        ("0.32.1+cpu", VLLM_0_32),
+        ("0.33.0", VLLM_0_33),
+        ("0.33.2+cu130", VLLM_0_33),
+    ],
+)
+def test_supported_versions_pick_their_adapter(version: str, adapter: VllmAdapter) -> None:
+    assert check_vllm_version(version) == adapter.series
+    assert adapter_for(version) is adapter
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "dev"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "dev"])
 def test_other_versions_fail_with_what_to_do(version: str) -> None:
     with pytest.raises(UnsupportedVLLMVersion) as raised:
-        check_vllm_version(version)
+        adapter_for(version)
     message = str(raised.value)
     assert f"vLLM {version} is installed" in message
-    assert "0.32.x" in message
+    assert "0.32.x, 0.33.x" in message
     assert "pip install" in message
 
 
 def test_installed_vllm_is_supported() -> None:
-    check_vllm_version()
+    from kvtier.integrations.vllm.connector import VLLM
+
+    assert VLLM is adapter_for()
+
+
+def test_only_releases_with_sleep_hooks_run_with_sleep_mode() -> None:
+    VLLM_0_32.check(SimpleNamespace(model_config=None))  # type: ignore[arg-type]
+    sleeping = SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=True))
+    with pytest.raises(ValueError, match="sleep mode on vLLM 0.32"):
+        VLLM_0_32.check(sleeping)  # type: ignore[arg-type]
+    VLLM_0_33.check(sleeping)  # type: ignore[arg-type]
 
 
 def test_stats_add_counters_and_keep_the_latest_gauge() -> None:
@@ -93,10 +122,11 @@ class _Registered:
 
 
 def test_prometheus_metrics_publish_every_payload() -> None:
-    from vllm.config import VllmConfig
+    from vllm.config import DeviceConfig, VllmConfig
 
     bound = _Registered()
-    prom = KVTierPromMetrics(VllmConfig(), bound.types, ["model_name", "engine"], {0: ["m", "0"]})
+    config = VllmConfig(device_config=DeviceConfig("cpu"))
+    prom = KVTierPromMetrics(config, bound.types, ["model_name", "engine"], {0: ["m", "0"]})
     prom.observe({"hit_tokens": 64, "used_blocks": 3}, engine_idx=0)
     prom.observe({"hit_tokens": 32, "used_blocks": 5}, engine_idx=0)
     labels = {"model_name": "m", "engine": "0"}

@@ -8,13 +8,14 @@ from kvtier.offload.messages import (
     TransferPlan,
     WorkerReport,
 )
-from kvtier.offload.worker import BackendFactory, OffloadWorker
+from kvtier.offload.worker import BackendFactory, LoadFailures, OffloadWorker
 
 __all__ = [
     "BackendFactory",
     "DeviceBlock",
     "GroupBlockIds",
     "LazyCandidate",
+    "LoadFailures",
     "OffloadManager",
     "OffloadStats",
     "OffloadWorker",

@@ -283,6 +283,8 @@ class OffloadManager:
         self._flush = False
         self._released: list[str] = []
         self._unavailable: dict[str, tuple[DeviceBlock, ...]] = {}
+        # Requests whose load failed recompute instead: asked again, they get no tier hit.
+        self._load_failed: set[str] = set()
         self._events: list[IndexEvent] = []
         self._failures = FailureLog(logger)
         self._hit_tokens = 0
@@ -351,15 +353,19 @@ class OffloadManager:
         Counts whole blocks readable in every kv-cache group (for a group
         with a window, the last ``window`` blocks of the hit), starting at the
         first block the engine does not hold, and never covers the request's
-        last token (the engine must compute at least one). Changes nothing.
+        last token (the engine must compute at least one). A request whose
+        load failed gets no hit until it finished: it recomputes instead of
+        retrying the tier. Changes nothing.
 
         Args:
-            request_id: The request (for logging only).
+            request_id: The request.
             block_hashes: The engine's hash of each full block of the request.
             num_computed_tokens: Tokens the engine already holds (its own prefix hits);
                 a multiple of ``block_tokens``.
             num_tokens: Tokens of the request so far.
         """
+        if request_id in self._load_failed:
+            return 0
         first = num_computed_tokens // self.block_tokens
         limit = max(0, num_tokens - 1 - num_computed_tokens) // self.block_tokens
         wanted = block_hashes[first : first + limit]
@@ -512,6 +518,7 @@ class OffloadManager:
             num_computed_tokens: Tokens whose KV is written at the end; in
                 eager mode, full blocks not stored yet are stored before release.
         """
+        self._load_failed.discard(request_id)
         state = self._requests.get(request_id)
         if state is None:
             return False
@@ -608,6 +615,7 @@ class OffloadManager:
             reports = [one for one in report if one is not None]
         collected = _Collected()
         for request_id, blocks in self._unavailable.items():
+            self._refuse_reload(request_id)
             collected.failed_loads[request_id] = list(blocks)
             state = self._requests.get(request_id)
             if state is not None and not state.load_batches:
@@ -746,6 +754,11 @@ class OffloadManager:
             # the first missing block rules out every hit whose window contains it
             hits = start + readable
         return 0
+
+    def _refuse_reload(self, request_id: str) -> None:
+        state = self._requests.get(request_id)
+        if state is not None and not state.finished:
+            self._load_failed.add(request_id)
 
     def _new_batch_id(self) -> int:
         batch_id = self._next_batch_id
@@ -958,6 +971,7 @@ class OffloadManager:
                 self.index.discard(batch.keys)
                 self._failed_loads += len(transfer)
                 assert transfer.request_id is not None
+                self._refuse_reload(transfer.request_id)
                 collected.failed_loads.setdefault(transfer.request_id, []).extend(
                     DeviceBlock(transfer.group, b) for b in transfer.device_blocks
                 )

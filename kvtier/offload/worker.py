@@ -14,8 +14,10 @@ order each step:
    (behind the model's work on the current stream), polls copies in flight,
    and returns the finished requests whose held blocks may be freed and the
    requests whose loads completed.
-5. :meth:`OffloadWorker.take_failed_load_blocks` — device blocks whose loads
-   failed since the last call: the engine recomputes them.
+5. :meth:`OffloadWorker.take_load_failures` — what of those loads failed, for
+   the engine to recompute: device blocks with one kv-cache group, whole
+   requests with several (block ids repeat across groups, so a block id alone
+   does not say which block failed).
 6. :meth:`OffloadWorker.take_report` — the :class:`WorkerReport` for the
    scheduler-side :class:`~kvtier.offload.OffloadManager`.
 
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -66,6 +68,16 @@ BackendFactory = Callable[[KVLayout, torch.Tensor], CopyBackend]
 _FIRST_PAUSE_S = 1e-4
 _LONGEST_PAUSE_S = 1e-2
 """Bounds of the pause between polls while a flush or close waits for copies."""
+
+
+@dataclass(frozen=True)
+class LoadFailures:
+    """Failed loads the engine must recompute, as blocks or as whole requests."""
+
+    blocks: frozenset[int] = frozenset()
+    """Device block ids whose loads failed (one kv-cache group only)."""
+    requests: frozenset[str] = frozenset()
+    """Requests whose loads finished with some block failed (several kv-cache groups)."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +162,7 @@ class OffloadWorker:
         self._loads_by_request: dict[str, set[int]] = {}
         self._holds: dict[str, set[int]] = {}
         self._failed_load_blocks: set[int] = set()
+        self._failed_load_requests: set[str] = set()
         self._closed = False
 
     @classmethod
@@ -211,6 +224,7 @@ class OffloadWorker:
             self._loads_by_request.setdefault(transfer.request_id, set()).add(transfer.batch_id)
         for request_id, blocks in plan.unavailable.items():
             self._failed_load_blocks.update(blocks)
+            self._failed_load_requests.add(request_id)
             self._loads_by_request.setdefault(request_id, set())
         for request_id, batch_ids in plan.holds.items():
             self._holds[request_id] = set(batch_ids)
@@ -260,6 +274,21 @@ class OffloadWorker:
         """Device block ids whose loads failed since the last call: recompute them."""
         failed, self._failed_load_blocks = self._failed_load_blocks, set()
         return failed
+
+    def take_load_failures(self, loaded: Iterable[str]) -> LoadFailures:
+        """The failed loads to report with ``loaded`` (from :meth:`get_finished`).
+
+        With one kv-cache group, every device block whose load failed since the
+        last call. With several, block ids repeat across groups, so the
+        requests of ``loaded`` with a failed block are named instead (the
+        engine recomputes them from their first loaded block).
+        """
+        blocks = self.take_failed_load_blocks()
+        failed = self._failed_load_requests.intersection(loaded)
+        self._failed_load_requests -= failed
+        if len(self.layouts) == 1:
+            return LoadFailures(blocks=frozenset(blocks))
+        return LoadFailures(requests=frozenset(failed))
 
     def take_report(self) -> WorkerReport | None:
         """This worker's completions since the last call, or ``None`` if there are none."""
@@ -419,7 +448,7 @@ class OffloadWorker:
             why,
         )
         if transfer.direction is Direction.LOAD:
-            self._failed_load_blocks.update(transfer.device_blocks)
+            self._load_failed(transfer)
 
     def _fail(self, transfer: Transfer, cause: str, why: str, *, exc_info: bool = False) -> None:
         self._failures.failed(
@@ -437,4 +466,9 @@ class OffloadWorker:
         counts = self._done if ok else self._failed
         counts[transfer.batch_id] = counts.get(transfer.batch_id, 0) + 1
         if not ok and transfer.direction is Direction.LOAD:
-            self._failed_load_blocks.update(transfer.device_blocks)
+            self._load_failed(transfer)
+
+    def _load_failed(self, transfer: Transfer) -> None:
+        self._failed_load_blocks.update(transfer.device_blocks)
+        if transfer.request_id is not None:
+            self._failed_load_requests.add(transfer.request_id)

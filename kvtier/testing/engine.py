@@ -14,7 +14,11 @@ as a mismatch.
 (:class:`~kvtier.offload.OffloadWorker`) the way an engine integration does,
 and runs requests step by step: prefix hits in the engine, then in the tier
 (loaded asynchronously), stores of computed blocks, and release of finished
-requests' blocks once every worker reported their copies.
+requests' blocks once every worker reported their copies. It uses the same
+engine-neutral helpers an engine integration does: a
+:class:`~kvtier.offload.protection.LazyStoreGuard` for lazy stores, the
+workers' :meth:`~kvtier.offload.OffloadWorker.take_load_failures`, and
+:class:`~kvtier.offload.events.RequestTokens` for KV-cache events.
 """
 
 from __future__ import annotations
@@ -38,8 +42,10 @@ from kvtier.index.base import BlockIndex, BlockKey
 from kvtier.keys import hash_token_blocks
 from kvtier.kinds import LAYOUT_RESOLVER
 from kvtier.layout.base import KVCaches, KVLayout, LayoutResolver
+from kvtier.offload.events import BlockEvent, RequestTokens
 from kvtier.offload.manager import OffloadManager, StoreMode
 from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
+from kvtier.offload.protection import LazyStoreGuard
 from kvtier.offload.worker import BackendFactory, OffloadWorker
 from kvtier.testing.contracts_layout import mamba_state_views
 from kvtier.tiers.host import HostTier
@@ -406,7 +412,9 @@ class OffloadedEngine:
     are loaded before it computes, and every loaded block is checked byte for
     byte on every rank (:attr:`mismatches` lists the wrong ones).
     :meth:`silence` withholds a worker's reports for some steps, as a rank
-    that stops reporting (and may come back) would.
+    that stops reporting (and may come back) would. With ``record_events``,
+    :attr:`events` collects the tier's KV-cache events with each stored
+    block's tokens.
     """
 
     def __init__(
@@ -418,6 +426,7 @@ class OffloadedEngine:
         world_size: int = 1,
         store_mode: StoreMode = "eager",
         late_worker: int | None = None,
+        record_events: bool = False,
         resolver: LayoutResolver | None = None,
         copy_deadline_s: float = DEFAULT_COPY_DEADLINE_S,
         report_deadline_s: float = DEFAULT_REPORT_DEADLINE_S,
@@ -434,6 +443,7 @@ class OffloadedEngine:
             world_size: Number of workers.
             store_mode: The manager's store mode.
             late_worker: A worker whose reports reach the manager one step late.
+            record_events: Collect the tier's KV-cache events in :attr:`events`.
             resolver: Layout resolver (registered ``auto`` if ``None``).
             copy_deadline_s: The workers' copy deadline.
             report_deadline_s: The manager's report deadline.
@@ -450,9 +460,13 @@ class OffloadedEngine:
             record_bytes=record_bytes,
             world_size=world_size,
             store_mode=store_mode,
+            record_events=record_events,
             report_deadline_s=report_deadline_s,
             clock=clock,
         )
+        self.guard = LazyStoreGuard(self.manager)
+        self.tokens = RequestTokens(spec.block_tokens)
+        self.events: list[BlockEvent] = []
         self.workers = [
             OffloadWorker(
                 engine.layout,
@@ -474,7 +488,6 @@ class OffloadedEngine:
         self._waiting: list[tuple[list[int], int, str | None]] = []
         self._running: dict[str, _Running] = {}
         self._held: dict[str, list[int]] = {}
-        self._protected: dict[int, int] = {}
         self._next_request = 0
         self._computed_in: dict[BlockKey, int] = {}
         self.last_plan = TransferPlan()
@@ -530,12 +543,9 @@ class OffloadedEngine:
             self._waiting.pop(0)
         plan = self.manager.build_plan(self._lazy_candidates())
         self.last_plan = plan
-        if self.manager.store_mode == "lazy":
-            for transfer in plan.stores:
-                for block in transfer.device_blocks:
-                    self._protected[block] = self._protected.get(block, 0) + 1
-                    for engine in self.engines:
-                        engine.protect([block])
+        for ref in self.guard.protect(plan):
+            for engine in self.engines:
+                engine.protect([ref.block_id])
         for worker in self.workers:
             worker.bind(plan)
             worker.handle_preemptions()
@@ -552,6 +562,7 @@ class OffloadedEngine:
                 self._finish(request_id)
             else:
                 self.manager.scheduled(request_id, num_computed_tokens=state.computed_tokens)
+        self.events.extend(self.tokens.describe(self.manager.take_events(), self.manager.namespace))
 
     def drain(self, max_steps: int = 200) -> None:
         """Step until nothing waits, runs, is held or is in flight.
@@ -599,6 +610,7 @@ class OffloadedEngine:
             if (acquired[rank], allocated[rank]) != (acquired[0], allocated[0]):
                 raise AssertionError(f"rank {rank} allocated different device blocks than rank 0")
         blocks = acquired[0] + allocated[0]
+        self.tokens.track(request_id, keys, tokens)
         self.manager.allocated(request_id, keys, [blocks], computed, tier_tokens)
         self.manager.scheduled(
             request_id,
@@ -639,8 +651,8 @@ class OffloadedEngine:
         reports: list[WorkerReport | None] = []
         failed_blocks: set[int] = set()
         for rank, worker in enumerate(self.workers):
-            worker.get_finished()
-            failed_blocks |= worker.take_failed_load_blocks()
+            _, loaded = worker.get_finished()
+            failed_blocks |= worker.take_load_failures(loaded).blocks
             report = worker.take_report()
             if rank == self.late_worker:
                 self._late_reports.append(report)
@@ -658,13 +670,10 @@ class OffloadedEngine:
         for request_id in progress.loaded_requests:
             failed = {ref.block_id for ref in progress.failed_loads.get(request_id, ())}
             self._finish_load(request_id, failed | failed_blocks)
-        for ref in progress.stored_blocks:
-            if ref.block_id in self._protected:
-                self._protected[ref.block_id] -= 1
-                if self._protected[ref.block_id] == 0:
-                    del self._protected[ref.block_id]
-                for engine in self.engines:
-                    engine.free([ref.block_id])
+        for ref in self.guard.release(progress):
+            for engine in self.engines:
+                engine.free([ref.block_id])
+        self.tokens.forget(progress.released_requests)
         for request_id in progress.released_requests:
             blocks = self._held.pop(request_id)
             for engine in self.engines:
@@ -709,5 +718,6 @@ class OffloadedEngine:
         if self.manager.finished(request_id, state.computed_tokens):
             self._held[request_id] = state.blocks
         else:
+            self.tokens.forget([request_id])
             for engine in self.engines:
                 engine.free(state.blocks)

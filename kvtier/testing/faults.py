@@ -13,17 +13,27 @@ and a released store writes its host slots once more, late, so a slot reused
 while it hung holds wrong bytes) and raises exceptions that are not
 :class:`~kvtier.copy.CopyError`, as a buggy backend would. :class:`ManualClock`
 is a clock for deadlines that moves only when a test (or a wait) moves it.
+:func:`flaky_copy_registry` registers it as copy backend type ``flaky``, for
+code that builds its backend from a config (an engine's connector).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from pydantic import Field
 
+import kvtier
+from kvtier.config import PluginConfig
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
+from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
+
+if TYPE_CHECKING:
+    from kvtier.plugins import Registry
 
 NOISE_BYTE = 0xA5
 """What a failed batch leaves in its destination."""
@@ -203,3 +213,46 @@ class FlakyBackend(CopyBackend):
             for region in self.layout.regions:
                 for block in batch.device_blocks:
                     region.view[block].fill_(NOISE_BYTE)
+
+
+class FlakyCopyConfig(PluginConfig):
+    """The ``torch`` copy backend wrapped in a :class:`FlakyBackend` (tests only)."""
+
+    type: Literal["flaky"] = Field(
+        default="flaky", description="Use the torch backend with injected delays and failures."
+    )
+
+
+class _FlakyCopyPlugin:
+    def __init__(self, faults: dict[str, Any]) -> None:
+        self.faults = faults
+
+    @kvtier.hookimpl
+    def register_copy_backends(self, register: Callable[..., None]) -> None:
+        def build(
+            config: FlakyCopyConfig, layout: KVLayout, host_buffer: torch.Tensor
+        ) -> CopyBackend:
+            from kvtier.plugins import default_registry
+
+            torch_backend = default_registry().get(COPY_BACKEND, "torch")
+            inner = torch_backend.factory(torch_backend.config_model(), layout, host_buffer)
+            return FlakyBackend(inner, layout, host_buffer, **self.faults)
+
+        register("flaky", build, FlakyCopyConfig)
+
+
+def flaky_copy_registry(**faults: Any) -> Registry:
+    """The built-in plugins plus copy backend ``flaky``: torch copies with these faults.
+
+    Args:
+        **faults: :class:`FlakyBackend` keyword arguments (``fail``, ``delay_polls``, ...).
+
+    Returns:
+        A registry to stand in for :func:`kvtier.plugins.default_registry` (tests patch
+        ``kvtier.plugins._default_registry`` with it) while a config names ``{"type": "flaky"}``.
+    """
+    from kvtier.plugins import build_plugin_manager, collect
+
+    manager = build_plugin_manager()
+    manager.register(_FlakyCopyPlugin(faults), name="kvtier-testing-flaky-copy")
+    return collect(manager)

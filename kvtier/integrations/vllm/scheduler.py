@@ -1,0 +1,326 @@
+"""The scheduler half of the vLLM connector: vLLM's requests and blocks in, manager calls out.
+
+Call sequence in one engine step, inside ``Scheduler.schedule()``:
+
+1. :meth:`KVTierScheduler.get_num_new_matched_tokens` — for a waiting request
+   whose ``num_computed_tokens`` is 0 (new, or preempted and restarting), after
+   vLLM's own prefix-cache lookup; the hit is loaded asynchronously. vLLM may
+   ask again for the same request if allocation fails.
+2. :meth:`KVTierScheduler.update_state_after_alloc` — after vLLM allocated
+   device blocks; a request that loads gets a second call once its load
+   finished and it is scheduled. It waits in ``WAITING_FOR_REMOTE_KVS``
+   until every worker reported its load.
+3. :meth:`KVTierScheduler.build_plan` — once per step, after scheduling:
+   preemptions, every scheduled request's new blocks and computed tokens,
+   lazy-mode candidates from vLLM's free block queue, then the plan.
+
+Then, in ``Scheduler.update_from_output()``:
+
+4. :meth:`KVTierScheduler.request_finished` — for each finished request, before
+   its blocks are freed: whether vLLM must keep them until copies reading them
+   complete.
+5. :meth:`KVTierScheduler.update_connector_output` — the merged reports of all
+   workers (vLLM counts ``finished_sending`` / ``finished_recving`` until all
+   ``world_size`` workers named a request).
+6. :meth:`KVTierScheduler.stats` then :meth:`KVTierScheduler.take_events`.
+
+Any time: :meth:`KVTierScheduler.reset_cache`.
+
+The decisions (what to store and load, lazy-store protection, which requests
+may not load again, which tokens an event names) are
+:mod:`kvtier.offload`'s; this class only translates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+from vllm.v1.request import RequestStatus
+
+from kvtier.config import KVTierConfig
+from kvtier.index.base import EventKind
+from kvtier.integrations.vllm.stats import OFFLOAD_COUNTERS, KVTierStats
+from kvtier.keys import KeyNamespace
+from kvtier.offload import (
+    LazyCandidate,
+    OffloadManager,
+    OffloadStats,
+    TransferPlan,
+    WorkerReport,
+)
+from kvtier.offload.events import BlockEvent, RequestTokens
+from kvtier.offload.protection import LazyStoreGuard
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+EVENT_MEDIUM = "CPU"
+"""The ``medium`` of the KV-cache events the host tier publishes."""
+
+LAZY_HEADROOM = 2
+"""Lazy mode keeps the first this-many steps' worth of blocks of vLLM's free queue stored."""
+
+
+def group_windows_of(kv_cache_config: KVCacheConfig, block_tokens: int) -> list[int | None]:
+    """Blocks a prefix hit needs per kv-cache group: all (``None``) or only the last few.
+
+    A sliding-window group needs the blocks its window spans; a Mamba group
+    needs only its last state block.
+    """
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    windows: list[int | None] = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            windows.append(-(-spec.sliding_window // block_tokens) + 1)
+        elif isinstance(spec, MambaSpec):
+            windows.append(1)
+        else:
+            windows.append(None)
+    return windows
+
+
+class KVTierScheduler:
+    """The scheduler-side connector: wraps an :class:`~kvtier.offload.OffloadManager`."""
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        vllm_config: VllmConfig,
+        kv_cache_config: KVCacheConfig,
+        *,
+        record_bytes: int,
+    ) -> None:
+        """Build the manager and its index for vLLM's KV-cache shape.
+
+        Raises:
+            ValueError: vLLM's block hashes do not cover exactly one block.
+        """
+        from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+        block_tokens, hash_block_tokens = resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
+        if block_tokens != hash_block_tokens:
+            raise ValueError(
+                f"kvtier needs vLLM's prefix hashes per block, but blocks hold {block_tokens} "
+                f"tokens and hashes cover {hash_block_tokens}; unset prefix_match_unit"
+            )
+        world_size = vllm_config.parallel_config.world_size
+        config.host_slots(record_bytes, world_size)
+        transfer_config = vllm_config.kv_transfer_config
+        if transfer_config is not None and transfer_config.kv_load_failure_policy != "recompute":
+            # A tier miss is always recoverable: recompute instead of failing the request.
+            logger.info("kvtier sets kv_load_failure_policy to 'recompute'")
+            transfer_config.kv_load_failure_policy = "recompute"
+        events = vllm_config.kv_events_config
+        self.record_events = bool(events is not None and events.enable_kv_cache_events)
+        self.config = config
+        self.block_tokens = block_tokens
+        self.record_bytes = record_bytes
+        num_groups = len(kv_cache_config.kv_cache_groups)
+        self.manager = OffloadManager.from_config(
+            config,
+            block_tokens=block_tokens,
+            record_bytes=record_bytes,
+            world_size=world_size,
+            num_groups=num_groups,
+            namespace=KeyNamespace(model=vllm_config.model_config.model),
+            null_block_id=0,
+            record_events=self.record_events,
+            group_windows=group_windows_of(kv_cache_config, block_tokens),
+        )
+        self.guard = LazyStoreGuard(self.manager)
+        self.tokens = RequestTokens(block_tokens)
+        self._block_pool: BlockPool | None = None
+        self._lookup_base: dict[str, int] = {}
+        # Requests finished while waiting for their load: vLLM frees their blocks itself.
+        self._waiting_finished: set[str] = set()
+        self._lazy_target = LAZY_HEADROOM * -(
+            -vllm_config.scheduler_config.max_num_batched_tokens // block_tokens
+        )
+        self._reported = OffloadStats()
+        logger.info(
+            "kvtier: %s mode, %d host slots of %d bytes per rank, world size %d, %d group(s)",
+            config.store_mode,
+            self.manager.index.num_slots,
+            record_bytes,
+            world_size,
+            num_groups,
+        )
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """Keep vLLM's block pool: lazy mode reads its free queue and protects blocks in it."""
+        self._block_pool = gpu_block_pool
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
+        """Tokens past vLLM's own hit that the tier loads (asynchronously when positive)."""
+        self._lookup_base[request.request_id] = num_computed_tokens
+        # The manager leaves the last token to the engine. vLLM recomputes the last token of
+        # a fully loaded request itself (it rewinds num_computed_tokens by one after an
+        # asynchronous load), so the tier may also serve the block holding that token.
+        return self.manager.lookup(
+            request.request_id, request.block_hashes, num_computed_tokens, request.num_tokens + 1
+        )
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Record vLLM's allocation; queue the load of the accepted tier hit."""
+        self.tokens.track(request.request_id, request.block_hashes, request.all_token_ids)
+        base = self._lookup_base.pop(request.request_id, request.num_computed_tokens)
+        self.manager.allocated(
+            request.request_id,
+            request.block_hashes,
+            blocks.get_block_ids(),
+            num_computed_tokens=base,
+            num_external_tokens=num_external_tokens,
+        )
+
+    def build_plan(self, scheduler_output: SchedulerOutput) -> TransferPlan:
+        """This step's plan for every worker."""
+        manager = self.manager
+        if scheduler_output.preempted_req_ids:
+            manager.preempted(scheduler_output.preempted_req_ids)
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            manager.scheduled(
+                new.req_id,
+                num_computed_tokens=new.num_computed_tokens + scheduled.get(new.req_id, 0),
+                new_block_ids=new.block_ids,
+                block_hashes=self.tokens.block_hashes(new.req_id),
+                resumed=True,
+            )
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            manager.scheduled(
+                req_id,
+                num_computed_tokens=cached.num_computed_tokens[i] + scheduled.get(req_id, 0),
+                new_block_ids=cached.new_block_ids[i],
+                block_hashes=self.tokens.block_hashes(req_id),
+                resumed=req_id in cached.resumed_req_ids,
+            )
+        plan = manager.build_plan(self._lazy_candidates())
+        protect = self.guard.protect(plan)
+        if protect:
+            # Keep vLLM from reusing the blocks until their stores are over.
+            pool = self._bound_pool()
+            pool.touch([pool.blocks[ref.block_id] for ref in protect])
+        stale = self._waiting_finished & plan.holds.keys()
+        if stale:
+            # vLLM frees these when their loads report in; a hold would free them twice.
+            self._waiting_finished -= stale
+            plan = dataclasses.replace(
+                plan, holds={r: b for r, b in plan.holds.items() if r not in stale}
+            )
+        return plan
+
+    def _lazy_candidates(self) -> list[LazyCandidate]:
+        if self.config.store_mode != "lazy" or self._block_pool is None:
+            return []
+        candidates = []
+        frontier = self._block_pool.free_block_queue.iter_blocks_after(None)
+        for block in itertools.islice(frontier, self._lazy_target):
+            if block.block_hash is None or block.is_null:
+                continue
+            candidates.append(
+                LazyCandidate(
+                    get_block_hash(block.block_hash), get_group_id(block.block_hash), block.block_id
+                )
+            )
+        return candidates
+
+    def _bound_pool(self) -> BlockPool:
+        if self._block_pool is None:
+            raise RuntimeError(
+                "lazy mode planned stores before vLLM bound its block pool "
+                "(bind_gpu_block_pool); the connector needs vLLM's scheduler to call it"
+            )
+        return self._block_pool
+
+    def update_connector_output(self, report: WorkerReport | None) -> None:
+        """Count the workers' merged report; let vLLM reuse blocks whose lazy stores are over."""
+        progress = self.manager.process(report)
+        self.tokens.forget(progress.released_requests)
+        released = self.guard.release(progress)
+        if released:
+            pool = self._bound_pool()
+            pool.free_blocks(pool.blocks[ref.block_id] for ref in released)
+
+    def request_finished(self, request: Request) -> bool:
+        """Whether vLLM must keep the finished request's blocks until the workers release them."""
+        request_id = request.request_id
+        self._lookup_base.pop(request_id, None)
+        hold = self.manager.finished(request_id, request.num_computed_tokens)
+        if not hold:
+            self.tokens.forget([request_id])
+        if hold and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self._waiting_finished.add(request_id)
+            return False
+        return hold
+
+    def has_pending_push_work(self) -> bool:
+        """Whether copies are in flight (a served engine keeps stepping until they report)."""
+        return self.manager.num_inflight_batches > 0
+
+    def reset_cache(self) -> bool:
+        """Empty the tier now (:meth:`kvtier.offload.OffloadManager.reset`); always ``True``.
+
+        The reset takes effect in this call: nothing stored before it is served
+        after it. Copies still in flight keep their host slots until they
+        complete, but vLLM must not hear ``False`` for that: it treats
+        ``False`` as a failed reset, and pausing or putting the engine to
+        sleep (``pause_scheduler(clear_cache=True)``) then raises.
+        """
+        self.manager.reset()
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """This step's KV-cache events of the tier (none unless vLLM publishes events)."""
+        described = self.tokens.describe(self.manager.take_events(), self.manager.namespace)
+        return [self._vllm_event(event) for event in described]
+
+    def _vllm_event(self, event: BlockEvent) -> KVCacheEvent:
+        block_hash = maybe_convert_block_hash(event.block_hash)
+        if event.kind is EventKind.STORED:
+            parent = event.parent_hash
+            return BlockStored(
+                block_hashes=[block_hash],
+                parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
+                token_ids=list(event.token_ids),
+                block_size=self.block_tokens,
+                lora_id=None,
+                medium=EVENT_MEDIUM,
+                lora_name=None,
+                group_idx=event.group,
+            )
+        return BlockRemoved(block_hashes=[block_hash], medium=EVENT_MEDIUM, group_idx=event.group)
+
+    def stats(self) -> KVTierStats:
+        """What changed in the tier's counters and usage since the last call."""
+        now = self.manager.stats()
+        last, self._reported = self._reported, now
+        stats = KVTierStats()
+        for name, field in OFFLOAD_COUNTERS.items():
+            value = getattr(now, field) - getattr(last, field)
+            if value:
+                stats.record(name, value)
+        if now.used_slots != last.used_slots or now.num_slots != last.num_slots:
+            stats.record("used_blocks", now.used_slots)
+            stats.record("capacity_blocks", now.num_slots)
+            stats.record("used_bytes", now.used_slots * self.record_bytes)
+            stats.record("capacity_bytes", now.num_slots * self.record_bytes)
+        if now.quarantined_slots != last.quarantined_slots:
+            stats.record("quarantined_blocks", now.quarantined_slots)
+        return stats

@@ -1,0 +1,158 @@
+"""The worker half of the vLLM connector: vLLM's KV tensors and step hooks onto an OffloadWorker.
+
+Call sequence in one engine step, inside ``GPUModelRunner.execute_model``
+(the CPU runner inherits it):
+
+1. :meth:`KVTierWorker.handle_preemptions` — before the step's inputs are
+   prepared: if requests were preempted, wait for copies still reading their
+   blocks.
+2. :meth:`KVTierWorker.bind` — the plan for this step.
+3. (the forward pass; loads run between steps while their requests wait, and
+   stores copy whole blocks after it, so nothing happens per layer)
+4. :meth:`KVTierWorker.get_transfer_results` — submits the plan's stores and
+   loads (behind the forward on the device) and names finished loads and
+   finished requests whose blocks may be freed; with several kv-cache groups,
+   requests whose load failed.
+5. :meth:`KVTierWorker.get_block_ids_with_load_errors` — with one group, the
+   device blocks whose loads failed, so vLLM recomputes them.
+6. :meth:`KVTierWorker.take_report` — the worker's report for the scheduler.
+
+With sleep mode (vLLM 0.33), :meth:`KVTierWorker.suspend` runs before the KV
+cache is unmapped.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.config import KVTierConfig
+from kvtier.kinds import LAYOUT_RESOLVER
+from kvtier.layout.base import KVCaches, KVLayout
+from kvtier.offload import OffloadWorker, TransferPlan, WorkerReport
+from kvtier.plugins import default_registry
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger(__name__)
+
+_VLLM_VIEW_DIMS = 4
+"""vLLM hands connectors one ``[blocks, heads, tokens, bytes-or-elements]`` view per layer."""
+
+
+def manager_block_views(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> KVCaches:
+    """vLLM's per-layer views with one entry of dimension 0 per scheduler block.
+
+    When attention kernels need smaller blocks than the scheduler's, vLLM
+    views each layer in kernel blocks: ``[num_blocks * k, H, N / k, C]``.
+    Those views become ``[num_blocks, k, H, N / k, C]``, so block ``i`` is the
+    block the scheduler names ``i``.
+    """
+    from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+    views: KVCaches = {}
+    for name, tensor in kv_caches.items():
+        kernel_blocks = tensor.dim() == _VLLM_VIEW_DIMS and tensor.shape[0] != num_blocks
+        views[name] = group_kernel_blocks(tensor, num_blocks) if kernel_blocks else tensor
+    return views
+
+
+class KVTierWorker:
+    """The worker-side connector: wraps an :class:`~kvtier.offload.OffloadWorker`."""
+
+    def __init__(
+        self,
+        config: KVTierConfig,
+        kv_cache_config: KVCacheConfig,
+        *,
+        world_size: int,
+        record_bytes: int,
+    ) -> None:
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self.world_size = world_size
+        self.record_bytes = record_bytes
+        # Built in register_kv_caches, once vLLM allocated the tensors.
+        self.offload: OffloadWorker | None = None
+        self._failed_blocks: frozenset[int] = frozenset()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Resolve vLLM's KV tensors, per kv-cache group, and build the offload worker.
+
+        Raises:
+            ValueError: A group resolves to blocks of another size than vLLM's KV-cache config.
+        """
+        registry = default_registry()
+        resolver = registry.build(LAYOUT_RESOLVER, self.config.layout)
+        views = manager_block_views(kv_caches, self.kv_cache_config.num_blocks)
+        groups = self.kv_cache_config.kv_cache_groups
+        layouts: list[KVLayout]
+        if len(groups) <= 1:
+            layouts = [resolver.resolve(views)]
+        else:
+            layouts = [
+                resolver.resolve({name: views[name] for name in group.layer_names})
+                for group in groups
+            ]
+        for group, layout in enumerate(layouts):
+            if layout.record_bytes != self.record_bytes:
+                raise ValueError(
+                    f"kv-cache group {group} resolved to {layout.record_bytes}-byte blocks, but "
+                    f"vLLM's KV-cache config says {self.record_bytes}; set the layout type "
+                    "explicitly in kv_connector_extra_config (e.g. block_first)"
+                )
+        self.offload = OffloadWorker.from_config(
+            self.config, layouts, world_size=self.world_size, registry=registry
+        )
+
+    def handle_preemptions(self, plan: TransferPlan) -> None:
+        """Before vLLM reuses preempted requests' blocks: wait for copies still reading them."""
+        if self.offload is not None and plan.flush:
+            self.offload.flush()
+
+    def bind(self, plan: TransferPlan) -> None:
+        """Take this step's plan (submitted in :meth:`get_transfer_results`)."""
+        if self.offload is not None:
+            self.offload.bind(plan)
+
+    def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """Submit the plan; return finished sending, finished receiving and failed receiving.
+
+        ``finished_sending`` names finished requests whose held blocks may be
+        freed; ``finished_recving`` requests whose loads ended; ``failed_recving``
+        those of them that must be recomputed (several kv-cache groups only;
+        with one, failed blocks go to :meth:`get_block_ids_with_load_errors`).
+        """
+        if self.offload is None:
+            return set(), set(), set()
+        released, loaded = self.offload.get_finished()
+        failures = self.offload.take_load_failures(loaded)
+        self._failed_blocks |= failures.blocks
+        return released, loaded, set(failures.requests)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Device blocks whose loads failed since the last call: vLLM recomputes them."""
+        failed, self._failed_blocks = self._failed_blocks, frozenset()
+        return set(failed)
+
+    def take_report(self) -> WorkerReport | None:
+        """This worker's completions since the last call, for the scheduler."""
+        return self.offload.take_report() if self.offload is not None else None
+
+    def suspend(self) -> None:
+        """Before sleep mode unmaps the KV cache: wait until no copy touches it.
+
+        Nothing is needed on wake-up: vLLM maps the KV cache back at the same
+        addresses, so the resolved layouts stay valid.
+        """
+        if self.offload is not None:
+            self.offload.flush()
+
+    def shutdown(self) -> None:
+        """Close the offload worker (waits a bounded time for copies in flight)."""
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None

@@ -1,0 +1,223 @@
+"""kvtier's connector in vLLM's real scheduler, stepped without a model (vLLM 0.32 and 0.33).
+
+:class:`~kvtier.testing.vllm_steps.VllmSteps` runs vLLM's ``Scheduler`` with
+both halves of the connector over CPU tensors in vLLM's own layouts; every
+block loaded from the tier is checked byte for byte. These tests run with
+whichever supported vLLM is installed: 0.32 in the main environment, 0.33 in
+the second one (``make test`` builds both).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import kvtier  # noqa: E402
+import kvtier.plugins  # noqa: E402
+from kvtier.copy.base import Direction  # noqa: E402
+from kvtier.testing.faults import flaky_copy_registry  # noqa: E402
+from kvtier.testing.vllm_steps import StepsSpec, VllmSteps, write_model_config  # noqa: E402
+
+pytestmark = pytest.mark.vllm033
+
+BLOCK = 16
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model_config(tmp_path_factory.mktemp("tiny-llama-config"))
+
+
+@pytest.fixture
+def engine_factory(model_dir: Path) -> Iterator[Callable[..., VllmSteps]]:
+    engines: list[VllmSteps] = []
+
+    def build(kvtier_config: dict[str, Any] | None = None, **spec: Any) -> VllmSteps:
+        engine = VllmSteps(model_dir, kvtier_config or {"cpu_bytes": 4 * MIB}, StepsSpec(**spec))
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        engine.close()
+
+
+def prompts(seed: int, count: int, low: int, high: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000) for _ in range(rng.randrange(low, high))] for _ in range(count)]
+
+
+def reset_device_cache(engine: VllmSteps) -> None:
+    assert engine.scheduler.reset_prefix_cache(), "vLLM's own prefix cache could not be reset"
+
+
+@pytest.mark.parametrize(
+    "layout, kernel_block_tokens",
+    [("LBNHC", None), ("LBHNC", None), ("BLHNC", None), ("LHBNC", None), ("LBHNC", 8)],
+)
+def test_stored_blocks_are_loaded_back_byte_for_byte(
+    engine_factory: Callable[..., VllmSteps], layout: str, kernel_block_tokens: int | None
+) -> None:
+    engine = engine_factory(layout=layout, kernel_block_tokens=kernel_block_tokens)
+    batch = prompts(1, 4, 40, 120)
+    cold = engine.generate(batch, max_tokens=3)
+    manager = engine.connector.manager
+    # the KV of every token but the last sampled one is computed, and its full blocks stored
+    assert manager.stats().stored_blocks == sum((len(p) + 2) // BLOCK for p in batch)
+    full_blocks = sum(len(p) // BLOCK for p in batch)
+    reset_device_cache(engine)
+    warm = engine.generate(batch, max_tokens=3)
+    assert warm == cold
+    assert engine.mismatches == []
+    assert engine.loaded_blocks == full_blocks
+    assert manager.stats().hit_tokens == full_blocks * BLOCK
+    assert engine.counter("hit_tokens") == full_blocks * BLOCK
+    assert engine.counter("loaded_blocks") == full_blocks
+    assert manager.num_requests == 0 and manager.index.stats().pinned == 0
+
+
+def test_a_request_waits_for_its_load_before_it_runs(
+    engine_factory: Callable[..., VllmSteps],
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    engine = engine_factory()
+    (prompt,) = prompts(2, 1, 70, 71)
+    engine.generate([prompt])
+    reset_device_cache(engine)
+    request_id = engine.add(prompt)
+    first = engine.step()
+    assert first.num_scheduled_tokens == {}, "nothing runs while the load is in flight"
+    assert engine.scheduler.requests[request_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [len(t) for t in first.kv_connector_metadata.plan.loads] == [len(prompt) // BLOCK]
+    engine.run()
+    assert engine.loaded_blocks == len(prompt) // BLOCK and engine.mismatches == []
+
+
+def test_preempted_requests_keep_their_outputs(engine_factory: Callable[..., VllmSteps]) -> None:
+    batch = prompts(3, 8, 100, 200)
+    reference = engine_factory(num_blocks=256).generate(batch, max_tokens=24)
+    engine = engine_factory({"cpu_bytes": 8 * MIB}, num_blocks=40)
+    assert engine.generate(batch, max_tokens=24) == reference
+    assert engine.preemptions > 0, "the device cache was meant to be too small"
+    assert engine.mismatches == []
+    manager = engine.connector.manager
+    assert manager.num_requests == 0 and manager.num_inflight_batches == 0
+
+
+def test_finished_requests_are_held_until_their_stores_complete(
+    engine_factory: Callable[..., VllmSteps],
+) -> None:
+    engine = engine_factory()
+    (prompt,) = prompts(4, 1, 64, 65)
+    request_id = engine.add(prompt, max_tokens=1)
+    engine.step()
+    assert request_id in engine.finished
+    assert request_id in engine.scheduler.requests, "its blocks are still being stored"
+    engine.run()
+    assert request_id not in engine.scheduler.requests
+    assert engine.connector.manager.stats().stored_blocks == len(prompt) // BLOCK
+
+
+def test_failed_loads_are_recomputed(
+    engine_factory: Callable[..., VllmSteps], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing_loads = flaky_copy_registry(fail=lambda batch: batch.direction is Direction.LOAD)
+    monkeypatch.setattr(kvtier.plugins, "_default_registry", failing_loads)
+    engine = engine_factory({"cpu_bytes": 4 * MIB, "copy": {"type": "flaky"}})
+    batch = prompts(5, 3, 40, 100)
+    cold = engine.generate(batch, max_tokens=4)
+    reset_device_cache(engine)
+    assert engine.generate(batch, max_tokens=4) == cold
+    stats = engine.connector.manager.stats()
+    full_blocks = sum(len(p) // BLOCK for p in batch)
+    assert stats.hit_tokens == full_blocks * BLOCK
+    assert stats.loaded_blocks == 0
+    assert stats.failed_loads == engine.failed_blocks == full_blocks
+
+
+def test_a_reset_with_copies_in_flight_succeeds_and_serves_nothing_older(
+    engine_factory: Callable[..., VllmSteps], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kvtier.plugins, "_default_registry", flaky_copy_registry(delay_polls=3))
+    engine = engine_factory({"cpu_bytes": 4 * MIB, "copy": {"type": "flaky"}})
+    (prompt,) = prompts(11, 1, 64, 65)
+    engine.add(prompt)
+    engine.step()
+    manager = engine.connector.manager
+    assert manager.num_inflight_batches > 0, "the stores are meant to be still running"
+    # pausing or putting vLLM to sleep raises if the connector's reset answers False
+    assert engine.scheduler.reset_connector_cache() is True
+    engine.run()
+    assert manager.stats().used_slots == 0
+    reset_device_cache(engine)
+    engine.generate([prompt])
+    assert manager.stats().hit_tokens == 0
+
+
+def test_reset_empties_the_tier(engine_factory: Callable[..., VllmSteps]) -> None:
+    engine = engine_factory()
+    batch = prompts(6, 2, 40, 80)
+    engine.generate(batch)
+    manager = engine.connector.manager
+    assert manager.stats().used_slots > 0
+    assert engine.scheduler.reset_prefix_cache(reset_connector=True)
+    assert manager.stats().used_slots == 0
+    engine.generate(batch)
+    assert manager.stats().hit_tokens == 0
+
+
+def test_lazy_mode_stores_blocks_leaving_the_device(
+    engine_factory: Callable[..., VllmSteps],
+) -> None:
+    engine = engine_factory({"cpu_bytes": 8 * MIB, "store_mode": "lazy"}, num_blocks=40)
+    batch = prompts(7, 3, 60, 120)
+    cold = engine.generate(batch, max_tokens=2)
+    engine.generate(prompts(8, 6, 150, 200), max_tokens=1)
+    manager = engine.connector.manager
+    assert manager.stats().stored_blocks > 0
+    assert engine.generate(batch, max_tokens=2) == cold
+    assert manager.stats().hit_tokens > 0
+    assert engine.mismatches == []
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == engine.spec.num_blocks - 1, "no block stays protected"
+
+
+def test_events_name_stored_blocks_with_their_tokens(
+    engine_factory: Callable[..., VllmSteps],
+) -> None:
+    engine = engine_factory(kv_events=True)
+    (prompt,) = prompts(9, 1, 3 * BLOCK + 5, 3 * BLOCK + 6)
+    engine.generate([prompt])
+    stored = [
+        event
+        for batch in engine.events
+        for event in batch.events
+        if type(event).__name__ == "BlockStored" and event.medium == "CPU"
+    ]
+    assert [event.token_ids for event in stored] == [
+        prompt[i * BLOCK : (i + 1) * BLOCK] for i in range(3)
+    ]
+    assert stored[0].parent_block_hash is None
+    assert stored[1].parent_block_hash == stored[0].block_hashes[0]
+    assert all(event.group_idx == 0 and event.block_size == BLOCK for event in stored)
+
+
+def test_metrics_count_what_the_tier_did(engine_factory: Callable[..., VllmSteps]) -> None:
+    engine = engine_factory()
+    batch = prompts(10, 2, 40, 80)
+    engine.generate(batch)
+    full_blocks = sum(len(p) // BLOCK for p in batch)
+    record = engine.connector.scheduler.record_bytes
+    assert engine.counter("stored_blocks") == full_blocks
+    assert engine.counter("stored_bytes") == full_blocks * record
+    gauges = [stats for stats in engine.connector_stats if "used_blocks" in stats]
+    assert gauges[-1]["used_blocks"] == full_blocks
+    assert gauges[-1]["capacity_bytes"] == engine.connector.manager.index.num_slots * record
