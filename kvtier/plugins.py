@@ -26,6 +26,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "kvtier.layout.plugin",
     "kvtier.copy.plugin",
     "kvtier.index.plugin",
+    "kvtier.tiers.plugin",
 )
 """Modules of the built-in plugins, registered through the same hooks as any other plugin."""
 

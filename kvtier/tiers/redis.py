@@ -1,0 +1,340 @@
+"""The ``redis`` tier: block records in a shared Redis or Redis Cluster, for a fleet.
+
+Each record is one Redis string, ``kvtier:<hex of the key>``, holding the
+record header of :mod:`kvtier.tiers.record` and the payload. A batch is one
+pipeline (``GET``, ``SET``, ``EXISTS`` or ``DEL`` per key, no transaction);
+with ``cluster: true`` the client sends each node the commands of the keys it
+owns. Capacity and eviction are the server's (``maxmemory`` and its policy):
+the tier never assumes a key written is still there, and a write the server
+refuses for memory is a drop counted as ``no_space``.
+
+Failures never reach the caller: a batch that cannot reach the server is a
+miss (get) or a drop (put), counted by cause, and opens a back-off window
+(``reconnect_backoff_s``, doubling up to ``reconnect_max_backoff_s``) during
+which requests are answered at once without touching the network; the first
+batch after it reconnects through the client's connection pool.
+
+The URL may carry a password; it is a secret in the config (shown as
+``**********``) and every log line and message shows the URL without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import redis
+import redis.cluster
+import redis.exceptions
+from pydantic import Field, SecretStr, field_validator
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvtier.config import PluginConfig
+from kvtier.index.base import BlockKey
+from kvtier.tiers.base import Cause, QueuedTier, TierError, TierSpec
+from kvtier.tiers.record import RecordCodec, RecordFault
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = b"kvtier:"
+"""Every Redis key the tier writes starts with this."""
+
+_FAILURES = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
+
+
+class RedisTierConfig(PluginConfig):
+    """Block records in a Redis server or Redis Cluster shared by many engines."""
+
+    type: Literal["redis"] = "redis"
+    url: SecretStr = Field(
+        description=(
+            "Server URL: redis://[[user]:password@]host:port/db, or rediss://... for TLS. "
+            "Kept secret: shown as ********** and never logged with its password."
+        )
+    )
+    cluster: bool = Field(
+        False,
+        description="The URL names a node of a Redis Cluster; keys are spread over its nodes.",
+    )
+    required: bool = Field(
+        True,
+        description=(
+            "Fail start-up when the server does not answer; false logs a warning and runs "
+            "with the tier disabled (every get a miss, every put dropped, counted)."
+        ),
+    )
+    namespace: str = Field(
+        "",
+        description=(
+            "Tenant namespace mixed into every key, so engines sharing the server never "
+            "see each other's blocks. Empty uses the engine's namespace as it is."
+        ),
+    )
+    timeout_s: float = Field(
+        1.0, gt=0, description="Seconds to connect, and to wait for each reply, before failing."
+    )
+    tls_ca_path: Path | None = Field(
+        None,
+        description=(
+            "CA bundle (PEM) that signed the server's certificate, for rediss:// URLs; "
+            "null uses the system's trusted CAs."
+        ),
+    )
+    io_threads: int = Field(
+        4, ge=1, le=256, description="Threads doing the tier's requests, one connection each."
+    )
+    queue_depth: int = Field(
+        64,
+        ge=1,
+        description=(
+            "Requests of each kind (reads, writes) that may wait for an I/O thread; beyond "
+            "it a put is dropped and a get is a miss, both counted."
+        ),
+    )
+    get_deadline_s: float | None = Field(
+        1.0,
+        gt=0,
+        description=(
+            "Seconds a get may take before its keys are reported as misses; null waits "
+            "as long as the server's timeouts allow."
+        ),
+    )
+    reconnect_backoff_s: float = Field(
+        0.5,
+        gt=0,
+        description="Seconds the tier waits after a failed batch before it tries the server again.",
+    )
+    reconnect_max_backoff_s: float = Field(
+        30.0,
+        gt=0,
+        description="The longest wait between tries; each failure in a row doubles the wait.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _known_scheme(cls, url: SecretStr) -> SecretStr:
+        scheme = urlsplit(url.get_secret_value()).scheme
+        if scheme not in ("redis", "rediss"):
+            raise ValueError("expected a redis:// or rediss:// URL")
+        return url
+
+
+def redacted_url(url: str) -> str:
+    """``url`` without its user name and password."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host if parts.port is None else f"{host}:{parts.port}"
+    return parts._replace(netloc=netloc).geturl()
+
+
+def _cause_of(exc: BaseException) -> Cause:
+    if isinstance(exc, redis.exceptions.TimeoutError):
+        return Cause.TIMEOUT
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return Cause.NO_SPACE
+    if isinstance(exc, redis.exceptions.ReadOnlyError):
+        return Cause.READ_ONLY
+    if isinstance(exc, redis.exceptions.ResponseError):
+        return Cause.SERVER
+    return Cause.CONNECTION
+
+
+class RedisTier(QueuedTier):
+    """Records in Redis, one string per record; see the module docstring."""
+
+    def __init__(self, config: RedisTierConfig, spec: TierSpec) -> None:
+        """Connect and check the server answers.
+
+        Raises:
+            TierError: The server does not answer and ``required`` is true.
+        """
+        super().__init__(
+            spec,
+            name="redis",
+            namespace=config.namespace,
+            io_threads=config.io_threads,
+            queue_depth=config.queue_depth,
+            get_deadline_s=config.get_deadline_s,
+        )
+        self.url = redacted_url(config.url.get_secret_value())
+        self.cluster = config.cluster
+        self._codec = RecordCodec(self.keys.layout_fingerprint, spec.record_bytes)
+        self._backoff_s = config.reconnect_backoff_s
+        self._max_backoff_s = config.reconnect_max_backoff_s
+        self._failures = 0
+        self._retry_at = 0.0
+        self._health_lock = threading.Lock()
+        self._client: Any = None
+        try:
+            self._client = self._connect(config)
+            self._client.ping()
+        except _FAILURES as exc:
+            self._close_client()
+            what = "Redis Cluster" if config.cluster else "Redis"
+            if config.required:
+                raise TierError(
+                    f"redis tier: cannot reach {what} at {self.url}: {exc}; start the server, "
+                    "fix url (and tls_ca_path for rediss://), or set required: false to run "
+                    "without this tier"
+                ) from None
+            logger.warning(
+                "redis tier: cannot reach %s at %s (%s); running with the tier disabled",
+                what,
+                self.url,
+                exc,
+            )
+            self._disable(Cause.DISABLED)
+        else:
+            logger.info(
+                "redis tier: %s%s, namespace %r",
+                self.url,
+                " (cluster)" if config.cluster else "",
+                self.keys.namespace,
+            )
+        self._start()
+
+    def _connect(self, config: RedisTierConfig) -> Any:
+        options: dict[str, Any] = {
+            "socket_timeout": config.timeout_s,
+            "socket_connect_timeout": config.timeout_s,
+            "max_connections": config.io_threads + 1,
+        }
+        if config.tls_ca_path is not None:
+            options["ssl_ca_certs"] = str(config.tls_ca_path)
+        url = config.url.get_secret_value()
+        # One quick retry on a fresh connection (a server restarted since the socket was
+        # opened); longer outages are the tier's back-off, not the client's.
+        retry = Retry(NoBackoff(), 1)
+        if config.cluster:
+            return redis.cluster.RedisCluster.from_url(url, retry=retry, **options)
+        return redis.Redis(
+            connection_pool=redis.ConnectionPool.from_url(url, retry=retry, **options)
+        )
+
+    def _close_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    @staticmethod
+    def _name(key: BlockKey) -> bytes:
+        return KEY_PREFIX + key.hex().encode()
+
+    def _pipeline(
+        self, command: str, keys: Sequence[BlockKey], *values: Sequence[Any]
+    ) -> list[Any] | Cause:
+        """Run ``command`` per key in one pipeline: the replies, or why the whole batch failed."""
+        now = time.monotonic()
+        with self._health_lock:
+            backing_off = now < self._retry_at
+        if backing_off:
+            return Cause.CONNECTION
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for position, key in enumerate(keys):
+                getattr(pipe, command)(self._name(key), *(value[position] for value in values))
+            replies: list[Any] = pipe.execute(raise_on_error=False)
+        except _FAILURES as exc:
+            cause = _cause_of(exc)
+            if cause in (Cause.CONNECTION, Cause.TIMEOUT):
+                self._failed(exc)
+            return cause
+        with self._health_lock:
+            if self._failures:
+                logger.info("redis tier: %s answers again", self.url)
+            self._failures = 0
+        return replies
+
+    def _failed(self, exc: BaseException) -> None:
+        with self._health_lock:
+            wait = min(self._backoff_s * 2**self._failures, self._max_backoff_s)
+            self._failures += 1
+            self._retry_at = time.monotonic() + wait
+            first = self._failures == 1
+        if first:
+            logger.warning(
+                "redis tier: %s failed (%s); misses and dropped stores until it answers, "
+                "next try in %.2f s",
+                self.url,
+                exc,
+                wait,
+            )
+
+    def _read(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
+        replies = self._pipeline("get", keys)
+        if isinstance(replies, Cause):
+            self._count_error(replies, len(keys))
+            return [None] * len(keys)
+        found: list[memoryview | None] = []
+        for key, reply in zip(keys, replies, strict=True):
+            if reply is None:
+                found.append(None)
+            elif isinstance(reply, Exception):
+                self._count_error(_cause_of(reply))
+                found.append(None)
+            else:
+                payload = self._codec.decode(key, reply)
+                if isinstance(payload, RecordFault):
+                    self._count_error(payload)
+                    found.append(None)
+                else:
+                    found.append(payload)
+        return found
+
+    def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
+        values = [
+            self._codec.encode(key, record) for key, record in zip(keys, records, strict=True)
+        ]
+        replies = self._pipeline("set", keys, values)
+        if isinstance(replies, Cause):
+            self._count_error(replies, len(keys))
+            return [False] * len(keys)
+        stored = []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                self._count_error(_cause_of(reply))
+                stored.append(False)
+            else:
+                stored.append(True)
+        written = stored.count(True)
+        self._count(stores=written, bytes_written=written * self.record_bytes)
+        return stored
+
+    def _exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return self._flags("exists", keys)
+
+    def _remove(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return self._flags("delete", keys)
+
+    def _flags(self, command: str, keys: Sequence[BlockKey]) -> list[bool]:
+        replies = self._pipeline(command, keys)
+        if isinstance(replies, Cause):
+            self._count_error(replies, len(keys))
+            return [False] * len(keys)
+        flags = []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                self._count_error(_cause_of(reply))
+                flags.append(False)
+            else:
+                flags.append(bool(reply))
+        return flags
+
+    def _release(self) -> None:
+        self._close_client()
+
+    def __repr__(self) -> str:
+        return f"RedisTier({self.url!r}, cluster={self.cluster}, namespace={self.keys.namespace!r})"
+
+
+def build_redis_tier(config: RedisTierConfig, spec: TierSpec) -> RedisTier:
+    """The ``redis`` tier's factory."""
+    return RedisTier(config, spec)
