@@ -34,6 +34,7 @@ FORMAT_VERSION = 1
 """Version of the record header written by this code; others are read as faults."""
 
 _FIXED = struct.Struct("<4sHHQ16sQQQ")
+_VERSIONED = struct.Struct("<4sH")
 _CHECKSUM_OFFSET = _FIXED.size - 8
 HEADER_FIXED_BYTES = _FIXED.size
 """Bytes of the header before the key."""
@@ -110,13 +111,13 @@ class RecordCodec:
         ``data`` may hold only the header area (the disk tier's scan reads no
         payloads); the key is not compared, since the caller may not know it.
         """
+        if len(data) >= _VERSIONED.size and _VERSIONED.unpack_from(data) != (MAGIC, FORMAT_VERSION):
+            return RecordFault.VERSION
         if len(data) < HEADER_FIXED_BYTES:
             return RecordFault.LENGTH
-        magic, version, key_bytes, payload_bytes, fingerprint, sequence, checksum, summed = (
+        _, _, key_bytes, payload_bytes, fingerprint, sequence, checksum, summed = (
             _FIXED.unpack_from(data)
         )
-        if magic != MAGIC or version != FORMAT_VERSION:
-            return RecordFault.VERSION
         end = HEADER_FIXED_BYTES + key_bytes
         if not 0 < key_bytes <= MAX_KEY_BYTES or len(data) < end:
             return RecordFault.LENGTH
