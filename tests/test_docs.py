@@ -64,7 +64,7 @@ def test_top_level_field_is_documented(field: str, configuration_page: str) -> N
 
 BUILTINS = [
     (kind, name)
-    for kind in ("layout_resolvers", "copy_backends", "block_indexes", "storage_tiers")
+    for kind in ("layout_resolvers", "copy_backends", "block_indexes")
     for name, reg in default_registry().of_kind(kind).items()
     if reg.distribution == "kvtier"
 ]
@@ -85,6 +85,27 @@ def test_builtin_plugin_fields_are_documented(
         assert info.description, f"{model.__name__}.{field} has no description"
         assert f"| `{section}.{field}` |" in configuration_page
         assert info.description.replace("|", "\\|") in configuration_page
+
+
+BUILTIN_TIERS = sorted(
+    name for name, reg in default_registry().storage_tiers.items() if reg.distribution == "kvtier"
+)
+
+
+@pytest.mark.parametrize("name", BUILTIN_TIERS)
+def test_builtin_storage_tier_fields_are_documented(name: str) -> None:
+    registration = default_registry().get("storage_tiers", name)
+    source = (DOCS / "tiers.md").read_text()
+    hooks = load_docs_hooks()
+    assert hooks.TIERS_MARKER in source
+    page = hooks.on_page_markdown(source, page=None, config=None, files=None)
+    assert f"### `type: {name}`" in page
+    for field, info in registration.config_model.model_fields.items():
+        if field == "type":
+            continue
+        assert info.description, f"{registration.config_model.__name__}.{field} has no description"
+        assert f"| `{field}` |" in page
+        assert info.description.replace("|", "\\|") in page
 
 
 def test_every_command_is_in_the_command_line_page() -> None:

@@ -154,6 +154,25 @@ class RecordCodec:
         """Header and payload as one bytes object (for stores that take one value per key)."""
         return b"".join((self.header(key, payload, sequence), payload))
 
+    @property
+    def max_encoded_bytes(self) -> int:
+        """Bytes of the longest record :meth:`encode_into` may write (the longest key's)."""
+        return HEADER_FIXED_BYTES + MAX_KEY_BYTES + self.record_bytes
+
+    def encode_into(
+        self, buffer: bytearray, key: BlockKey, payload: memoryview | bytes, sequence: int = 0
+    ) -> memoryview:
+        """Write header and payload into ``buffer`` (at least :attr:`max_encoded_bytes` long).
+
+        Returns:
+            The record: a view of the start of ``buffer``, valid until it is written again.
+        """
+        header = self.header(key, payload, sequence)
+        end = len(header) + len(payload)
+        buffer[: len(header)] = header
+        buffer[len(header) : end] = payload
+        return memoryview(buffer)[:end]
+
     def decode(self, key: BlockKey, record: memoryview | bytes) -> memoryview | RecordFault:
         """The payload of a record read from a store that keeps one value per key, or a fault."""
         view = memoryview(record)

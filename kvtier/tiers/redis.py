@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -172,6 +172,7 @@ class RedisTier(QueuedTier):
         self._failures = 0
         self._retry_at = 0.0
         self._health_lock = threading.Lock()
+        self._buffers = threading.local()
         self._client: Any = None
         try:
             self._client = self._connect(config)
@@ -228,20 +229,15 @@ class RedisTier(QueuedTier):
     def _name(key: BlockKey) -> bytes:
         return KEY_PREFIX + key.hex().encode()
 
-    def _pipeline(
-        self, command: str, keys: Sequence[BlockKey], *values: Sequence[Any]
-    ) -> list[Any] | Cause:
-        """Run ``command`` per key in one pipeline: the replies, or why the whole batch failed."""
+    def _batch(self, send: Callable[[], list[Any]]) -> list[Any] | Cause:
+        """Run one batch unless backing off: its replies, or why it failed as a whole."""
         now = time.monotonic()
         with self._health_lock:
             backing_off = now < self._retry_at
         if backing_off:
             return Cause.CONNECTION
         try:
-            pipe = self._client.pipeline(transaction=False)
-            for position, key in enumerate(keys):
-                getattr(pipe, command)(self._name(key), *(value[position] for value in values))
-            replies: list[Any] = pipe.execute(raise_on_error=False)
+            replies = send()
         except _FAILURES as exc:
             cause = _cause_of(exc)
             if cause in (Cause.CONNECTION, Cause.TIMEOUT):
@@ -252,6 +248,70 @@ class RedisTier(QueuedTier):
                 logger.info("redis tier: %s answers again", self.url)
             self._failures = 0
         return replies
+
+    def _pipeline(
+        self, command: str, keys: Sequence[BlockKey], *values: Sequence[Any]
+    ) -> list[Any] | Cause:
+        """Run ``command`` per key in one pipeline: the replies, or why the whole batch failed."""
+
+        def send() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for position, key in enumerate(keys):
+                getattr(pipe, command)(self._name(key), *(value[position] for value in values))
+            return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+
+        return self._batch(send)
+
+    def _set_records(
+        self, keys: Sequence[BlockKey], records: Sequence[memoryview]
+    ) -> list[Any] | Cause:
+        """``SET`` each key to its encoded record: the replies, or why the batch failed."""
+        if self.cluster:
+            # The cluster client routes each key to its node and follows redirections;
+            # it takes whole values, so records are joined in this thread's buffers.
+            values = [
+                self._codec.encode_into(buffer, key, record)
+                for buffer, key, record in zip(self._staging(len(keys)), keys, records, strict=True)
+            ]
+            return self._pipeline("set", keys, values)
+        return self._batch(lambda: self._send_sets(keys, records))
+
+    def _send_sets(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[Any]:
+        """Pipeline ``SET`` on one connection, writing the protocol framing here.
+
+        Each value is the header followed by the payload; they go out as separate
+        chunks of one bulk string, so the payload is never copied to join them.
+        """
+        chunks: list[bytes | memoryview] = []
+        for key, record in zip(keys, records, strict=True):
+            name = self._name(key)
+            header = self._codec.header(key, record)
+            frame = b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (
+                len(name),
+                name,
+                len(header) + len(record),
+            )
+            chunks += [frame, header, record, b"\r\n"]
+        pool = self._client.connection_pool
+        connection = pool.get_connection()
+
+        def send() -> list[Any]:
+            connection.send_packed_command(chunks)
+            replies: list[Any] = []
+            for _ in keys:
+                try:
+                    replies.append(connection.read_response())
+                except redis.exceptions.ResponseError as exc:
+                    replies.append(exc)
+            return replies
+
+        try:
+            return connection.retry.call_with_retry(send, lambda _: connection.disconnect())  # type: ignore[no-any-return]
+        except _FAILURES:
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
 
     def _failed(self, exc: BaseException) -> None:
         with self._health_lock:
@@ -289,11 +349,21 @@ class RedisTier(QueuedTier):
                     found.append(payload)
         return found
 
+    def _staging(self, count: int) -> list[bytearray]:
+        """This thread's buffers for ``count`` encoded records, kept from batch to batch.
+
+        Joined records go to long-lived buffers because a fresh multi-megabyte
+        allocation per record costs more (page faults) than the copy itself.
+        """
+        buffers: list[bytearray] | None = getattr(self._buffers, "list", None)
+        if buffers is None:
+            buffers = self._buffers.list = []
+        while len(buffers) < count:
+            buffers.append(bytearray(self._codec.max_encoded_bytes))
+        return buffers[:count]
+
     def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
-        values = [
-            self._codec.encode(key, record) for key, record in zip(keys, records, strict=True)
-        ]
-        replies = self._pipeline("set", keys, values)
+        replies = self._set_records(keys, records)
         if isinstance(replies, Cause):
             self._count_error(replies, len(keys))
             return [False] * len(keys)
