@@ -62,8 +62,8 @@ class DiskTierConfig(PluginConfig):
     type: Literal["disk"] = "disk"
     path: Path = Field(
         description=(
-            "Directory of the tier's files (created if missing); one file per rank, "
-            "rank<R>-of<W>.kvtier."
+            "Directory of the tier's files (created if missing); one file per rank, named "
+            "after it, such as rank0-of2.kvtier."
         )
     )
     capacity_bytes: ByteCount = Field(

@@ -55,7 +55,7 @@ class RedisTierConfig(PluginConfig):
     url: SecretStr = Field(
         description=(
             "Server URL: redis://[[user]:password@]host:port/db, or rediss://... for TLS. "
-            "Kept secret: shown as ********** and never logged with its password."
+            "Kept secret: shown masked, and never logged with its password."
         )
     )
     cluster: bool = Field(
@@ -305,8 +305,12 @@ class RedisTier(QueuedTier):
                     replies.append(exc)
             return replies
 
+        def reconnect(_: Exception) -> None:
+            connection.disconnect()
+
         try:
-            return connection.retry.call_with_retry(send, lambda _: connection.disconnect())  # type: ignore[no-any-return]
+            replies: list[Any] = connection.retry.call_with_retry(send, reconnect)
+            return replies
         except _FAILURES:
             connection.disconnect()
             raise
