@@ -13,7 +13,9 @@ both see the same machine), medians reported in GB/s:
   ``redis-server`` the benchmark starts on 127.0.0.1 (or ``--redis-url``).
   Both arms write new keys in every run and delete them after it, untimed.
 
-``ratio`` is tier / bare for each direction; 1.0 is as fast as the bare I/O.
+``ratio`` is tier / bare GB/s for each direction; 1.0 is as fast as the bare
+I/O. ``cpu_ratio`` compares this process's CPU seconds per byte the same way
+(bare / tier), which a busy machine disturbs less than wall-clock time.
 Prints one JSON object. Usage::
 
     python benchmarks/tier_bench.py
@@ -48,10 +50,11 @@ TARGET_RATIO = 0.8
 WAIT_S = 600.0
 
 
-def timed(action: Callable[[], None]) -> float:
-    start = time.perf_counter()
+def timed(action: Callable[[], None]) -> tuple[float, float]:
+    """Wall-clock and CPU seconds (this process, all threads) of ``action``."""
+    start, start_cpu = time.perf_counter(), time.process_time()
     action()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - start_cpu
 
 
 def gbps(total_bytes: int, seconds: float) -> float:
@@ -112,15 +115,22 @@ def measure(
     Each arm is (put, get, check); the check runs after each get, outside the timing.
     """
     seconds: dict[str, dict[str, list[float]]] = {name: {"put": [], "get": []} for name in arms}
+    cpu: dict[str, dict[str, list[float]]] = {name: {"put": [], "get": []} for name in arms}
     for _ in range(repeats):
         for name, (put, get, check) in arms.items():
-            seconds[name]["put"].append(timed(put))
-            seconds[name]["get"].append(timed(get))
+            for direction, action in (("put", put), ("get", get)):
+                wall, used = timed(action)
+                seconds[name][direction].append(wall)
+                cpu[name][direction].append(used)
             check()
     result: dict[str, Any] = {
         name: {
             f"{direction}_gbps": gbps(total, statistics.median(times))
             for direction, times in directions.items()
+        }
+        | {
+            f"{direction}_cpu_s_per_gb": round(statistics.median(times) / (total / 1e9), 4)
+            for direction, times in cpu[name].items()
         }
         for name, directions in seconds.items()
     }
@@ -130,6 +140,9 @@ def measure(
             statistics.median(seconds[bare][direction])
             / statistics.median(seconds[tier][direction]),
             3,
+        )
+        result[f"{direction}_cpu_ratio"] = round(
+            statistics.median(cpu[bare][direction]) / statistics.median(cpu[tier][direction]), 3
         )
     return result
 
@@ -260,7 +273,11 @@ def main() -> int:
             key: value for key, value in vars(args).items() if key not in ("skip", "redis_url")
         }
         | {"dir": str(args.dir) if args.dir else None},
-        "statistic": "median of repeats, arms alternated; ratio = tier GB/s / bare GB/s",
+        "statistic": (
+            "median of repeats, arms alternated; ratio = tier GB/s / bare GB/s; "
+            "cpu_ratio = bare CPU s / tier CPU s"
+        ),
+        "load_average": os.getloadavg(),
         "target_ratio": TARGET_RATIO,
     }
     if "disk" not in args.skip:

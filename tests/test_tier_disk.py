@@ -30,6 +30,7 @@ from kvtier.tiers.disk import (
     DiskTierConfig,
     build_disk_tier,
 )
+from kvtier.tiers.record import payload_checksum
 
 RECORD = 8192 + 100
 SLOT = DiskTier.slot_bytes_for(RECORD)
@@ -235,7 +236,7 @@ def test_a_torn_record_is_a_miss(open_tier: Callable[..., DiskTier]) -> None:
     old, new = payloads(2, RECORD)
     store(tier, [key_old], [old])
     offset = slot_offset(tier, key_old)
-    header = tier._codec.header(key_new, new, sequence=99)
+    header = tier._codec.header(key_new, payload_checksum(new), sequence=99)
     tier.close()
     with open(tier.file, "r+b") as file:
         file.seek(offset)

@@ -91,11 +91,23 @@ def test_a_record_for_another_record_size_is_a_length_fault() -> None:
     assert CODEC.decode(KEY, smaller.encode(KEY, PAYLOAD[:-8])) is RecordFault.LENGTH
 
 
-def test_keys_are_bounded() -> None:
+def test_keys_and_payloads_are_checked_when_encoding() -> None:
     with pytest.raises(ValueError, match="1 to 1024 bytes"):
-        CODEC.header(b"", PAYLOAD)
+        CODEC.header(b"", 0)
     with pytest.raises(ValueError, match="1 to 1024 bytes"):
-        CODEC.header(b"k" * 1025, PAYLOAD)
+        CODEC.header(b"k" * 1025, 0)
+    with pytest.raises(ValueError, match=f"a payload is {RECORD} bytes, got {RECORD - 1}"):
+        CODEC.encode(KEY, PAYLOAD[:-1])
+    buffer = bytearray(CODEC.max_encoded_bytes)
+    with pytest.raises(ValueError, match="a payload is"):
+        CODEC.encode_into(buffer, KEY, PAYLOAD + b"x")
+
+
+def test_a_record_encoded_into_a_buffer_equals_the_joined_one() -> None:
+    buffer = bytearray(b"\xee" * CODEC.max_encoded_bytes)
+    assert bytes(CODEC.encode_into(buffer, KEY, PAYLOAD, sequence=3)) == CODEC.encode(
+        KEY, PAYLOAD, sequence=3
+    )
 
 
 @settings(max_examples=200, deadline=None)

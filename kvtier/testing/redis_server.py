@@ -97,7 +97,8 @@ class RedisServer:
                 )
             try:
                 if ping:
-                    self.client(socket_connect_timeout=0.2).ping()
+                    with self.client(socket_connect_timeout=0.2) as client:
+                        client.ping()
                 else:
                     socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
                 return self

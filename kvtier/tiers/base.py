@@ -246,9 +246,8 @@ class QueuedTier(StorageTier):
     :meth:`_remove` (called on I/O threads, concurrently, never raising for a
     store failure: they count it with :meth:`_count_error` and report a miss
     or ``False``) and :meth:`_release`, and call :meth:`_start` at the end of
-    their constructor. Reads (get, contains) and writes (put,
-    delete) wait in two queues of ``queue_depth`` requests each; I/O threads
-    take reads first.
+    their constructor. Reads (get, contains) and writes (put, delete) wait in
+    two queues of ``queue_depth`` requests each; I/O threads take reads first.
     """
 
     def __init__(
@@ -293,7 +292,6 @@ class QueuedTier(StorageTier):
         self._work = threading.Condition(self._lock)
         self._reads: deque[_Request] = deque()
         self._writes: deque[_Request] = deque()
-        self._closing = False
         self._closed = False
         self._threads: list[threading.Thread] = []
         self._deadlines: list[tuple[float, int, _Request]] = []
@@ -394,7 +392,6 @@ class QueuedTier(StorageTier):
             if self._closed:
                 return
             self._closed = True
-            self._closing = True
             self._work.notify_all()
         with self._deadline_wakeup:
             self._deadline_wakeup.notify_all()
@@ -502,7 +499,7 @@ class QueuedTier(StorageTier):
     def _next_request(self) -> _Request | None:
         with self._work:
             while not self._reads and not self._writes:
-                if self._closing:
+                if self._closed:
                     return None
                 self._work.wait()
             return self._reads.popleft() if self._reads else self._writes.popleft()
@@ -541,7 +538,7 @@ class QueuedTier(StorageTier):
         while True:
             expired: list[_Request] = []
             with self._deadline_wakeup:
-                if self._closing:
+                if self._closed:
                     return
                 now = time.monotonic()
                 while self._deadlines and self._deadlines[0][0] <= now:

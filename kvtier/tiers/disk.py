@@ -5,9 +5,11 @@ second process. The file is a 4 KiB superblock (magic, format version, record
 and slot sizes, slot count) followed by fixed-size slots; a slot is a 4 KiB
 header area (the record header of :mod:`kvtier.tiers.record`, zero-padded)
 and the payload, padded to a multiple of 4 KiB so every record starts on a
-page. Records are written with one ``os.pwritev`` and read with one
-``os.preadv`` (header and payload together) from a pool of I/O threads,
-through the page cache.
+page. Records are written and read with positional I/O (``os.pwrite``,
+``os.preadv``) from a pool of I/O threads, through the page cache. A write
+puts the payload first and its header last; a crash part-way through leaves
+the slot's previous header over a mixed payload, which the payload checksum
+turns into a miss. A read takes header and payload in one ``os.preadv``.
 
 Which key sits in which slot is a :class:`~kvtier.index.BlockIndex` (any
 registered one, ``lru`` by default), so the tier evicts with the same policies
@@ -41,7 +43,13 @@ from kvtier.config import ByteCount, PluginConfig
 from kvtier.index.base import BlockIndex, BlockKey, EventKind
 from kvtier.plugins import default_registry
 from kvtier.tiers.base import Cause, QueuedTier, TierError, TierSpec
-from kvtier.tiers.record import HEADER_FIXED_BYTES, MAX_KEY_BYTES, RecordCodec, RecordFault
+from kvtier.tiers.record import (
+    HEADER_FIXED_BYTES,
+    MAX_KEY_BYTES,
+    RecordCodec,
+    RecordFault,
+    payload_checksum,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -330,34 +338,32 @@ class DiskTier(QueuedTier):
                 if slot is None:
                     found.append(None)
                     continue
-                header_area = self._header_buffer()
-                payload = bytearray(self.record_bytes)
                 try:
-                    read = os.preadv(
-                        self._fd, [header_area, payload], self._offset(self._file_slots[slot])
-                    )
+                    payload = self._read_record(key, self._offset(self._file_slots[slot]))
                 except OSError as exc:
-                    self._count_error(_cause_of(exc))
-                    untrusted.append(key)
-                    found.append(None)
-                    continue
-                fault = (
-                    RecordFault.LENGTH
-                    if read != HEADER_AREA_BYTES + self.record_bytes
-                    else self._codec.verify(key, self._codec.parse(header_area), payload)
-                )
-                if fault is not None:
-                    self._count_error(fault)
+                    payload = _cause_of(exc)
+                if isinstance(payload, (RecordFault, Cause)):
+                    self._count_error(payload)
                     untrusted.append(key)
                     found.append(None)
                 else:
-                    found.append(memoryview(payload))
+                    found.append(payload)
         finally:
             with self._index_lock:
                 self._index.discard(untrusted)
                 self._index.unpin(pinned)
                 self._index.take_events()
         return found
+
+    def _read_record(self, key: BlockKey, offset: int) -> memoryview | RecordFault:
+        """Header and payload in one ``preadv``, then every check."""
+        header_area = self._header_buffer()
+        payload = bytearray(self.record_bytes)
+        read = os.preadv(self._fd, [header_area, payload], offset)
+        if read != HEADER_AREA_BYTES + self.record_bytes:
+            return RecordFault.LENGTH
+        fault = self._codec.verify(key, self._codec.parse(header_area), payload)
+        return memoryview(payload) if fault is None else fault
 
     def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
         with self._index_lock:
@@ -375,11 +381,9 @@ class DiskTier(QueuedTier):
         for position, (key, slot, record) in enumerate(zip(keys, slots, records, strict=True)):
             if slot is None:
                 continue
-            header = self._codec.header(key, record, sequence + position)
             try:
-                self._write_all(
-                    [header.ljust(HEADER_AREA_BYTES, b"\0"), record],
-                    self._offset(self._file_slots[slot]),
+                self._write_record(
+                    key, record, sequence + position, self._offset(self._file_slots[slot])
                 )
             except OSError as exc:
                 self._count_error(_cause_of(exc))
@@ -393,18 +397,22 @@ class DiskTier(QueuedTier):
         done = set(written)
         return [key in done or was for key, was in zip(keys, present, strict=True)]
 
-    def _write_all(self, buffers: list[bytes | memoryview], offset: int) -> None:
-        """``pwritev`` all of ``buffers`` at ``offset``; a short write is continued."""
-        total = sum(len(buffer) for buffer in buffers)
-        done = os.pwritev(self._fd, buffers, offset)
-        if done < total:
-            rest = memoryview(b"".join(buffers))[done:]
-            while rest:
-                written = os.pwrite(self._fd, rest, offset + done)
-                if written == 0:
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                done += written
-                rest = rest[written:]
+    def _write_record(self, key: BlockKey, record: memoryview, sequence: int, offset: int) -> None:
+        """The payload, then its header: a header is only written over a complete payload."""
+        checksum = payload_checksum(record)
+        self._write_all(record, offset + HEADER_AREA_BYTES)
+        header = self._codec.header(key, checksum, sequence)
+        self._write_all(header.ljust(HEADER_AREA_BYTES, b"\0"), offset)
+
+    def _write_all(self, data: bytes | memoryview, offset: int) -> None:
+        """``pwrite`` all of ``data`` at ``offset``; a short write is continued."""
+        view = memoryview(data)
+        while view:
+            written = os.pwrite(self._fd, view, offset)
+            if written == 0:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            offset += written
+            view = view[written:]
 
     def _exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         with self._index_lock:

@@ -88,18 +88,18 @@ class RecordCodec:
         self.fingerprint = fingerprint_digest(layout_fingerprint)
         self.record_bytes = record_bytes
 
-    def header(self, key: BlockKey, payload: memoryview | bytes, sequence: int = 0) -> bytes:
-        """The header of ``payload`` stored under ``key``."""
+    def header(self, key: BlockKey, checksum: int, sequence: int = 0) -> bytes:
+        """The header of a ``record_bytes`` payload whose checksum is ``checksum``."""
         if not 0 < len(key) <= MAX_KEY_BYTES:
             raise ValueError(f"a record key is 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
         fixed = _FIXED.pack(
             MAGIC,
             FORMAT_VERSION,
             len(key),
-            len(payload),
+            self.record_bytes,
             self.fingerprint,
             sequence,
-            payload_checksum(payload),
+            checksum,
             0,
         )
         summed = xxhash.xxh3_64_intdigest(fixed + key)
@@ -150,9 +150,15 @@ class RecordCodec:
             return RecordFault.CHECKSUM
         return None
 
+    def _payload(self, payload: memoryview | bytes) -> memoryview | bytes:
+        if len(payload) != self.record_bytes:
+            raise ValueError(f"a payload is {self.record_bytes} bytes, got {len(payload)}")
+        return payload
+
     def encode(self, key: BlockKey, payload: memoryview | bytes, sequence: int = 0) -> bytes:
         """Header and payload as one bytes object (for stores that take one value per key)."""
-        return b"".join((self.header(key, payload, sequence), payload))
+        payload = self._payload(payload)
+        return b"".join((self.header(key, payload_checksum(payload), sequence), payload))
 
     @property
     def max_encoded_bytes(self) -> int:
@@ -167,7 +173,8 @@ class RecordCodec:
         Returns:
             The record: a view of the start of ``buffer``, valid until it is written again.
         """
-        header = self.header(key, payload, sequence)
+        payload = self._payload(payload)
+        header = self.header(key, payload_checksum(payload), sequence)
         end = len(header) + len(payload)
         buffer[: len(header)] = header
         buffer[len(header) : end] = payload

@@ -38,7 +38,7 @@ from redis.retry import Retry
 from kvtier.config import PluginConfig
 from kvtier.index.base import BlockKey
 from kvtier.tiers.base import Cause, QueuedTier, TierError, TierSpec
-from kvtier.tiers.record import RecordCodec, RecordFault
+from kvtier.tiers.record import RecordCodec, RecordFault, payload_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -216,9 +216,7 @@ class RedisTier(QueuedTier):
         retry = Retry(NoBackoff(), 1)
         if config.cluster:
             return redis.cluster.RedisCluster.from_url(url, retry=retry, **options)
-        return redis.Redis(
-            connection_pool=redis.ConnectionPool.from_url(url, retry=retry, **options)
-        )
+        return redis.Redis.from_url(url, retry=retry, **options)
 
     def _close_client(self) -> None:
         if self._client is not None:
@@ -285,7 +283,7 @@ class RedisTier(QueuedTier):
         chunks: list[bytes | memoryview] = []
         for key, record in zip(keys, records, strict=True):
             name = self._name(key)
-            header = self._codec.header(key, record)
+            header = self._codec.header(key, payload_checksum(record))
             frame = b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (
                 len(name),
                 name,
