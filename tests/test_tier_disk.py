@@ -230,21 +230,24 @@ def test_a_corrupted_header_is_a_miss_live_and_after_a_restart(
 
 
 def test_a_torn_record_is_a_miss(open_tier: Callable[..., DiskTier]) -> None:
-    """A crash mid-write leaves a new header over half of the old payload."""
+    """A crash part-way through rewriting a slot leaves its old header over a mixed payload;
+    a header written over half a payload (a write torn in another order) is no better."""
     tier = open_tier()
-    key_old, key_new = tier.keys.keys(block_hashes("torn", 2))
-    old, new = payloads(2, RECORD)
-    store(tier, [key_old], [old])
-    offset = slot_offset(tier, key_old)
+    key_old, key_new, key_kept = tier.keys.keys(block_hashes("torn", 3))
+    old, new, kept = payloads(3, RECORD)
+    store(tier, [key_old, key_kept], [old, kept])
+    old_at, kept_at = slot_offset(tier, key_old), slot_offset(tier, key_kept)
     header = tier._codec.header(key_new, payload_checksum(new), sequence=99)
     tier.close()
     with open(tier.file, "r+b") as file:
-        file.seek(offset)
+        file.seek(old_at + HEADER_AREA_BYTES)
+        file.write(new[: RECORD // 2])
+        file.seek(kept_at)
         file.write(header.ljust(HEADER_AREA_BYTES, b"\0") + new[: RECORD // 2])
     again = open_tier()
-    assert again.stats().records == 1, "the header is intact, so the record is indexed"
-    assert fetch(again, [key_old, key_new]) == [None, None]
-    assert again.stats().errors == {"checksum": 1}
+    assert again.stats().records == 2, "both headers are intact, so both records are indexed"
+    assert fetch(again, [key_old, key_new, key_kept]) == [None, None, None]
+    assert again.stats().errors == {"checksum": 2}
 
 
 def test_a_truncated_file_is_a_miss(open_tier: Callable[..., DiskTier]) -> None:

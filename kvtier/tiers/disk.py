@@ -406,12 +406,13 @@ class DiskTier(QueuedTier):
 
     def _write_all(self, data: bytes | memoryview, offset: int) -> None:
         """``pwrite`` all of ``data`` at ``offset``; a short write is continued."""
-        view = memoryview(data)
+        written = os.pwrite(self._fd, data, offset)
+        view = memoryview(data)[written:]
         while view:
+            offset += written
             written = os.pwrite(self._fd, view, offset)
             if written == 0:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            offset += written
             view = view[written:]
 
     def _exists(self, keys: Sequence[BlockKey]) -> list[bool]:
