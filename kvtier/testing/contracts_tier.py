@@ -34,6 +34,7 @@ fingerprint on the same store never returns the first one's records.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, ClassVar, TypeVar
@@ -242,6 +243,25 @@ class StorageTierContract:
             thread.join(WAIT_S)
         assert errors == []
         assert len(hits) == 4 * 3 * 4 and any(hits)
+
+    def test_a_burst_of_puts_never_blocks_and_every_one_is_accounted_for(
+        self, make_tier: TierFactory
+    ) -> None:
+        tier = make_tier(make_spec())
+        keys = tier.keys.keys(block_hashes("burst", 200))
+        record = payloads(1, seed=10)[0]
+        before = tier.stats()
+        futures = []
+        slowest = 0.0
+        for key in keys:
+            started = time.monotonic()
+            futures.append(tier.put([key], [record]))
+            slowest = max(slowest, time.monotonic() - started)
+        stored = sum(done(future).stored[0] for future in futures)
+        after = tier.stats()
+        assert slowest < 1.0, f"a put blocked its caller for {slowest:.2f} s"
+        assert stored + after.drops - before.drops == len(keys)
+        assert after.queue_drops - before.queue_drops <= after.drops - before.drops
 
     # --------------------------------------------------------------- capacity
 
