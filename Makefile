@@ -53,7 +53,10 @@ plugin-check: $(STAMP)
 	$(BIN)/kvtier plugins | grep -E '^block index +fifo +kvtier-example '
 
 # pytest's own exit status is kept: 5 ("no tests collected") fails the build like any other.
+# The redis tier's tests run real redis-server processes; as root, install it when missing.
 pytest: $(STAMP)
+	@command -v redis-server >/dev/null || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 	$(BIN)/python -m pytest tests plugins/kvtier-example/tests
 
 # vLLM keeps model-class facts in a cache keyed by file hash; a cache of its own per release

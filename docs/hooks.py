@@ -6,11 +6,12 @@ import re
 from typing import Any
 
 from kvtier.cli import help_texts
-from kvtier.config_reference import render_config_reference
+from kvtier.config_reference import render_config_reference, render_storage_tier_reference
 from kvtier.plugins import default_registry
 
 MARKER = "<!-- kvtier:config-reference -->"
 CLI_MARKER = "<!-- kvtier:cli-reference -->"
+TIERS_MARKER = "<!-- kvtier:tier-reference -->"
 
 # Docstrings cross-reference in Sphinx style (:class:`~kvtier.index.BlockIndex`), which the
 # Google-style renderer leaves as text; show the name alone, shortened where ``~`` asks for it.
@@ -18,7 +19,7 @@ _ROLE = re.compile(r":(?:class|meth|func|data|attr|mod|exc|obj):<code>(~?)([^<]+
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
-    """Render the references wherever a page holds :data:`MARKER` or :data:`CLI_MARKER`."""
+    """Render the references wherever a page holds one of the markers."""
     if MARKER in markdown:
         reference = render_config_reference(default_registry(), distribution="kvtier")
         # Headings one level below the page's "## Reference".
@@ -26,6 +27,9 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
         if reference.startswith("## "):
             reference = "#" + reference
         markdown = markdown.replace(MARKER, reference)
+    if TIERS_MARKER in markdown:
+        tiers = render_storage_tier_reference(default_registry(), distribution="kvtier")
+        markdown = markdown.replace(TIERS_MARKER, tiers)
     if CLI_MARKER in markdown:
         sections = [
             f"## `{command}`\n\n```text\n{text.rstrip()}\n```\n"

@@ -16,6 +16,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from kvtier.config.model import SECTIONS, KVTierConfig
+from kvtier.kinds import STORAGE_TIER
 from kvtier.plugins import Registry
 
 _SECTION_FIELDS = {section.field: section for section in SECTIONS}
@@ -52,6 +53,30 @@ def render_config_reference(registry: Registry, *, distribution: str | None = No
                 lines += [" ".join(doc.split("\n\n")[0].split()), ""]
             lines += _fields_table(model.model_fields, f"{section.field}.")
     return "\n".join(lines) + "\n"
+
+
+def render_storage_tier_reference(registry: Registry, *, distribution: str | None = None) -> str:
+    """Render each storage tier's config fields as Markdown, one table per tier.
+
+    Args:
+        registry: The plugins whose storage tiers to describe.
+        distribution: Describe only tiers from this distribution; ``None`` describes all.
+
+    Returns:
+        Markdown with a ``### `type: <name>` `` heading and a fields table per tier.
+    """
+    lines: list[str] = []
+    for reg in registry.of_kind(STORAGE_TIER).values():
+        if distribution is not None and reg.distribution != distribution:
+            continue
+        model = reg.config_model
+        lines += [f"### `type: {reg.name}`", ""]
+        doc = (model.__doc__ or "").strip()
+        if doc:
+            lines += [" ".join(doc.split("\n\n")[0].split()), ""]
+        fields = {name: info for name, info in model.model_fields.items() if name != "type"}
+        lines += [*_fields_table(fields, ""), ""]
+    return "\n".join(lines)
 
 
 def _fields_table(fields: dict[str, FieldInfo], prefix: str) -> list[str]:

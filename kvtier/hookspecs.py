@@ -70,10 +70,14 @@ def register_layout_resolvers(register: Register[LayoutResolverFactory]) -> None
 def register_storage_tiers(register: Register[StorageTierFactory]) -> None:
     """Register storage tiers that sit below the host tier (local disk, remote stores).
 
-    The factory is called as ``factory(config, record_bytes)`` with the
-    validated config model and the size of one block record in bytes. Tiers
-    below the host tier are configured by this hook's registrations; none is
-    built in yet. Called in worker processes.
+    The factory is called as ``factory(config, spec)`` with the validated
+    config model and a :class:`kvtier.tiers.base.TierSpec` (the size of one
+    block record in bytes and the rank's :class:`~kvtier.keys.KeyNamespace`,
+    with rank and world size), and returns a
+    :class:`kvtier.tiers.base.StorageTier`, or raises
+    :class:`kvtier.tiers.base.TierError` naming why the tier cannot start.
+    kvtier's own ``disk`` and ``redis`` tiers are registered here. Called in
+    worker processes.
 
     :param register: ``register(name, factory, config_model)``; call it once per tier.
     :return: Nothing; a return value is ignored.

@@ -5,8 +5,9 @@ Two sources exist:
 
 - Engines that hash prefixes themselves (vLLM does) hand kvtier their chained
   block hash; :class:`KeyNamespace` prefixes it with a digest of the model, the
-  layout fingerprint, the rank and the kv-cache group, so keys never collide
-  across models, layouts, ranks or groups.
+  layout fingerprint, the rank (with the world size) and a tenant namespace,
+  then the kv-cache group, so keys never collide across models, layouts,
+  ranks, tenants or groups.
 - Engines and tools that do not get :func:`hash_token_blocks`: block ``i``'s
   hash covers its tokens and the hash of block ``i - 1``, so equal keys mean
   equal prefixes. Hashes depend only on the token ids and the algorithm (never
@@ -17,8 +18,9 @@ Two sources exist:
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from kvtier.index.base import BlockKey
@@ -99,19 +101,48 @@ class SplitKey(NamedTuple):
 
 @dataclass(frozen=True)
 class KeyNamespace:
-    """Turns engine block hashes into keys private to one model, layout, rank and group.
+    """Turns engine block hashes into keys private to one model, layout, rank, tenant and group.
 
     The namespace is a short digest of its fields; :meth:`key` prepends it and
     the group to the engine's hash, so lookups cost one concatenation.
     ``rank=None`` gives keys shared by every rank (what the scheduler's index
     uses: each rank holds its own shard of the same block in the same slot);
-    lower tiers that store each rank's shard separately set the rank.
+    lower tiers that store each rank's shard separately set the rank and the
+    world size. ``namespace`` names a tenant: stores shared by several
+    deployments keep each tenant's blocks apart by it.
+
+    Keys made without ``world_size`` and ``namespace`` are the same as before
+    those fields existed, so stored keys stay valid.
     """
 
     model: str = ""
     layout_fingerprint: str = ""
     rank: int | None = None
+    world_size: int | None = None
+    namespace: str = ""
     _prefixes: dict[int, bytes] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def digest(self) -> bytes:
+        """The bytes every key of this namespace starts with, whatever its group."""
+        return self.prefix(0)[:_NAMESPACE_DIGEST_BYTES]
+
+    def _digest(self) -> bytes:
+        rank = "" if self.rank is None else str(self.rank)
+        if self.world_size is None and not self.namespace:
+            text = "\x1f".join(("kvtier-key-v1", self.model, self.layout_fingerprint, rank))
+        else:
+            text = json.dumps(
+                [
+                    "kvtier-key-v2",
+                    self.model,
+                    self.layout_fingerprint,
+                    self.rank,
+                    self.world_size,
+                    self.namespace,
+                ]
+            )
+        return hashlib.sha256(text.encode()).digest()[:_NAMESPACE_DIGEST_BYTES]
 
     def prefix(self, group: int) -> bytes:
         """The bytes every key of ``group`` starts with."""
@@ -119,17 +150,7 @@ class KeyNamespace:
         if found is None:
             if group < 0:
                 raise ValueError(f"a kv-cache group index is never negative, got {group}")
-            digest = hashlib.sha256(
-                "\x1f".join(
-                    (
-                        "kvtier-key-v1",
-                        self.model,
-                        self.layout_fingerprint,
-                        "" if self.rank is None else str(self.rank),
-                    )
-                ).encode()
-            ).digest()[:_NAMESPACE_DIGEST_BYTES]
-            found = digest + group.to_bytes(_GROUP_BYTES, "little")
+            found = self._digest() + group.to_bytes(_GROUP_BYTES, "little")
             self._prefixes[group] = found
         return found
 
@@ -158,6 +179,10 @@ class KeyNamespace:
             )
         return SplitKey(group, key[group_end:])
 
+    def owns(self, key: BlockKey) -> bool:
+        """Whether ``key`` was made by this namespace (any group)."""
+        return len(key) >= _NAMESPACE_DIGEST_BYTES + _GROUP_BYTES and key.startswith(self.digest)
+
     def for_rank(self, rank: int) -> KeyNamespace:
         """The same namespace for one rank's own shard."""
-        return KeyNamespace(self.model, self.layout_fingerprint, rank)
+        return replace(self, rank=rank)

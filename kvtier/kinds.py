@@ -26,6 +26,8 @@ from kvtier.models import PluginConfig
 if TYPE_CHECKING:
     import torch
 
+    from kvtier.tiers.base import StorageTier, TierSpec
+
 BuiltT = TypeVar("BuiltT")
 FactoryT = TypeVar("FactoryT", contravariant=True)
 
@@ -59,13 +61,14 @@ class LayoutResolverFactory(Protocol):
 
 
 class StorageTierFactory(Protocol):
-    """``factory(config, record_bytes)``: a tier below the host tier; called in workers.
+    """``factory(config, spec)``: a tier below the host tier; called in workers.
 
-    ``record_bytes`` is the size of one block record. The storage-tier
-    contract is not fixed yet, so what the factory returns is not checked.
+    ``spec`` is a :class:`~kvtier.tiers.base.TierSpec` (record size and the
+    rank's key namespace); the factory returns a
+    :class:`~kvtier.tiers.base.StorageTier`.
     """
 
-    def __call__(self, config: Any, record_bytes: int, /) -> object: ...
+    def __call__(self, config: Any, spec: TierSpec, /) -> StorageTier: ...
 
 
 class Register(Protocol[FactoryT]):

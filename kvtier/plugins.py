@@ -35,6 +35,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "kvtier.index.plugin",
     "kvtier.copy.plugin",
     "kvtier.layout.plugin",
+    "kvtier.tiers.plugin",
 )
 """Modules of the built-in plugins, registered through the same hooks as any other plugin."""
 

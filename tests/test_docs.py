@@ -13,7 +13,7 @@ import pytest
 
 from kvtier import hookspecs
 from kvtier.config import KVTierConfig, load_config
-from kvtier.kinds import KINDS, Kind
+from kvtier.kinds import KINDS, STORAGE_TIER, Kind
 from kvtier.plugins import default_registry
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,6 +78,7 @@ def test_top_level_field_is_documented(field: str, configuration_page: str) -> N
 BUILTINS = [
     pytest.param(kind, name, id=f"{kind.section}-{name}")
     for kind in KINDS
+    if kind.section is not None
     for name, reg in default_registry().of_kind(kind).items()
     if reg.distribution == "kvtier"
 ]
@@ -96,6 +97,29 @@ def test_builtin_plugin_fields_are_documented(
         assert info.description, f"{model.__name__}.{field} has no description"
         assert f"| `{section}.{field}` |" in configuration_page
         assert info.description.replace("|", "\\|") in configuration_page
+
+
+BUILTIN_TIERS = sorted(
+    name
+    for name, reg in default_registry().of_kind(STORAGE_TIER).items()
+    if reg.distribution == "kvtier"
+)
+
+
+@pytest.mark.parametrize("name", BUILTIN_TIERS)
+def test_builtin_storage_tier_fields_are_documented(name: str) -> None:
+    registration = default_registry().get(STORAGE_TIER, name)
+    source = (DOCS / "tiers.md").read_text()
+    hooks = load_docs_hooks()
+    assert hooks.TIERS_MARKER in source
+    page = hooks.on_page_markdown(source, page=None, config=None, files=None)
+    assert f"### `type: {name}`" in page
+    for field, info in registration.config_model.model_fields.items():
+        if field == "type":
+            continue
+        assert info.description, f"{registration.config_model.__name__}.{field} has no description"
+        assert f"| `{field}` |" in page
+        assert info.description.replace("|", "\\|") in page
 
 
 def test_every_command_is_in_the_command_line_page() -> None:

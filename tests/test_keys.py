@@ -129,3 +129,36 @@ def test_split_refuses_keys_of_another_namespace() -> None:
         KeyNamespace("other").split(key)
     with pytest.raises(ValueError, match="was not made by this namespace"):
         KeyNamespace("model").split(b"short")
+
+
+def test_keys_without_world_size_or_namespace_are_unchanged() -> None:
+    """Keys stored before world_size and namespace existed stay valid."""
+    assert KeyNamespace("m", "fp", 3).key(b"h", 1).hex() == "d622633e66a78b56010068"
+    assert KeyNamespace("m", "fp").key(b"h", 1).hex() == "5c077fc9a3d84a68010068"
+
+
+def test_world_size_and_tenant_namespace_separate_keys() -> None:
+    block_hash = b"\x02" * 32
+    base = KeyNamespace("m", "fp", rank=0)
+    keys = {
+        base.key(block_hash),
+        KeyNamespace("m", "fp", rank=0, world_size=1).key(block_hash),
+        KeyNamespace("m", "fp", rank=0, world_size=2).key(block_hash),
+        KeyNamespace("m", "fp", rank=0, world_size=2, namespace="a").key(block_hash),
+        KeyNamespace("m", "fp", rank=0, world_size=2, namespace="b").key(block_hash),
+        KeyNamespace("m", "fp", rank=0, namespace="a").key(block_hash),
+    }
+    assert len(keys) == 6
+
+
+def test_for_rank_keeps_world_size_and_namespace() -> None:
+    namespace = KeyNamespace("m", "fp", rank=None, world_size=4, namespace="tenant")
+    assert namespace.for_rank(3) == KeyNamespace("m", "fp", 3, 4, "tenant")
+
+
+def test_owns_tells_a_namespaces_keys_from_others() -> None:
+    tenant = KeyNamespace("m", "fp", 0, 1, "tenant")
+    assert tenant.owns(tenant.key(b"h")) and tenant.owns(tenant.key(b"h", group=5))
+    assert not tenant.owns(KeyNamespace("m", "fp", 0, 1, "other").key(b"h"))
+    assert not tenant.owns(tenant.digest)
+    assert len(tenant.digest) == 8 and tenant.key(b"h").startswith(tenant.digest)

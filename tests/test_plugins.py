@@ -293,6 +293,7 @@ def test_registration_hooks_are_called_through_pluggy(installed: list[Any]) -> N
         ("register_copy_backends", ["kvtier.copy.plugin"]),
         ("register_copy_backends", ["echo"]),
         ("register_layout_resolvers", ["kvtier.layout.plugin"]),
+        ("register_storage_tiers", ["kvtier.tiers.plugin"]),
     ]
 
 
@@ -326,7 +327,7 @@ def test_every_kind_has_its_hook_and_every_hook_its_kind() -> None:
 def test_builtin_lazy_factories_name_functions_their_modules_define() -> None:
     registry = collect(build_plugin_manager(env={LOAD_PLUGINS_ENV: ""}))
     lazy = [reg for reg in registry.all() if isinstance(reg.factory, LazyFactory)]
-    assert {reg.kind for reg in lazy} == {COPY_BACKEND, LAYOUT_RESOLVER}
+    assert {reg.kind for reg in lazy} == {COPY_BACKEND, LAYOUT_RESOLVER, STORAGE_TIER}
     for reg in lazy:
         # Read, not imported: importing them is what the lazy factories avoid (torch, CUDA).
         spec = importlib.util.find_spec(reg.factory.module)

@@ -1,0 +1,98 @@
+"""An in-memory storage tier whose I/O can be held back, for tests of the queueing rules.
+
+:class:`MemoryTier` is a :class:`~kvtier.tiers.base.QueuedTier` over a dict
+of encoded records (so reads go through the same header checks as a real
+tier). Its I/O threads wait for :attr:`MemoryTier.gate` before each batch, so
+a test can make the tier as slow as it likes: clear the gate, fill the
+queues, see puts dropped and gets missed at their deadline, then set it again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+from kvtier.index.base import BlockKey
+from kvtier.tiers.base import QueuedTier, TierSpec
+from kvtier.tiers.record import RecordCodec, RecordFault
+
+GATE_TIMEOUT_S = 30.0
+"""An I/O thread never waits for the gate longer than this."""
+
+
+class MemoryTier(QueuedTier):
+    """Records in a dict; I/O waits for :attr:`gate`."""
+
+    def __init__(
+        self,
+        spec: TierSpec,
+        *,
+        namespace: str = "",
+        io_threads: int = 1,
+        queue_depth: int = 4,
+        get_deadline_s: float | None = None,
+        store: dict[BlockKey, bytes] | None = None,
+        fail: Callable[[str, Sequence[BlockKey]], None] | None = None,
+    ) -> None:
+        """Build a tier over ``store`` (a new dict if ``None``; share one to share a store).
+
+        ``fail(op, keys)`` runs before each batch (``op`` is ``"read"``,
+        ``"write"``, ``"exists"`` or ``"remove"``) and may raise to make it fail.
+        """
+        super().__init__(
+            spec,
+            name="memory",
+            namespace=namespace,
+            io_threads=io_threads,
+            queue_depth=queue_depth,
+            get_deadline_s=get_deadline_s,
+        )
+        self.gate = threading.Event()
+        self.gate.set()
+        self.store: dict[BlockKey, bytes] = {} if store is None else store
+        self.batches: list[tuple[str, tuple[BlockKey, ...]]] = []
+        """Each batch run, in the order the I/O threads started them."""
+        self._fail = fail
+        self._codec = RecordCodec(self.keys.layout_fingerprint, spec.record_bytes)
+        self._start()
+
+    def close(self) -> None:
+        """Open the gate, so held-back batches finish, then close."""
+        self.gate.set()
+        super().close()
+
+    def _release(self) -> None:
+        """Nothing to release: the store belongs to whoever passed it in."""
+
+    def _enter(self, op: str, keys: Sequence[BlockKey]) -> None:
+        self.gate.wait(GATE_TIMEOUT_S)
+        self.batches.append((op, tuple(keys)))
+        if self._fail is not None:
+            self._fail(op, keys)
+
+    def _read(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
+        self._enter("read", keys)
+        found: list[memoryview | None] = []
+        for key in keys:
+            record = self.store.get(key)
+            payload = None if record is None else self._codec.decode(key, record)
+            if isinstance(payload, RecordFault):
+                self._count_error(payload)
+                payload = None
+            found.append(payload)
+        return found
+
+    def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
+        self._enter("write", keys)
+        for key, record in zip(keys, records, strict=True):
+            self.store[key] = self._codec.encode(key, record)
+        self._count(stores=len(keys), bytes_written=len(keys) * self.record_bytes)
+        return [True] * len(keys)
+
+    def _exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        self._enter("exists", keys)
+        return [key in self.store for key in keys]
+
+    def _remove(self, keys: Sequence[BlockKey]) -> list[bool]:
+        self._enter("remove", keys)
+        return [self.store.pop(key, None) is not None for key in keys]

@@ -1,0 +1,149 @@
+"""Config models of the built-in storage tiers, importable without their I/O libraries.
+
+Validating a config needs these models; the tiers themselves (and ``redis``,
+``xxhash``) are imported only when a config picks one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, SecretStr, field_validator
+
+from kvtier.config import ByteCount, PluginConfig
+
+
+class DiskTierConfig(PluginConfig):
+    """Block records in one preallocated file per rank on a local filesystem."""
+
+    type: Literal["disk"] = "disk"
+    path: Path = Field(
+        description=(
+            "Directory of the tier's files (created if missing); one file per rank, named "
+            "after it, such as rank0-of2.kvtier."
+        )
+    )
+    capacity_bytes: ByteCount = Field(
+        description=(
+            "Disk space in bytes for all ranks together, split evenly; each rank's file holds "
+            "as many whole records as its share allows. Accepts sizes such as '100GiB'."
+        )
+    )
+    eviction: str = Field(
+        "lru",
+        description=(
+            "Registered block index (see `kvtier plugins`) that picks which record to evict "
+            "when the file is full, with its default settings."
+        ),
+    )
+    preallocate: bool = Field(
+        True,
+        description=(
+            "Reserve the file's space at start-up, so a disk too small is a start-up error; "
+            "without it the file grows as records are written, and writes that find the "
+            "disk full are dropped and counted."
+        ),
+    )
+    namespace: str = Field(
+        "",
+        description=(
+            "Tenant namespace mixed into every key; records of another namespace are never "
+            "returned. Empty uses the engine's namespace as it is."
+        ),
+    )
+    io_threads: int = Field(4, ge=1, le=256, description="Threads doing the tier's file I/O.")
+    queue_depth: int = Field(
+        64,
+        ge=1,
+        description=(
+            "Requests of each kind (reads, writes) that may wait for an I/O thread; beyond "
+            "it a put is dropped and a get is a miss, both counted."
+        ),
+    )
+    get_deadline_s: float | None = Field(
+        1.0,
+        gt=0,
+        description=(
+            "Seconds a get may take before its keys are reported as misses; null waits "
+            "for the disk however long it takes."
+        ),
+    )
+
+
+class RedisTierConfig(PluginConfig):
+    """Block records in a Redis server or Redis Cluster shared by many engines."""
+
+    type: Literal["redis"] = "redis"
+    url: SecretStr = Field(
+        description=(
+            "Server URL: redis://[[user]:password@]host:port/db, or rediss://... for TLS. "
+            "Kept secret: shown masked, and never logged with its password."
+        )
+    )
+    cluster: bool = Field(
+        False,
+        description="The URL names a node of a Redis Cluster; keys are spread over its nodes.",
+    )
+    required: bool = Field(
+        True,
+        description=(
+            "Fail start-up when the server does not answer; false logs a warning and runs "
+            "with the tier disabled (every get a miss, every put dropped, counted)."
+        ),
+    )
+    namespace: str = Field(
+        "",
+        description=(
+            "Tenant namespace mixed into every key, so engines sharing the server never "
+            "see each other's blocks. Empty uses the engine's namespace as it is."
+        ),
+    )
+    timeout_s: float = Field(
+        1.0, gt=0, description="Seconds to connect, and to wait for each reply, before failing."
+    )
+    tls_ca_path: Path | None = Field(
+        None,
+        description=(
+            "CA bundle (PEM) that signed the server's certificate, for rediss:// URLs; "
+            "null uses the system's trusted CAs."
+        ),
+    )
+    io_threads: int = Field(
+        4, ge=1, le=256, description="Threads doing the tier's requests, one connection each."
+    )
+    queue_depth: int = Field(
+        64,
+        ge=1,
+        description=(
+            "Requests of each kind (reads, writes) that may wait for an I/O thread; beyond "
+            "it a put is dropped and a get is a miss, both counted."
+        ),
+    )
+    get_deadline_s: float | None = Field(
+        1.0,
+        gt=0,
+        description=(
+            "Seconds a get may take before its keys are reported as misses; null waits "
+            "as long as the server's timeouts allow."
+        ),
+    )
+    reconnect_backoff_s: float = Field(
+        0.5,
+        gt=0,
+        description="Seconds the tier waits after a failed batch before it tries the server again.",
+    )
+    reconnect_max_backoff_s: float = Field(
+        30.0,
+        gt=0,
+        description="The longest wait between tries; each failure in a row doubles the wait.",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _known_scheme(cls, url: SecretStr) -> SecretStr:
+        scheme = urlsplit(url.get_secret_value()).scheme
+        if scheme not in ("redis", "rediss"):
+            raise ValueError("expected a redis:// or rediss:// URL")
+        return url

@@ -1,0 +1,14 @@
+"""Built-in storage tiers below the host tier, each imported only when a config picks it."""
+
+from __future__ import annotations
+
+from kvtier.api import LazyFactory, Register, StorageTierFactory, hookimpl
+from kvtier.tiers import configs
+
+
+@hookimpl
+def register_storage_tiers(register: Register[StorageTierFactory]) -> None:
+    register("disk", LazyFactory("kvtier.tiers.disk", "build_disk_tier"), configs.DiskTierConfig)
+    register(
+        "redis", LazyFactory("kvtier.tiers.redis", "build_redis_tier"), configs.RedisTierConfig
+    )

@@ -1,0 +1,333 @@
+"""The ``redis`` tier: block records in a shared Redis or Redis Cluster, for a fleet.
+
+Each record is one Redis string, ``kvtier:<hex of the key>``, holding the
+record header of :mod:`kvtier.tiers.record` and the payload. A batch is one
+pipeline (``GET``, ``SET``, ``EXISTS`` or ``DEL`` per key, no transaction);
+with ``cluster: true`` the client sends each node the commands of the keys it
+owns. Capacity and eviction are the server's (``maxmemory`` and its policy):
+the tier never assumes a key written is still there, and a write the server
+refuses for memory is a drop counted as ``no_space``.
+
+Failures never reach the caller: a batch that cannot reach the server is a
+miss (get) or a drop (put), counted by cause, and opens a back-off window
+(``reconnect_backoff_s``, doubling up to ``reconnect_max_backoff_s``) during
+which requests are answered at once without touching the network; the first
+batch after it reconnects through the client's connection pool.
+
+The URL may carry a password; it is a secret in the config (shown as
+``**********``) and every log line and message shows the URL without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+import redis.cluster
+import redis.exceptions
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvtier.index.base import BlockKey
+from kvtier.tiers.base import Cause, QueuedTier, TierError, TierSpec
+from kvtier.tiers.configs import RedisTierConfig
+from kvtier.tiers.record import RecordCodec, RecordFault, payload_checksum
+
+logger = logging.getLogger(__name__)
+
+KEY_PREFIX = b"kvtier:"
+"""Every Redis key the tier writes starts with this."""
+
+_FAILURES = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
+
+
+def redacted_url(url: str) -> str:
+    """``url`` without its user name and password."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host if parts.port is None else f"{host}:{parts.port}"
+    return parts._replace(netloc=netloc).geturl()
+
+
+def _cause_of(exc: BaseException) -> Cause:
+    if isinstance(exc, redis.exceptions.TimeoutError):
+        return Cause.TIMEOUT
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return Cause.NO_SPACE
+    if isinstance(exc, redis.exceptions.ReadOnlyError):
+        return Cause.READ_ONLY
+    if isinstance(exc, redis.exceptions.ResponseError):
+        return Cause.SERVER
+    return Cause.CONNECTION
+
+
+class RedisTier(QueuedTier):
+    """Records in Redis, one string per record; see the module docstring."""
+
+    def __init__(self, config: RedisTierConfig, spec: TierSpec) -> None:
+        """Connect and check the server answers.
+
+        Raises:
+            TierError: The server does not answer and ``required`` is true.
+        """
+        super().__init__(
+            spec,
+            name="redis",
+            namespace=config.namespace,
+            io_threads=config.io_threads,
+            queue_depth=config.queue_depth,
+            get_deadline_s=config.get_deadline_s,
+        )
+        self.url = redacted_url(config.url.get_secret_value())
+        self.cluster = config.cluster
+        self._codec = RecordCodec(self.keys.layout_fingerprint, spec.record_bytes)
+        self._backoff_s = config.reconnect_backoff_s
+        self._max_backoff_s = config.reconnect_max_backoff_s
+        self._failures = 0
+        self._retry_at = 0.0
+        self._health_lock = threading.Lock()
+        self._buffers = threading.local()
+        self._client: Any = None
+        try:
+            self._client = self._connect(config)
+            self._client.ping()
+        except _FAILURES as exc:
+            self._close_client()
+            what = "Redis Cluster" if config.cluster else "Redis"
+            if config.required:
+                raise TierError(
+                    f"redis tier: cannot reach {what} at {self.url}: {exc}; start the server, "
+                    "fix url (and tls_ca_path for rediss://), or set required: false to run "
+                    "without this tier"
+                ) from None
+            logger.warning(
+                "redis tier: cannot reach %s at %s (%s); running with the tier disabled",
+                what,
+                self.url,
+                exc,
+            )
+            self._disable(Cause.DISABLED)
+        else:
+            logger.info(
+                "redis tier: %s%s, namespace %r",
+                self.url,
+                " (cluster)" if config.cluster else "",
+                self.keys.namespace,
+            )
+        self._start()
+
+    def _connect(self, config: RedisTierConfig) -> Any:
+        options: dict[str, Any] = {
+            "socket_timeout": config.timeout_s,
+            "socket_connect_timeout": config.timeout_s,
+            "max_connections": config.io_threads + 1,
+        }
+        if config.tls_ca_path is not None:
+            options["ssl_ca_certs"] = str(config.tls_ca_path)
+        url = config.url.get_secret_value()
+        # One quick retry on a fresh connection (a server restarted since the socket was
+        # opened); longer outages are the tier's back-off, not the client's.
+        retry = Retry(NoBackoff(), 1)
+        if config.cluster:
+            return redis.cluster.RedisCluster.from_url(url, retry=retry, **options)
+        return redis.Redis.from_url(url, retry=retry, **options)
+
+    def _close_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    @staticmethod
+    def _name(key: BlockKey) -> bytes:
+        return KEY_PREFIX + key.hex().encode()
+
+    def _batch(self, send: Callable[[], list[Any]]) -> list[Any] | Cause:
+        """Run one batch unless backing off: its replies, or why it failed as a whole."""
+        now = time.monotonic()
+        with self._health_lock:
+            backing_off = now < self._retry_at
+        if backing_off:
+            return Cause.CONNECTION
+        try:
+            replies = send()
+        except _FAILURES as exc:
+            cause = _cause_of(exc)
+            if cause in (Cause.CONNECTION, Cause.TIMEOUT):
+                self._failed(exc)
+            return cause
+        with self._health_lock:
+            if self._failures:
+                logger.info("redis tier: %s answers again", self.url)
+            self._failures = 0
+        return replies
+
+    def _pipeline(
+        self, command: str, keys: Sequence[BlockKey], *values: Sequence[Any]
+    ) -> list[Any] | Cause:
+        """Run ``command`` per key in one pipeline: the replies, or why the whole batch failed."""
+
+        def send() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for position, key in enumerate(keys):
+                getattr(pipe, command)(self._name(key), *(value[position] for value in values))
+            return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+
+        return self._batch(send)
+
+    def _set_records(
+        self, keys: Sequence[BlockKey], records: Sequence[memoryview]
+    ) -> list[Any] | Cause:
+        """``SET`` each key to its encoded record: the replies, or why the batch failed."""
+        if self.cluster:
+            # The cluster client routes each key to its node and follows redirections;
+            # it takes whole values, so records are joined in this thread's buffers.
+            values = [
+                self._codec.encode_into(buffer, key, record)
+                for buffer, key, record in zip(self._staging(len(keys)), keys, records, strict=True)
+            ]
+            return self._pipeline("set", keys, values)
+        return self._batch(lambda: self._send_sets(keys, records))
+
+    def _send_sets(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[Any]:
+        """Pipeline ``SET`` on one connection, writing the protocol framing here.
+
+        Each value is the header followed by the payload; they go out as separate
+        chunks of one bulk string, so the payload is never copied to join them.
+        """
+        chunks: list[bytes | memoryview] = []
+        for key, record in zip(keys, records, strict=True):
+            name = self._name(key)
+            header = self._codec.header(key, payload_checksum(record))
+            frame = b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (
+                len(name),
+                name,
+                len(header) + len(record),
+            )
+            chunks += [frame, header, record, b"\r\n"]
+        pool = self._client.connection_pool
+        connection = pool.get_connection()
+
+        def send() -> list[Any]:
+            connection.send_packed_command(chunks)
+            replies: list[Any] = []
+            for _ in keys:
+                try:
+                    replies.append(connection.read_response())
+                except redis.exceptions.ResponseError as exc:
+                    replies.append(exc)
+            return replies
+
+        def reconnect(_: Exception) -> None:
+            connection.disconnect()
+
+        try:
+            replies: list[Any] = connection.retry.call_with_retry(send, reconnect)
+            return replies
+        except _FAILURES:
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
+
+    def _failed(self, exc: BaseException) -> None:
+        with self._health_lock:
+            wait = min(self._backoff_s * 2**self._failures, self._max_backoff_s)
+            self._failures += 1
+            self._retry_at = time.monotonic() + wait
+            first = self._failures == 1
+        if first:
+            logger.warning(
+                "redis tier: %s failed (%s); misses and dropped stores until it answers, "
+                "next try in %.2f s",
+                self.url,
+                exc,
+                wait,
+            )
+
+    def _read(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
+        replies = self._pipeline("get", keys)
+        if isinstance(replies, Cause):
+            self._count_error(replies, len(keys))
+            return [None] * len(keys)
+        found: list[memoryview | None] = []
+        for key, reply in zip(keys, replies, strict=True):
+            if reply is None:
+                found.append(None)
+            elif isinstance(reply, Exception):
+                self._count_error(_cause_of(reply))
+                found.append(None)
+            else:
+                payload = self._codec.decode(key, reply)
+                if isinstance(payload, RecordFault):
+                    self._count_error(payload)
+                    found.append(None)
+                else:
+                    found.append(payload)
+        return found
+
+    def _staging(self, count: int) -> list[bytearray]:
+        """This thread's buffers for ``count`` encoded records, kept from batch to batch.
+
+        Joined records go to long-lived buffers because a fresh multi-megabyte
+        allocation per record costs more (page faults) than the copy itself.
+        """
+        buffers: list[bytearray] | None = getattr(self._buffers, "list", None)
+        if buffers is None:
+            buffers = self._buffers.list = []
+        while len(buffers) < count:
+            buffers.append(bytearray(self._codec.max_encoded_bytes))
+        return buffers[:count]
+
+    def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
+        replies = self._set_records(keys, records)
+        if isinstance(replies, Cause):
+            self._count_error(replies, len(keys))
+            return [False] * len(keys)
+        stored = []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                self._count_error(_cause_of(reply))
+                stored.append(False)
+            else:
+                stored.append(True)
+        written = stored.count(True)
+        self._count(stores=written, bytes_written=written * self.record_bytes)
+        return stored
+
+    def _exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return self._flags("exists", keys)
+
+    def _remove(self, keys: Sequence[BlockKey]) -> list[bool]:
+        return self._flags("delete", keys)
+
+    def _flags(self, command: str, keys: Sequence[BlockKey]) -> list[bool]:
+        replies = self._pipeline(command, keys)
+        if isinstance(replies, Cause):
+            self._count_error(replies, len(keys))
+            return [False] * len(keys)
+        flags = []
+        for reply in replies:
+            if isinstance(reply, Exception):
+                self._count_error(_cause_of(reply))
+                flags.append(False)
+            else:
+                flags.append(bool(reply))
+        return flags
+
+    def _release(self) -> None:
+        self._close_client()
+
+    def __repr__(self) -> str:
+        return f"RedisTier({self.url!r}, cluster={self.cluster}, namespace={self.keys.namespace!r})"
+
+
+def build_redis_tier(config: RedisTierConfig, spec: TierSpec) -> RedisTier:
+    """The ``redis`` tier's factory."""
+    return RedisTier(config, spec)

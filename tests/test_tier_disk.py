@@ -1,0 +1,341 @@
+"""The disk tier: the contract, warm restart, and every fault a disk can have."""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.index.base import BlockKey
+from kvtier.plugins import PluginError, default_registry
+from kvtier.testing.contracts_tier import (
+    StorageTierContract,
+    TierFactory,
+    block_hashes,
+    done,
+    fetch,
+    make_spec,
+    payloads,
+    store,
+)
+from kvtier.tiers.base import TierError, TierSpec
+from kvtier.tiers.disk import (
+    HEADER_AREA_BYTES,
+    SUPERBLOCK_BYTES,
+    DiskTier,
+    DiskTierConfig,
+    build_disk_tier,
+)
+from kvtier.tiers.record import payload_checksum
+
+RECORD = 8192 + 100
+SLOT = DiskTier.slot_bytes_for(RECORD)
+
+
+def capacity_for(slots: int) -> int:
+    return SUPERBLOCK_BYTES + slots * SLOT
+
+
+@pytest.fixture
+def open_tier(tmp_path: Path) -> Iterator[Callable[..., DiskTier]]:
+    """Builds disk tiers under ``tmp_path/tier``; closes them all at the end."""
+    built: list[DiskTier] = []
+
+    def build(spec: TierSpec | None = None, **options: object) -> DiskTier:
+        settings: dict[str, object] = {"path": tmp_path / "tier", "capacity_bytes": capacity_for(8)}
+        settings.update(options)
+        tier = build_disk_tier(
+            DiskTierConfig(**settings),  # type: ignore[arg-type]
+            spec if spec is not None else make_spec(record_bytes=RECORD),
+        )
+        built.append(tier)
+        return tier
+
+    yield build
+    for tier in built:
+        tier.close()
+
+
+class TestDiskContract(StorageTierContract):
+    concurrent_namespaces = False
+
+    @pytest.fixture
+    def make_tier(self, tmp_path: Path) -> Iterator[TierFactory]:
+        built: list[DiskTier] = []
+
+        def build(spec: TierSpec) -> DiskTier:
+            config = DiskTierConfig(path=tmp_path, capacity_bytes=capacity_for(24), io_threads=2)
+            built.append(build_disk_tier(config, spec))
+            return built[-1]
+
+        yield build
+        for tier in built:
+            tier.close()
+
+
+def test_the_registry_builds_the_disk_tier(tmp_path: Path) -> None:
+    registration = default_registry().get("storage_tiers", "disk")
+    config = registration.config_model.model_validate(
+        {"type": "disk", "path": str(tmp_path), "capacity_bytes": "1MiB", "eviction": "s3fifo"}
+    )
+    tier = registration.factory(config, make_spec(rank=1, world_size=2, record_bytes=RECORD))
+    try:
+        assert tier.file == tmp_path / "rank1-of2.kvtier"
+        assert tier.num_slots == (2**20 // 2 - SUPERBLOCK_BYTES) // SLOT
+        assert tier.capacity_bytes == tier.num_slots * RECORD
+        assert os.path.getsize(tier.file) == SUPERBLOCK_BYTES + tier.num_slots * SLOT
+    finally:
+        tier.close()
+
+
+def test_an_unknown_eviction_policy_lists_the_installed_ones(tmp_path: Path) -> None:
+    config = DiskTierConfig(path=tmp_path, capacity_bytes="1MiB", eviction="nonesuch")
+    with pytest.raises(PluginError, match="no block index named 'nonesuch'; installed: .*lru"):
+        build_disk_tier(config, make_spec(record_bytes=RECORD))
+
+
+def test_a_capacity_below_one_record_is_a_start_up_error(tmp_path: Path) -> None:
+    config = DiskTierConfig(path=tmp_path, capacity_bytes=SLOT, eviction="lru")
+    with pytest.raises(TierError, match=f"set it to at least {2 * capacity_for(1)}"):
+        build_disk_tier(config, make_spec(world_size=2, record_bytes=RECORD))
+
+
+def test_one_file_serves_one_process(open_tier: Callable[..., DiskTier]) -> None:
+    open_tier()
+    with pytest.raises(TierError, match="in use by another kvtier process"):
+        open_tier()
+
+
+# ------------------------------------------------------------------ warm restart
+
+
+def test_warm_restart_serves_the_records_found(open_tier: Callable[..., DiskTier]) -> None:
+    tier = open_tier()
+    keys = tier.keys.keys(block_hashes("warm", 5))
+    records = payloads(5, RECORD)
+    store(tier, keys, records)
+    assert done(tier.delete(keys[4:])).deleted == (True,)
+    tier.close()
+    again = open_tier()
+    assert again.stats().records == 4
+    assert fetch(again, keys) == [*records[:4], None]
+    assert again.stats().errors == {}
+
+
+def test_warm_restart_keeps_the_write_order_for_eviction(
+    open_tier: Callable[..., DiskTier],
+) -> None:
+    tier = open_tier(capacity_bytes=capacity_for(4))
+    keys = tier.keys.keys(block_hashes("order", 5))
+    records = payloads(5, RECORD)
+    for key, record in zip(keys[:4], records[:4], strict=True):
+        store(tier, [key], [record])
+    fetch(tier, keys[:1])  # a hit does not survive a restart; the write order does
+    tier.close()
+    again = open_tier(capacity_bytes=capacity_for(4))
+    store(again, keys[4:], records[4:])
+    assert fetch(again, keys) == [None, *records[1:]]
+    assert again.stats().evictions == 1
+
+
+def test_a_larger_capacity_keeps_the_records_and_adds_slots(
+    open_tier: Callable[..., DiskTier],
+) -> None:
+    tier = open_tier(capacity_bytes=capacity_for(2))
+    keys = tier.keys.keys(block_hashes("grow", 4))
+    records = payloads(4, RECORD)
+    store(tier, keys[:2], records[:2])
+    tier.close()
+    bigger = open_tier(capacity_bytes=capacity_for(4))
+    store(bigger, keys[2:], records[2:])
+    assert fetch(bigger, keys) == records
+    assert bigger.stats().evictions == 0
+
+
+def test_another_record_size_starts_the_file_empty(open_tier: Callable[..., DiskTier]) -> None:
+    tier = open_tier()
+    keys = tier.keys.keys(block_hashes("size", 2))
+    store(tier, keys, payloads(2, RECORD))
+    tier.close()
+    other = open_tier(make_spec(record_bytes=RECORD + 4096))
+    assert other.stats().records == 0 and other.stats().errors == {}
+    assert fetch(other, keys) == [None, None]
+
+
+def test_records_of_another_layout_or_namespace_are_counted_and_never_served(
+    open_tier: Callable[..., DiskTier],
+) -> None:
+    tier = open_tier()
+    hashes = block_hashes("foreign", 3)
+    store(tier, tier.keys.keys(hashes), payloads(3, RECORD))
+    tier.close()
+    other_layout = open_tier(make_spec(fingerprint="layout-b", record_bytes=RECORD))
+    assert other_layout.stats().errors == {"fingerprint": 3}
+    assert other_layout.stats().records == 0
+    assert fetch(other_layout, other_layout.keys.keys(hashes)) == [None] * 3
+    other_layout.close()
+    other_tenant = open_tier(namespace="tenant-b")
+    assert other_tenant.stats().errors == {"key": 3}
+    assert fetch(other_tenant, other_tenant.keys.keys(hashes)) == [None] * 3
+
+
+# ------------------------------------------------------------------- corruption
+
+
+def slot_offset(tier: DiskTier, key: BlockKey) -> int:
+    slot = tier._index.slot_of(key)
+    assert slot is not None
+    return SUPERBLOCK_BYTES + tier._file_slots[slot] * tier.slot_bytes
+
+
+def overwrite(tier: DiskTier, offset: int, data: bytes) -> None:
+    with open(tier.file, "r+b") as file:
+        file.seek(offset)
+        file.write(data)
+
+
+def test_a_corrupted_payload_is_a_counted_miss_and_leaves_the_index(
+    open_tier: Callable[..., DiskTier],
+) -> None:
+    tier = open_tier()
+    keys = tier.keys.keys(block_hashes("flip", 2))
+    records = payloads(2, RECORD)
+    store(tier, keys, records)
+    overwrite(tier, slot_offset(tier, keys[0]) + HEADER_AREA_BYTES + 1234, b"\xff\x00")
+    assert fetch(tier, keys) == [None, records[1]]
+    assert tier.stats().errors == {"checksum": 1}
+    assert done(tier.contains(keys)).present == (False, True)
+    store(tier, keys[:1], records[:1])
+    assert fetch(tier, keys[:1]) == records[:1]
+
+
+def test_a_corrupted_header_is_a_miss_live_and_after_a_restart(
+    open_tier: Callable[..., DiskTier],
+) -> None:
+    tier = open_tier()
+    keys = tier.keys.keys(block_hashes("header", 3))
+    records = payloads(3, RECORD)
+    store(tier, keys, records)
+    overwrite(tier, slot_offset(tier, keys[0]) + 20, b"\x01")  # inside the fingerprint digest
+    overwrite(tier, slot_offset(tier, keys[1]), b"JUNK")  # the magic
+    assert fetch(tier, keys) == [None, None, records[2]]
+    assert tier.stats().errors == {"checksum": 1, "version": 1}
+    tier.close()
+    store_again = open_tier()
+    assert fetch(store_again, keys) == [None, None, records[2]]
+
+
+def test_a_torn_record_is_a_miss(open_tier: Callable[..., DiskTier]) -> None:
+    """A crash part-way through rewriting a slot leaves its old header over a mixed payload;
+    a header written over half a payload (a write torn in another order) is no better."""
+    tier = open_tier()
+    key_old, key_new, key_kept = tier.keys.keys(block_hashes("torn", 3))
+    old, new, kept = payloads(3, RECORD)
+    store(tier, [key_old, key_kept], [old, kept])
+    old_at, kept_at = slot_offset(tier, key_old), slot_offset(tier, key_kept)
+    header = tier._codec.header(key_new, payload_checksum(new), sequence=99)
+    tier.close()
+    with open(tier.file, "r+b") as file:
+        file.seek(old_at + HEADER_AREA_BYTES)
+        file.write(new[: RECORD // 2])
+        file.seek(kept_at)
+        file.write(header.ljust(HEADER_AREA_BYTES, b"\0") + new[: RECORD // 2])
+    again = open_tier()
+    assert again.stats().records == 2, "both headers are intact, so both records are indexed"
+    assert fetch(again, [key_old, key_new, key_kept]) == [None, None, None]
+    assert again.stats().errors == {"checksum": 2}
+
+
+def test_a_truncated_file_is_a_miss(open_tier: Callable[..., DiskTier]) -> None:
+    tier = open_tier()
+    keys = tier.keys.keys(block_hashes("short", 1))
+    store(tier, keys, payloads(1, RECORD))
+    os.truncate(tier.file, slot_offset(tier, keys[0]) + HEADER_AREA_BYTES + 10)
+    assert fetch(tier, keys) == [None]
+    assert tier.stats().errors == {"length": 1}
+
+
+# ------------------------------------------------------------------ full or read-only disks
+
+
+def mount_tmpfs(target: Path, size_bytes: int, *, read_only: bool = False) -> bool:
+    """Mount a tmpfs of ``size_bytes`` on ``target``; ``False`` if this process may not."""
+    target.mkdir(parents=True, exist_ok=True)
+    options = f"size={size_bytes}" + (",ro" if read_only else "")
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
+        capture_output=True,
+        check=False,
+    )
+    return result.returncode == 0
+
+
+def unmount(target: Path) -> None:
+    subprocess.run(["umount", "-l", str(target)], capture_output=True, check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """A directory where at most about 256 KiB can be written: a small tmpfs where this
+    process may mount one, else a file-size limit (``RLIMIT_FSIZE``) on this process."""
+    limit = 256 * 1024
+    target = tmp_path / "small"
+    if mount_tmpfs(target, limit):
+        try:
+            yield target, limit
+        finally:
+            unmount(target)
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield target, limit
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+
+def test_a_disk_too_small_is_a_start_up_error(
+    small_disk: tuple[Path, int], open_tier: Callable[..., DiskTier]
+) -> None:
+    path, limit = small_disk
+    with pytest.raises(TierError, match="no room for .* lower capacity_bytes"):
+        open_tier(path=path, capacity_bytes=4 * limit)
+    assert os.path.getsize(path / "rank0-of1.kvtier") == 0, "the space is given back"
+
+
+def test_a_disk_that_fills_up_mid_run_drops_and_counts_stores(
+    small_disk: tuple[Path, int], open_tier: Callable[..., DiskTier]
+) -> None:
+    path, limit = small_disk
+    tier = open_tier(path=path, capacity_bytes=4 * limit, preallocate=False)
+    count = 4 * limit // SLOT
+    keys = tier.keys.keys(block_hashes("fill", count))
+    records = payloads(count, RECORD)
+    stored = [store(tier, [key], [record])[0] for key, record in zip(keys, records, strict=True)]
+    assert any(stored) and not all(stored)
+    stats = tier.stats()
+    assert stats.errors == {"no_space": stored.count(False)}
+    assert stats.drops == stored.count(False)
+    got = fetch(tier, keys)
+    assert got == [record if ok else None for record, ok in zip(records, stored, strict=True)]
+
+
+def test_a_read_only_path_is_a_start_up_error(
+    tmp_path: Path, open_tier: Callable[..., DiskTier]
+) -> None:
+    target = tmp_path / "read-only"
+    if not mount_tmpfs(target, 1 << 20, read_only=True):
+        if os.geteuid() == 0:
+            pytest.skip("cannot mount a read-only tmpfs here, and root writes anywhere else")
+        target.chmod(0o500)
+    try:
+        with pytest.raises(TierError, match="cannot open .*point path at a writable directory"):
+            open_tier(path=target)
+        with pytest.raises(TierError, match="cannot create the directory"):
+            open_tier(path=target / "below")
+    finally:
+        unmount(target)

@@ -1,0 +1,365 @@
+"""The redis tier against real redis-server processes: the contract, a cluster, and faults."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.plugins import default_registry
+from kvtier.testing.contracts_tier import (
+    StorageTierContract,
+    TierFactory,
+    block_hashes,
+    done,
+    fetch,
+    make_spec,
+    payloads,
+    store,
+)
+from kvtier.testing.redis_server import RedisServer, free_port, redis_server_binary, start_cluster
+from kvtier.tiers.base import TierError, TierSpec
+from kvtier.tiers.record import RecordCodec
+from kvtier.tiers.redis import RedisTier, RedisTierConfig, redacted_url
+
+pytestmark = pytest.mark.skipif(
+    redis_server_binary() is None,
+    reason="redis-server is not installed; `make test` installs it (apt-get install redis-server)",
+)
+
+RECORD = 12 * 1024 + 7
+PASSWORD = "s3cr3t-pass-word"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One server for the tests that only read and write; each test starts it empty."""
+    started = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[RedisServer]]:
+    """A three-node Redis Cluster on 127.0.0.1."""
+    nodes = start_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield nodes
+    finally:
+        for node in nodes:
+            node.stop()
+
+
+@pytest.fixture
+def own_server(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    """Starts servers that a test may kill, pause or configure; stops them all at the end."""
+    started: list[RedisServer] = []
+
+    def start(*args: str, port: int | None = None, ping: bool = True) -> RedisServer:
+        server = RedisServer(tmp_path / f"redis{len(started)}", port=port, args=args)
+        started.append(server)
+        return server.start(ping=ping)
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def tiers() -> Iterator[Callable[..., RedisTier]]:
+    """Builds redis tiers from config fields; closes them all at the end."""
+    built: list[RedisTier] = []
+
+    def build(spec: TierSpec | None = None, **fields: object) -> RedisTier:
+        config = RedisTierConfig.model_validate(fields)
+        built.append(
+            RedisTier(config, spec if spec is not None else make_spec(record_bytes=RECORD))
+        )
+        return built[-1]
+
+    yield build
+    for tier in built:
+        tier.close()
+
+
+class TestRedisContract(StorageTierContract):
+    @pytest.fixture
+    def make_tier(
+        self, server: RedisServer, tiers: Callable[..., RedisTier]
+    ) -> Iterator[TierFactory]:
+        server.client().flushall()
+        yield lambda spec: tiers(spec, url=server.url, io_threads=2)
+
+
+class TestRedisClusterContract(StorageTierContract):
+    @pytest.fixture
+    def make_tier(
+        self, cluster: list[RedisServer], tiers: Callable[..., RedisTier]
+    ) -> Iterator[TierFactory]:
+        for node in cluster:
+            node.client().flushall()
+        yield lambda spec: tiers(spec, url=cluster[1].url, cluster=True, io_threads=2)
+
+
+def test_the_registry_builds_the_redis_tier(server: RedisServer) -> None:
+    registration = default_registry().get("storage_tiers", "redis")
+    config = registration.config_model.model_validate({"type": "redis", "url": server.url})
+    tier = registration.factory(config, make_spec(record_bytes=RECORD))
+    try:
+        assert isinstance(tier, RedisTier) and tier.capacity_bytes is None
+    finally:
+        tier.close()
+
+
+def test_cluster_keys_spread_over_every_node(
+    cluster: list[RedisServer], tiers: Callable[..., RedisTier]
+) -> None:
+    for node in cluster:
+        node.client().flushall()
+    tier = tiers(url=cluster[0].url, cluster=True)
+    keys = tier.keys.keys(block_hashes("spread", 30))
+    records = payloads(30, RECORD)
+    assert store(tier, keys, records) == (True,) * 30
+    assert all(node.client().dbsize() > 0 for node in cluster)
+    assert sum(node.client().dbsize() for node in cluster) == 30
+    assert fetch(tier, keys) == records
+
+
+def test_a_url_must_be_redis() -> None:
+    with pytest.raises(ValueError, match=r"redis:// or rediss://"):
+        RedisTierConfig(url="http://127.0.0.1:6379")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- start-up
+
+
+def test_a_server_down_at_start_up_is_a_clear_error(tiers: Callable[..., RedisTier]) -> None:
+    port = free_port()
+    with pytest.raises(TierError) as caught:
+        tiers(url=f"redis://user:{PASSWORD}@127.0.0.1:{port}/0", timeout_s=0.2)
+    message = str(caught.value)
+    assert f"cannot reach Redis at redis://127.0.0.1:{port}/0" in message
+    assert "required: false" in message and PASSWORD not in message
+
+
+def test_an_optional_server_down_at_start_up_disables_the_tier(
+    tiers: Callable[..., RedisTier], caplog: pytest.LogCaptureFixture
+) -> None:
+    port = free_port()
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.redis"):
+        tier = tiers(url=f"redis://127.0.0.1:{port}/0", required=False, timeout_s=0.2)
+    assert "running with the tier disabled" in caplog.text
+    keys = tier.keys.keys(block_hashes("off", 2))
+    assert done(tier.put(keys, payloads(2, RECORD))).stored == (False, False)
+    assert fetch(tier, keys) == [None, None]
+    stats = tier.stats()
+    assert stats.errors == {"disabled": 4} and (stats.drops, stats.misses) == (2, 2)
+
+
+# ------------------------------------------------------------------ faults
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_a_server_killed_mid_run_gives_misses_and_drops_then_recovers(
+    own_server: Callable[..., RedisServer], tiers: Callable[..., RedisTier]
+) -> None:
+    server = own_server()
+    tier = tiers(url=server.url, timeout_s=0.5, reconnect_backoff_s=0.05)
+    keys = tier.keys.keys(block_hashes("kill", 3))
+    records = payloads(3, RECORD)
+    store(tier, keys[:1], records[:1])
+    server.kill()
+    assert fetch(tier, keys[:1]) == [None]
+    assert done(tier.put(keys[1:2], records[1:2])).stored == (False,)
+    stats = tier.stats()
+    assert stats.errors.get("connection", 0) >= 2 and stats.drops == 1 and stats.misses == 1
+    server.start()  # the same port, empty: a restarted server keeps nothing here
+    wait_until(lambda: done(tier.put(keys[2:], records[2:])).stored == (True,))
+    assert fetch(tier, keys) == [None, None, records[2]]
+
+
+def test_a_stalled_server_turns_gets_into_deadline_misses_and_drops_puts(
+    own_server: Callable[..., RedisServer], tiers: Callable[..., RedisTier]
+) -> None:
+    server = own_server()
+    tier = tiers(
+        url=server.url,
+        timeout_s=0.3,
+        get_deadline_s=0.05,
+        io_threads=1,
+        queue_depth=1,
+        reconnect_backoff_s=0.05,
+    )
+    keys = tier.keys.keys(block_hashes("stall", 4))
+    records = payloads(4, RECORD)
+    store(tier, keys[:1], records[:1])
+    server.pause()
+    try:
+        started = time.monotonic()
+        assert done(tier.get(keys[:1])).records == (None,)
+        assert time.monotonic() - started < 0.25, "the deadline answers before the timeout"
+        puts = [
+            tier.put([key], [record]) for key, record in zip(keys[1:], records[1:], strict=True)
+        ]
+        assert puts[-1].done() and puts[-1].result().stored == (False,)
+        stats = tier.stats()
+        assert stats.deadline_misses == 1 and stats.queue_drops >= 1
+    finally:
+        server.resume()
+    for future in puts:
+        done(future)
+    wait_until(lambda: fetch(tier, keys[:1]) == records[:1])
+
+
+def test_a_full_server_drops_puts_and_an_evicting_one_loses_keys(
+    own_server: Callable[..., RedisServer], tiers: Callable[..., RedisTier]
+) -> None:
+    server = own_server("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
+    tier = tiers(url=server.url)
+    keys = tier.keys.keys(block_hashes("full", 400))
+    records = payloads(400, RECORD)
+    stored = done(tier.put(keys, records)).stored
+    assert any(stored) and not all(stored)
+    assert tier.stats().errors == {"no_space": stored.count(False)}
+    got = fetch(tier, keys)
+    assert got == [record if ok else None for record, ok in zip(records, stored, strict=True)]
+    server.client().config_set("maxmemory-policy", "allkeys-lru")
+    more = tier.keys.keys(block_hashes("more", 200))
+    assert all(done(tier.put(more, payloads(200, RECORD, seed=1))).stored)
+    got = fetch(tier, keys)
+    assert any(record is None for record in got)
+    assert all(g is None or g == r for g, r in zip(got, records, strict=True))
+
+
+def test_no_bad_record_is_ever_returned(
+    server: RedisServer, tiers: Callable[..., RedisTier]
+) -> None:
+    server.client().flushall()
+    tier = tiers(url=server.url)
+    keys = tier.keys.keys(block_hashes("bad", 6))
+    records = payloads(6, RECORD)
+    store(tier, keys, records)
+    client = server.client()
+    names = [b"kvtier:" + key.hex().encode() for key in keys]
+    flipped = bytearray(client.get(names[0]))
+    flipped[-1] ^= 1
+    client.set(names[0], bytes(flipped))
+    client.set(names[1], client.get(names[1])[:-5])
+    client.set(names[2], client.get(names[3]))  # another key's record
+    other_layout = RecordCodec("layout-b", RECORD)
+    client.set(names[3], other_layout.encode(keys[3], records[3]))
+    client.set(names[4], b"\x80\x04\x95 not a record, and never unpickled")
+    assert fetch(tier, keys) == [None, None, None, None, None, records[5]]
+    assert tier.stats().errors == {
+        "checksum": 1,
+        "length": 1,
+        "key": 1,
+        "fingerprint": 1,
+        "version": 1,
+    }
+
+
+# ---------------------------------------------------------------- secrets and TLS
+
+
+def test_a_password_in_the_url_works_and_is_never_shown(
+    own_server: Callable[..., RedisServer],
+    tiers: Callable[..., RedisTier],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = own_server("--requirepass", PASSWORD, ping=False)
+    url = f"redis://:{PASSWORD}@127.0.0.1:{server.port}/0"
+    with caplog.at_level(logging.DEBUG, logger="kvtier"):
+        tier = tiers(url=url)
+        keys = tier.keys.keys(block_hashes("secret", 1))
+        store(tier, keys, payloads(1, RECORD))
+        assert fetch(tier, keys) == payloads(1, RECORD)
+        with pytest.raises(TierError) as caught:
+            tiers(url=f"redis://:wrong-{PASSWORD}@127.0.0.1:{server.port}/0")
+    config = RedisTierConfig(url=url)  # type: ignore[arg-type]
+    shown = [
+        repr(config),
+        str(config),
+        config.model_dump_json(),
+        str(config.model_dump()),
+        repr(tier),
+        str(caught.value),
+        caplog.text,
+    ]
+    assert all(PASSWORD not in text for text in shown)
+    assert redacted_url(url) == f"redis://127.0.0.1:{server.port}/0"
+
+
+@pytest.fixture
+def certificate(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+def test_tls_with_the_servers_ca_works_and_without_it_fails_at_start_up(
+    own_server: Callable[..., RedisServer],
+    tiers: Callable[..., RedisTier],
+    certificate: tuple[Path, Path],
+) -> None:
+    cert, key = certificate
+    port = free_port()
+    tls = ["--port", "0", "--tls-port", str(port), "--tls-auth-clients", "no"]
+    files = [
+        "--tls-cert-file",
+        str(cert),
+        "--tls-key-file",
+        str(key),
+        "--tls-ca-cert-file",
+        str(cert),
+    ]
+    own_server(*tls, *files, port=port, ping=False)  # the later --port 0 closes the plain port
+    url = f"rediss://127.0.0.1:{port}/0"
+    tier = tiers(url=url, tls_ca_path=cert)
+    keys = tier.keys.keys(block_hashes("tls", 2))
+    records = payloads(2, RECORD)
+    store(tier, keys, records)
+    assert fetch(tier, keys) == records
+    with pytest.raises(TierError, match="certificate"):
+        tiers(url=url)
+    with pytest.raises(TierError, match="cannot reach"):
+        tiers(url=f"redis://127.0.0.1:{port}/0", timeout_s=0.5)
