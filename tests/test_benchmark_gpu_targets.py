@@ -10,12 +10,14 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import REPO_ROOT
+
 KiB = 1 << 10
 SIZES = (4 * KiB, 16 * KiB, 32 * KiB, 256 * KiB, 1024 * KiB)
 
 
 def _load_script() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_targets.py"
+    path = REPO_ROOT / "benchmarks" / "gpu_targets.py"
     spec = importlib.util.spec_from_file_location("gpu_targets", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -15,10 +14,10 @@ from kvtier import hookspecs
 from kvtier.config import KVTierConfig, load_config
 from kvtier.kinds import KINDS, STORAGE_TIER, Kind
 from kvtier.plugins import default_registry
+from tests.conftest import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs"
-EXAMPLE_PLUGIN = ROOT / "plugins" / "kvtier-example"
+DOCS = REPO_ROOT / "docs"
+EXAMPLE_PLUGIN = REPO_ROOT / "plugins" / "kvtier-example"
 
 
 def load_docs_hooks() -> ModuleType:
@@ -159,4 +158,4 @@ def test_tutorial_includes_every_file_of_the_example_plugin() -> None:
     tutorial = (DOCS / "writing-a-plugin.md").read_text()
     files = [EXAMPLE_PLUGIN / "pyproject.toml", *sorted(EXAMPLE_PLUGIN.rglob("*.py"))]
     for file in files:
-        assert f'--8<-- "{file.relative_to(ROOT)}"' in tutorial
+        assert f'--8<-- "{file.relative_to(REPO_ROOT)}"' in tutorial

@@ -11,7 +11,9 @@ import ast
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "kvtier"
+from tests.conftest import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "kvtier"
 
 
 def module_name(path: Path) -> str:

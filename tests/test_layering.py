@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "kvtier"
+from tests.conftest import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "kvtier"
 
 
 def imported_packages(package: str) -> set[str]:

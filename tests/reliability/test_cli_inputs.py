@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO_ROOT
+
 TIMEOUT_S = 120
 """Upper bound of one command; a refused input takes a few seconds (importing torch)."""
 
@@ -28,7 +29,7 @@ TINY_BENCH = ("--block-bytes", "4KiB", "--total-bytes", "16KiB", "--repeats", "1
 
 def kvtier(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """Run ``python -m kvtier ARGV`` on this checkout's code; fail the test if it hangs."""
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "kvtier", *argv],
         capture_output=True,

@@ -26,6 +26,7 @@ from kvtier.testing.contracts_layout import (
     mamba_case,
     vllm_cpu_packed_case,
 )
+from tests.copy.conftest import records
 
 
 def _execute(segments: Segments) -> None:
@@ -38,10 +39,6 @@ def _fill(layout: KVLayout, seed: int) -> None:
     for region in layout.regions:
         values = torch.randint(0, 256, tuple(region.view.shape), generator=generator)
         region.view.copy_(values.to(torch.uint8))
-
-
-def _records(layout: KVLayout, blocks: list[int]) -> torch.Tensor:
-    return torch.cat([region.view[blocks] for region in layout.regions], dim=1)
 
 
 LAYOUTS = {
@@ -64,16 +61,16 @@ def test_segments_move_exactly_the_batch(name: str, direction: Direction) -> Non
     planner = SegmentPlanner.for_tensors(layout, host)
     segments = planner.plan(CopyBatch(direction, blocks, slots))
     assert segments.total_bytes == 20 * layout.record_bytes
-    host_before, engine_before = host.clone(), _records(layout, list(range(32)))
+    host_before, engine_before = host.clone(), records(layout, list(range(32)))
     _execute(segments)
     if direction is Direction.STORE:
         assert torch.equal(host[slots], engine_before[blocks])
         others = sorted(set(range(48)) - set(slots))
         assert torch.equal(host[others], host_before[others])
     else:
-        assert torch.equal(_records(layout, blocks), host_before[slots])
+        assert torch.equal(records(layout, blocks), host_before[slots])
         others = sorted(set(range(32)) - set(blocks))
-        assert torch.equal(_records(layout, others), engine_before[others])
+        assert torch.equal(records(layout, others), engine_before[others])
 
 
 def test_consecutive_blocks_into_consecutive_slots_merge_into_one_segment() -> None:
@@ -91,7 +88,7 @@ def test_consecutive_blocks_into_consecutive_slots_merge_into_one_segment() -> N
     )
 
 
-def test_runs_merge_separately_and_regions_do_not_merge_across_records() -> None:
+def test_runs_merge_separately_and_regions_do_not_merge_acrossrecords() -> None:
     flash = flash_attn_case(num_blocks=16, num_layers=1)
     layout = AutoResolver().resolve(flash.kv_caches)
     assert len(layout.regions) == 2

@@ -34,6 +34,7 @@ from kvtier.index.lru import LRUConfig
 from kvtier.index.prefix_arc import PrefixARCConfig
 from kvtier.kinds import COPY_BACKEND
 from kvtier.plugins import Registry, collect
+from tests.conftest import REPO_ROOT
 
 
 class TorchConfig(PluginConfig):
@@ -295,13 +296,12 @@ def test_constructing_a_config_loads_no_plugin_and_imports_no_torch() -> None:
         "seen = set(sys.modules); from kvtier.plugins import DEFAULT_PLUGINS; "
         "loaded = {'kvtier.plugins', *DEFAULT_PLUGINS} & seen; assert not loaded, loaded"
     )
-    root = Path(__file__).resolve().parent.parent
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, env=env
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, env=env
     )
     assert result.returncode == 0, result.stderr
 
@@ -312,16 +312,15 @@ def test_importing_the_config_installs_no_warning_filter() -> None:
         "import kvtier.config; kvtier.config.config_model(); "
         "assert warnings.filters == before, warnings.filters[: len(warnings.filters) - len(before)]"
     )
-    root = Path(__file__).resolve().parent.parent
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     result = subprocess.run(
         [sys.executable, "-W", "error", "-c", code],
         capture_output=True,
         text=True,
-        cwd=root,
+        cwd=REPO_ROOT,
         env={**env, "KVTIER_LOAD_PLUGINS": ""},
     )
     assert result.returncode == 0, result.stderr

@@ -6,9 +6,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import REPO_ROOT
+
 HEAVY = ("torch", "numpy")
 
 
@@ -16,7 +16,7 @@ def modules_after(code: str) -> set[str]:
     """Run ``code`` in a fresh interpreter, built-in plugins only; return what it imported."""
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
         "KVTIER_LOAD_PLUGINS": "",
     }
     result = subprocess.run(
@@ -24,7 +24,7 @@ def modules_after(code: str) -> set[str]:
         capture_output=True,
         text=True,
         check=True,
-        cwd=ROOT,
+        cwd=REPO_ROOT,
         env=env,
     )
     return set(json.loads(result.stdout.splitlines()[-1]))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -35,8 +34,9 @@ from kvtier.integrations.vllm.version import (  # noqa: E402
     check_vllm_version,
 )
 from kvtier.offload import OffloadStats, Transfer, TransferPlan, WorkerReport  # noqa: E402
+from tests.conftest import REPO_ROOT  # noqa: E402
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "vllm.md"
+DOCS = REPO_ROOT / "docs" / "vllm.md"
 
 
 @pytest.mark.parametrize(

@@ -18,14 +18,9 @@ from kvtier.simulator import add_arguments, run, simulate
 from kvtier.simulator.generate import generate_records, generate_trace
 from kvtier.simulator.replay import replay
 from kvtier.simulator.traces import TraceError, TraceRequest, load_trace, mooncake_key
+from tests.conftest import REPO_ROOT
 
-MOONCAKE_TRACE = (
-    Path(__file__).resolve().parents[1]
-    / ".."
-    / "shared"
-    / "traces"
-    / "mooncake_synthetic_trace.jsonl"
-)
+MOONCAKE_TRACE = REPO_ROOT / ".." / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 
 def write_lines(path: Path, records: list[object]) -> Path:

@@ -11,10 +11,10 @@ import types
 from pathlib import Path
 
 import pytest
-from test_config import Sections, make_registry
 
 from kvtier import cli, config, plugins
 from kvtier.plugins import PluginError, Registry
+from tests.config.test_config import Sections, make_registry
 
 AVAILABLE_BYTES = 100 * 1024**3
 """Memory the tests' machine has available, whatever the machine running them has."""

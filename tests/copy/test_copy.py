@@ -15,6 +15,7 @@ from kvtier.layout.resolvers import AutoResolver, PerLayerResolver
 from kvtier.plugins import build_plugin_manager, collect
 from kvtier.testing.contracts_copy import BackendFactory, CopyBackendContract
 from kvtier.testing.contracts_layout import flash_attn_case, vllm_cpu_packed_case
+from tests.copy.conftest import records
 
 
 def _torch_factory(layout: KVLayout, host_buffer: torch.Tensor) -> TorchCopyBackend:
@@ -48,10 +49,6 @@ def _layout(num_blocks: int = 64, **kwargs: object) -> KVLayout:
         region.view.copy_(torch.randint(0, 256, tuple(region.view.shape)).to(torch.uint8))
         region.view[:, 0] = index
     return layout
-
-
-def _records(layout: KVLayout, blocks: list[int]) -> torch.Tensor:
-    return torch.cat([region.view[blocks] for region in layout.regions], dim=1)
 
 
 RANDOM_BLOCKS = np.random.default_rng(0).permutation(1024)[:256]
@@ -97,13 +94,13 @@ def test_each_cpu_plan_is_chosen_and_copies_correctly(
     runs = len(sort_ids(slots).runs), len(sort_ids(blocks).runs)
     row_bytes = layout.record_bytes // len(layout.regions)
     assert choose_plan(len(blocks), *runs, contiguous=one_region, row_bytes=row_bytes) == plan
-    expected = _records(layout, blocks.tolist())
+    expected = records(layout, blocks.tolist())
     backend.wait(backend.submit(CopyBatch(Direction.STORE, blocks.tolist(), slots.tolist())))
     assert torch.equal(host[slots.tolist()], expected)
     for region in layout.regions:
         region.view.zero_()
     backend.wait(backend.submit(CopyBatch(Direction.LOAD, blocks.tolist(), slots.tolist())))
-    assert torch.equal(_records(layout, blocks.tolist()), expected)
+    assert torch.equal(records(layout, blocks.tolist()), expected)
     backend.close()
 
 
@@ -139,7 +136,7 @@ def test_strided_regions_and_host_columns() -> None:
         region.view.copy_(torch.randint(0, 256, tuple(region.view.shape)).to(torch.uint8))
     blocks = list(range(39, -1, -1))
     backend.wait(backend.submit(CopyBatch(Direction.STORE, blocks, list(range(5, 45)))))
-    assert torch.equal(host[5:45], _records(layout, blocks))
+    assert torch.equal(host[5:45], records(layout, blocks))
 
 
 def test_cpu_submit_returns_a_finished_handle() -> None:
@@ -220,9 +217,9 @@ def test_cuda_chunk_arithmetic_on_cpu_tensors(direction: Direction) -> None:
     for region in layout.regions:
         region.view.copy_(torch.randint(0, 256, tuple(region.view.shape)).to(torch.uint8))
     blocks, slots = [9, 2, 14, 3, 0], [1, 2, 3, 10, 11]
-    engine_before, host_before = _records(layout, blocks), host[slots].clone()
+    engine_before, host_before = records(layout, blocks), host[slots].clone()
     backend._copy_chunk_cuda(direction, torch.tensor(blocks), np.array(slots))
     if direction is Direction.STORE:
         assert torch.equal(host[slots], engine_before)
     else:
-        assert torch.equal(_records(layout, blocks), host_before)
+        assert torch.equal(records(layout, blocks), host_before)
