@@ -1,7 +1,8 @@
-"""``kvtier simulate``: replay a request trace through the real block indexes and compare policies.
+"""``kvtier simulate``: replay a request trace through the offload manager and compare policies.
 
 Every policy is built through the plugin registry exactly as the offload
-manager builds it, and replayed at each capacity; the Belady (farthest next
+manager builds it, and replayed through an :class:`~kvtier.offload.manager.OffloadManager`
+at each capacity (see :mod:`kvtier.simulator.replay`); the Belady (farthest next
 use) bound is replayed alongside. The result is the prefix hit rate of each
 policy at each capacity with the blocks stored, loaded and evicted, as a table,
 as JSON (``--json``) or as a plot (``--plot FILE.png``).
@@ -28,7 +29,7 @@ from kvtier.models import PluginConfig
 from kvtier.plugins import default_registry
 from kvtier.simulator.belady import belady_index
 from kvtier.simulator.generate import WORKLOADS, generate_trace
-from kvtier.simulator.replay import ReplayResult, replay
+from kvtier.simulator.replay import REPLAY_NAMESPACE, ReplayResult, replay
 from kvtier.simulator.report import BELADY, format_table, plot_hit_rates, summarize
 from kvtier.simulator.traces import TraceError, TraceRequest, check_trace_file, load_trace
 
@@ -288,7 +289,7 @@ def simulate(
                 hook = None
                 if name == BELADY:
                     index: BlockIndex
-                    index, hook = belady_index(requests, capacity)
+                    index, hook = belady_index(requests, capacity, REPLAY_NAMESPACE)
                 else:
                     index = registry.build(BLOCK_INDEX, policy_config(name), capacity)
                 result = replay(

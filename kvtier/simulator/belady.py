@@ -1,11 +1,12 @@
 """The Belady bound: an eviction policy that knows the future (farthest next use goes first).
 
-It runs inside the same :class:`~kvtier.index.PolicyIndex` as the real policies,
-so it obeys the same slots, pins and prefix lookups; only its knowledge differs.
-Before each request the simulator tells it when each of the request's blocks is
-used next. It never admits a block that is not used again, nor one used later
-than every block it would have to evict, and it evicts the block whose next use
-is farthest away. That is optimal for a cache of independent blocks; for prefix
+It runs inside the same :class:`~kvtier.index.PolicyIndex` as the real policies
+and is replayed through the same offload manager, so it obeys the same slots,
+pins, prefix lookups and manager rules; only its knowledge differs. Before each
+request the simulator tells it when each of the request's blocks is used next.
+It never admits a block that is not used again, nor one used later than every
+block it would have to evict, and it evicts the block whose next use is farthest
+away. That is optimal for a cache of independent blocks; for prefix
 chains it is a close, commonly used upper reference, not a proof of optimality.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from kvtier.index.base import BlockKey
 from kvtier.index.policy import EvictionPolicy, PolicyIndex
+from kvtier.keys import KeyNamespace
 from kvtier.simulator.traces import TraceRequest
 
 NEVER = math.inf
@@ -98,13 +100,19 @@ class BeladyPolicy(EvictionPolicy):
 
 
 def belady_index(
-    requests: Sequence[TraceRequest], num_slots: int
+    requests: Sequence[TraceRequest], num_slots: int, namespace: KeyNamespace
 ) -> tuple[PolicyIndex, Callable[[int], None]]:
-    """A Belady index for ``requests`` and the hook that feeds it before each request."""
+    """A Belady index for ``requests`` and the hook that feeds it before each request.
+
+    Args:
+        requests: The trace to be replayed.
+        num_slots: The tier's size in blocks.
+        namespace: The namespace the replay's manager turns trace keys into index keys with.
+    """
     policy = BeladyPolicy(num_slots)
     uses = next_uses(requests)
 
     def before_request(position: int) -> None:
-        policy.foresee(requests[position].keys, uses[position])
+        policy.foresee(namespace.keys(requests[position].keys), uses[position])
 
     return PolicyIndex(num_slots, policy), before_request

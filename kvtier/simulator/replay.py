@@ -1,20 +1,29 @@
-"""Replay a trace through a real :class:`~kvtier.index.BlockIndex` the way the offload manager does.
+"""Replay a trace through a real :class:`~kvtier.offload.manager.OffloadManager` over a block index.
 
-For each request the tier is asked, in production order:
+A simulated hit is a hit the manager would serve: each request is one
+engine request, driven through the manager in production order, with a
+worker side on which every copy completes at once:
 
-1. :meth:`~kvtier.index.BlockIndex.lookup` on the blocks the device cache
-   missed: the readable prefix is a hit;
-2. :meth:`~kvtier.index.BlockIndex.pin` and :meth:`~kvtier.index.BlockIndex.unpin`
-   on the hit blocks (a load);
-3. :meth:`~kvtier.index.BlockIndex.reserve` and
-   :meth:`~kvtier.index.BlockIndex.commit` for the blocks to store.
+1. :meth:`~kvtier.offload.manager.OffloadManager.lookup` past the device
+   cache's own hit (the tier's longest readable prefix, never the prompt's
+   last block: the engine computes at least one token), then
+   :meth:`~kvtier.offload.manager.OffloadManager.allocated` accepts it (device
+   hits are touched in the tier's policy, the hit blocks pinned);
+2. :meth:`~kvtier.offload.manager.OffloadManager.scheduled` with the whole
+   prompt computed;
+3. :meth:`~kvtier.offload.manager.OffloadManager.build_plan` (loads, and the
+   stores the manager chooses), then every one of ``world_size`` ranks reports
+   each batch done to :meth:`~kvtier.offload.manager.OffloadManager.process`;
+4. :meth:`~kvtier.offload.manager.OffloadManager.finished`, and one more step
+   while the manager holds the request.
 
-Without a device cache every prompt block reaches the tier. With one (an LRU
-prefix cache of ``device_blocks`` blocks that, like vLLM's, frees a request's
-blocks tail first), the tier sees only the device's misses; device hits are
-passed to :meth:`~kvtier.index.BlockIndex.touch`. In ``eager`` mode every
-computed block is stored; in ``lazy`` mode a block is stored when the device
-cache evicts it.
+Each trace block is one full block of the prompt, and the prompt ends at its
+last block. Without a device cache every prompt block reaches the tier. With
+one (an LRU prefix cache of ``device_blocks`` blocks that, like vLLM's, frees a
+request's blocks tail first), the manager is told the device's hits. In
+``eager`` mode the manager stores every computed block the tier lacks; in
+``lazy`` mode it is offered, as lazy candidates, the blocks the device cache
+evicts. Hits, stores and evictions are the manager's own counters.
 """
 
 from __future__ import annotations
@@ -25,10 +34,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from kvtier.index.base import BlockIndex, BlockKey, EventKind
+from kvtier.index.base import BlockIndex, BlockKey
+from kvtier.keys import KeyNamespace
+from kvtier.offload.manager import OffloadManager
+from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
 from kvtier.simulator.traces import TraceRequest
 
 StoreMode = Literal["eager", "lazy"]
+
+REPLAY_NAMESPACE = KeyNamespace()
+"""The namespace the replay's manager turns trace keys into index keys with."""
 
 
 @dataclass(frozen=True)
@@ -102,10 +117,11 @@ def replay(
     policy_name: str,
     device_blocks: int = 0,
     store_mode: StoreMode = "eager",
+    world_size: int = 1,
     before_request: Callable[[int], None] | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> ReplayResult:
-    """Replay ``requests`` through ``index`` and count hits, stores and evictions.
+    """Replay ``requests`` through an offload manager over ``index``; count hits, stores, evictions.
 
     Args:
         requests: The trace, in arrival order.
@@ -114,6 +130,7 @@ def replay(
         device_blocks: Size of the device prefix cache in front of the tier; 0 for none.
         store_mode: ``"eager"`` stores every computed block, ``"lazy"`` stores
             blocks as the device cache evicts them (needs ``device_blocks > 0``).
+        world_size: Ranks that each report every batch, as the manager's workers do.
         before_request: Called with each request's position before it is replayed.
         progress: Called with the number of requests replayed since the last call.
 
@@ -126,52 +143,61 @@ def replay(
             "give the device cache a size (device_blocks > 0)"
         )
     device = DeviceCache(device_blocks) if device_blocks > 0 else None
-    blocks = device_hits = tier_hits = stored = evicted = 0
+    # One token stands for one block: the manager only ever counts whole blocks.
+    manager = OffloadManager(
+        index,
+        block_tokens=1,
+        record_bytes=1,
+        world_size=world_size,
+        store_mode=store_mode,
+        namespace=REPLAY_NAMESPACE,
+    )
+    blocks = device_hits = 0
     started = time.perf_counter()
     for position, request in enumerate(requests):
         if before_request is not None:
             before_request(position)
         keys = request.keys
-        blocks += len(keys)
-        on_device = 0
+        request_id = str(position)
+        num_blocks = len(keys)
+        blocks += num_blocks
+        on_device = device.lookup(keys) if device is not None else 0
+        device_hits += on_device
+        block_ids = [range(num_blocks)]
+        hits = manager.lookup(request_id, keys, on_device, num_blocks)
+        manager.allocated(request_id, keys, block_ids, on_device, hits)
+        manager.scheduled(request_id, num_computed_tokens=num_blocks, new_block_ids=block_ids)
+        candidates: list[LazyCandidate] = []
         if device is not None:
-            on_device = device.lookup(keys)
-            if on_device:
-                index.touch(keys[:on_device])
-            device_hits += on_device
-        wanted = keys[on_device:]
-        hits = index.lookup(wanted)
-        if hits:
-            loaded = wanted[:hits]
-            index.pin(loaded)
-            index.unpin(loaded)
-            tier_hits += hits
-        if store_mode == "eager" and hits < len(wanted):
-            parent = keys[on_device + hits - 1] if on_device + hits else None
-            stored += _store(index, wanted[hits:], parent)
-        if device is not None:
-            for key, parent in device.use(keys):
-                if store_mode == "lazy":
-                    stored += _store(index, (key,), parent)
-        evicted += sum(1 for event in index.take_events() if event.kind is EventKind.EVICTED)
+            evicted = device.use(keys)
+            if store_mode == "lazy":
+                candidates = [LazyCandidate(key, 0, 0) for key, _ in evicted]
+        _step(manager, candidates)
+        if manager.finished(request_id, num_blocks):
+            _step(manager, ())
         if progress is not None:
             progress(1)
+    stats = manager.stats()
     return ReplayResult(
         policy=policy_name,
         capacity_blocks=index.num_slots,
         requests=len(requests),
         blocks=blocks,
         device_hits=device_hits,
-        tier_hits=tier_hits,
-        stored=stored,
-        evicted=evicted,
+        tier_hits=stats.loaded_blocks,
+        stored=stats.stored_blocks,
+        evicted=stats.evicted_blocks,
         seconds=time.perf_counter() - started,
     )
 
 
-def _store(index: BlockIndex, keys: Sequence[BlockKey], parent: BlockKey | None) -> int:
-    slots = index.reserve(keys, parent)
-    reserved = [key for key, slot in zip(keys, slots, strict=True) if slot is not None]
-    if reserved:
-        index.commit(reserved)
-    return len(reserved)
+def _step(manager: OffloadManager, candidates: Sequence[LazyCandidate]) -> None:
+    """One engine step: plan, and every rank reports every copy done at once."""
+    plan = manager.build_plan(candidates)
+    manager.process(_instant_reports(plan, manager.world_size))
+
+
+def _instant_reports(plan: TransferPlan, world_size: int) -> list[WorkerReport]:
+    """Each rank's report of ``plan`` on a worker side where every copy completes at once."""
+    done = {transfer.batch_id: 1 for transfer in (*plan.stores, *plan.loads)}
+    return [WorkerReport(done=done) for _ in range(world_size)]

@@ -77,6 +77,16 @@ def test_replay_counts_hits_stores_and_evictions() -> None:
     assert result.hit_rate == pytest.approx(2 / 11)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_replay_counts_only_hits_the_offload_manager_serves(world_size: int) -> None:
+    trace = requests_of([1, 2], [1, 2], [1, 2, 3])
+    result = replay(trace, PolicyIndex(8, LRUPolicy()), policy_name="lru", world_size=world_size)
+    # The manager never loads a prompt's last block (the engine computes at least one
+    # token): the repeated [1 2] gets 1 hit, not the 2 the bare index holds; [1 2 3] gets 2.
+    assert result.tier_hits == 3
+    assert result.stored == 3
+
+
 def test_lazy_store_only_stores_what_the_device_cache_evicts() -> None:
     trace = generate_trace("chat", 300, seed=1)
     eager = replay(trace, PolicyIndex(500, LRUPolicy()), policy_name="lru", device_blocks=200)
