@@ -1,29 +1,46 @@
-"""Storage tiers below the engine's own KV cache: host memory first, then disk and Redis."""
+"""Storage tiers below the engine's own KV cache: host memory first, then disk and Redis.
 
+The names below load on first use: validating a config imports only the tiers'
+config models (:mod:`kvtier.tiers.configs`), never the host tier's torch or the
+lower tiers' machinery.
+"""
+
+from __future__ import annotations
+
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from kvtier.tiers.base import (
-    ContainsResult,
-    DeleteResult,
-    GetResult,
-    PutResult,
-    QueuedTier,
-    StorageTier,
-    TierError,
-    TierSpec,
-    TierStats,
-)
-
 if TYPE_CHECKING:
+    from kvtier.tiers.base import (
+        ContainsResult,
+        DeleteResult,
+        GetResult,
+        PutResult,
+        QueuedTier,
+        StorageTier,
+        TierError,
+        TierSpec,
+        TierStats,
+    )
     from kvtier.tiers.host import HostTier
+
+_HOMES = {
+    "ContainsResult": "kvtier.tiers.base",
+    "DeleteResult": "kvtier.tiers.base",
+    "GetResult": "kvtier.tiers.base",
+    "HostTier": "kvtier.tiers.host",
+    "PutResult": "kvtier.tiers.base",
+    "QueuedTier": "kvtier.tiers.base",
+    "StorageTier": "kvtier.tiers.base",
+    "TierError": "kvtier.tiers.base",
+    "TierSpec": "kvtier.tiers.base",
+    "TierStats": "kvtier.tiers.base",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # The host tier needs torch; the lower tiers' interface and config models must not.
-    if name == "HostTier":
-        from kvtier.tiers.host import HostTier
-
-        return HostTier
+    if name in _HOMES:
+        return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -45,4 +45,11 @@ def test_listing_plugins_and_validating_a_config_import_no_implementation() -> N
     )
     assert "kvtier.plugins" in imported
     assert imported.isdisjoint(HEAVY)
-    assert imported.isdisjoint({"kvtier.copy.torch_backend", "kvtier.layout.resolvers"})
+    implementations = {
+        "kvtier.copy.torch_backend",
+        "kvtier.layout.resolvers",
+        "kvtier.tiers.base",
+        "kvtier.tiers.disk",
+        "kvtier.tiers.redis",
+    }
+    assert imported.isdisjoint(implementations)
