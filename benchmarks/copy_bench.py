@@ -20,6 +20,7 @@ from kvtier.copy import bench
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     bench.add_arguments(parser)
+    parser.set_defaults(json=True)
     return bench.run(parser.parse_args())
 
 

@@ -31,7 +31,13 @@ from kvtier.config.model import (
     SectionConfig,
 )
 from kvtier.config.schema import config_model
-from kvtier.config.sizes import ByteCount, GiB, available_memory_bytes, parse_bytes
+from kvtier.config.sizes import (
+    ByteCount,
+    GiB,
+    available_memory_bytes,
+    format_bytes,
+    parse_bytes,
+)
 from kvtier.config.sources import (
     CONFIG_FILE_ENV,
     CONFIG_FILE_KEY,
@@ -72,6 +78,7 @@ __all__ = [
     "SectionConfig",
     "available_memory_bytes",
     "config_model",
+    "format_bytes",
     "load_config",
     "parse_bytes",
     "read_config_file",

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic import Field, ValidationError
+from pydantic import ByteSize, Field, TypeAdapter, ValidationError
 
 import kvtier
 from kvtier import hookspecs, plugins
@@ -27,6 +27,7 @@ from kvtier.config import (
     SectionConfig,
     available_memory_bytes,
     config_model,
+    format_bytes,
     load_config,
     parse_bytes,
 )
@@ -232,10 +233,55 @@ def test_highest_source_wins_and_is_reported(
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("4096", 4096), ("8GiB", 8 * 1024**3), ("512 MB", 512 * 1000**2), ("3kib", 3072), (7, 7)],
+    [
+        ("4096", 4096),
+        ("8GiB", 8 * 1024**3),
+        ("512 MB", 512 * 1000**2),
+        ("3kib", 3072),
+        (7, 7),
+        ("1.5GiB", 1536 * 1024**2),
+        ("64G", 64 * 1000**3),
+        ("500MB", 500 * 1000**2),
+        ("0.5 tb", 500 * 1000**3),
+        (".25KiB", 256),
+        ("2k", 2000),
+        ("1.5", 1),
+        ("9223372036854775807", 2**63 - 1),
+    ],
 )
 def test_parse_bytes_accepts_units(text: str | int, expected: int) -> None:
     assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["1.5GiB", "64G", "500MB", "0.5 tb", ".25KiB", "2k", "7", "1 EiB", "3m", "1.1GB", "999gib"],
+)
+def test_sizes_mean_what_pydantic_bytesize_means(text: str) -> None:
+    assert parse_bytes(text) == TypeAdapter(ByteSize).validate_python(text)
+
+
+@pytest.mark.parametrize("text", ["1.GB", "8GiB of it", "1kbit", "1Ki", "-1", "1e9", "GiB", ""])
+def test_parse_bytes_refuses_what_is_not_a_size(text: str) -> None:
+    with pytest.raises(ValueError, match="expected a number of bytes such as"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize(
+    ("count", "shown"),
+    [
+        (8 * 1024**3, "8GiB"),
+        (1536 * 1024**2, "1.5GiB"),
+        (64 * 1000**3, "64GB"),
+        (4096, "4KiB"),
+        (1000001, "1000001"),
+        (1, "1"),
+        (2**63 - 1, "9223372036854775807"),
+    ],
+)
+def test_format_bytes_is_short_and_exact(count: int, shown: str) -> None:
+    assert format_bytes(count) == shown
+    assert parse_bytes(shown) == count
 
 
 def test_host_slots_split_over_ranks_and_per_rank_override(registry: Registry) -> None:
@@ -438,13 +484,27 @@ def test_unparseable_toml(tmp_path: Path, registry: Registry) -> None:
     assert line.startswith(f"file {file}: (file): cannot parse TOML: ")
 
 
-def test_file_of_unknown_type_or_shape(tmp_path: Path, registry: Registry) -> None:
-    json_file = tmp_path / "kvtier.json"
-    json_file.write_text("{}")
+def test_json_file(tmp_path: Path, registry: Registry) -> None:
+    file = tmp_path / "kvtier.json"
+    file.write_text('{"cpu_bytes": "1.5GiB", "copy": {"type": "twin", "depth": 3}}')
+    config = load_config(env={}, registry=registry, config_file=file)
+    assert (config.cpu_bytes, config.copy) == (1536 * 1024**2, TwinConfig(depth=3))
+    assert config.source_of("copy.depth") == f"file {file}"
+    file.write_text('{"cpu_bytes": 1,}')
     with pytest.raises(ConfigError) as caught:
-        load_config({"config_file": str(json_file)}, env={}, registry=registry)
+        load_config(env={}, registry=registry, config_file=file)
+    (line,) = lines_of(caught)
+    assert line.startswith(f"file {file}: (file): cannot parse JSON: Expecting property name ")
+
+
+def test_file_of_unknown_type_or_shape(tmp_path: Path, registry: Registry) -> None:
+    ini_file = tmp_path / "kvtier.ini"
+    ini_file.write_text("{}")
+    with pytest.raises(ConfigError) as caught:
+        load_config({"config_file": str(ini_file)}, env={}, registry=registry)
     assert lines_of(caught) == [
-        f"explicit: config_file: unknown file type; use .yaml, .yml or .toml (got '{json_file}')"
+        f"explicit: config_file: unknown file type; use .yaml, .yml, .toml or .json "
+        f"(got '{ini_file}')"
     ]
     list_file = tmp_path / "list.yaml"
     list_file.write_text("- 1\n")
@@ -469,8 +529,8 @@ def test_bad_env_variables(registry: Registry) -> None:
         "a double underscore, e.g. KVTIER_CPU_BYTES or KVTIER_COPY__TYPE (got 'x')",
         "env KVTIER_INDEX: index: value looks like JSON but is not: Expecting property name "
         "enclosed in double quotes: line 1 column 2 (char 1) (got '{not json')",
-        "env KVTIER_CPU_BYTES: cpu_bytes: expected a number of bytes such as 8589934592, '8GiB' "
-        "or '512MB' (got 'lots')",
+        "env KVTIER_CPU_BYTES: cpu_bytes: expected a number of bytes such as 8589934592, '8GiB', "
+        "'1.5GiB', '64G' or '512MB' (got 'lots')",
         "env KVTIER_BOGUS: bogus: unknown key; valid keys here: close_timeout_s, copy, "
         "copy_deadline_s, cpu_bytes, cpu_bytes_per_rank, index, layout, report_deadline_s, "
         "store_mode (got '1')",

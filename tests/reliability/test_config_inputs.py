@@ -124,7 +124,7 @@ def write_not_utf8(path: Path) -> None:
 
 
 NOT_CONFIG_FILES: dict[str, tuple[Callable[[Path], None], str]] = {
-    "FIFO": (make_fifo, "a FIFO (named pipe), not a regular file; name a YAML or TOML file"),
+    "FIFO": (make_fifo, "a FIFO (named pipe), not a regular file; name a YAML, TOML or JSON file"),
     "link to /dev/zero": (link_to_dev_zero, "a character device, not a regular file"),
     "directory": (Path.mkdir, "a directory, not a regular file"),
     "4 GiB file": (make_huge_sparse_file, "larger than the 1048576 bytes a config file may have"),
