@@ -297,7 +297,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _subcommands(parser: argparse.ArgumentParser, dest: str, metavar: str) -> Any:
-    """Add required subcommands to ``parser``, each formatting its help with :class:`HelpFormatter`."""
+    """Add required subcommands to ``parser``, their help formatted by :class:`HelpFormatter`."""
     return parser.add_subparsers(
         dest=dest, required=True, metavar=metavar, parser_class=_SubcommandParser
     )
@@ -332,7 +332,9 @@ def _delegated_parser(
             f"{command}: {module_name} does not provide add_arguments(parser) and run(args); "
             "reinstall kvtier"
         )
-    parser = argparse.ArgumentParser(prog=command, description=summary, formatter_class=HelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=command, description=summary, formatter_class=HelpFormatter
+    )
     add_arguments(parser)
     return parser, run
 
