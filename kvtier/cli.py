@@ -31,7 +31,7 @@ from kvtier.config import (
     CONFIG_FILE_ENV,
     ConfigError,
     Problem,
-    config_model,
+    config_json_schema,
     format_bytes,
     load_config,
     parse_bytes,
@@ -177,7 +177,7 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _command_config_schema(args: argparse.Namespace) -> int:
-    print(json.dumps(config_model().model_json_schema(), indent=2))
+    print(json.dumps(config_json_schema(), indent=2))
     return EXIT_OK
 
 

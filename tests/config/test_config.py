@@ -8,7 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pluggy
 import pytest
@@ -375,9 +375,21 @@ def test_importing_the_config_installs_no_warning_filter() -> None:
 # One test per kind of bad input: each gives `<source>: <path>: <message> (got <value>)` lines.
 
 
+BAD_EXPLICIT: dict[str, dict[str, Any]] = {
+    "unknown type": {"copy": {"type": "turbo"}},
+    "unknown keys": {"cpu_byte": 5, "copy": {"stream": 2}},
+    "zero size": {"cpu_bytes_per_rank": 0},
+    "negative size": {"cpu_bytes_per_rank": -1},
+    "zero size with a unit": {"cpu_bytes_per_rank": "0GiB"},
+    "deadlines": {"copy_deadline_s": 0, "report_deadline_s": "soon", "close_timeout_s": 7200},
+    "wrong types": {"store_mode": 3, "cpu_bytes": [1], "copy": {"streams": "many"}},
+}
+"""Bad explicit values, each refused by its test below (against the ``registry`` fixture)."""
+
+
 def test_unknown_type_lists_the_installed_choices(registry: Registry) -> None:
     with pytest.raises(ConfigError) as caught:
-        load_config({"copy": {"type": "turbo"}}, env={}, registry=registry)
+        load_config(BAD_EXPLICIT["unknown type"], env={}, registry=registry)
     assert lines_of(caught) == [
         "explicit: copy.type: unknown copy backend type; installed: torch, twin (got 'turbo')"
     ]
@@ -386,7 +398,7 @@ def test_unknown_type_lists_the_installed_choices(registry: Registry) -> None:
 
 def test_unknown_key_at_top_level_and_in_a_section(registry: Registry) -> None:
     with pytest.raises(ConfigError) as caught:
-        load_config({"cpu_byte": 5, "copy": {"stream": 2}}, env={}, registry=registry)
+        load_config(BAD_EXPLICIT["unknown keys"], env={}, registry=registry)
     assert lines_of(caught) == [
         "explicit: copy.stream: unknown key; valid keys here: streams, type (got 2)",
         "explicit: cpu_byte: unknown key; valid keys here: close_timeout_s, copy, "
@@ -396,10 +408,11 @@ def test_unknown_key_at_top_level_and_in_a_section(registry: Registry) -> None:
     assert str(caught.value).startswith("invalid kvtier configuration: 2 problems\n")
 
 
-@pytest.mark.parametrize("size", [0, -1, "0GiB"])
-def test_zero_or_negative_size(size: int | str, registry: Registry) -> None:
+@pytest.mark.parametrize("case", ["zero size", "negative size", "zero size with a unit"])
+def test_zero_or_negative_size(case: str, registry: Registry) -> None:
     with pytest.raises(ConfigError) as caught:
-        load_config({"cpu_bytes_per_rank": size}, env={}, registry=registry)
+        load_config(BAD_EXPLICIT[case], env={}, registry=registry)
+    size = BAD_EXPLICIT[case]["cpu_bytes_per_rank"]
     assert lines_of(caught) == [
         f"explicit: cpu_bytes_per_rank: Input should be greater than 0 (got {size!r})"
     ]
@@ -410,11 +423,7 @@ def test_deadlines_are_seconds_with_defaults_and_bounds(registry: Registry) -> N
     assert (config.copy_deadline_s, config.report_deadline_s) == (10.0, 30.0)
     assert config.close_timeout_s == 0
     with pytest.raises(ConfigError) as caught:
-        load_config(
-            {"copy_deadline_s": 0, "report_deadline_s": "soon", "close_timeout_s": 7200},
-            env={},
-            registry=registry,
-        )
+        load_config(BAD_EXPLICIT["deadlines"], env={}, registry=registry)
     assert lines_of(caught) == [
         "explicit: copy_deadline_s: Input should be greater than 0 (got 0)",
         "explicit: report_deadline_s: Input should be a valid number, unable to parse string "
@@ -445,11 +454,7 @@ def test_size_below_one_block_names_cpu_bytes_per_rank(registry: Registry) -> No
 
 def test_wrong_type(registry: Registry) -> None:
     with pytest.raises(ConfigError) as caught:
-        load_config(
-            {"store_mode": 3, "cpu_bytes": [1], "copy": {"streams": "many"}},
-            env={},
-            registry=registry,
-        )
+        load_config(BAD_EXPLICIT["wrong types"], env={}, registry=registry)
     assert lines_of(caught) == [
         "explicit: cpu_bytes: Input should be a valid integer (got [1])",
         "explicit: store_mode: Input should be 'eager' or 'lazy' (got 3)",
@@ -630,16 +635,16 @@ def test_file_content_python_cannot_hold(
     assert lines_of(caught)[0].startswith(f"file {file}: (file): {message}")
 
 
-@pytest.mark.parametrize(
-    ("make", "shown"),
-    [
-        (lambda: "x" * 10_000_000, "'" + "x" * 30),
-        (lambda: list(range(5000)), "[0, 1, 2, 3, 4, 5, ...]"),
-        (lambda: 10**5000, "<a 16610-bit integer>"),
-        (lambda: -(10**90), "-100000000000"),
-    ],
-    ids=["long string", "long list", "huge integer", "long integer"],
-)
+LONG_VALUES: dict[str, tuple[Callable[[], object], str]] = {
+    "long string": (lambda: "x" * 10_000_000, "'" + "x" * 30),
+    "long list": (lambda: list(range(5000)), "[0, 1, 2, 3, 4, 5, ...]"),
+    "huge integer": (lambda: 10**5000, "<a 16610-bit integer>"),
+    "long integer": (lambda: -(10**90), "-100000000000"),
+}
+"""Values under an unknown key, ``bogus``, and how the error line starts to show them."""
+
+
+@pytest.mark.parametrize(("make", "shown"), LONG_VALUES.values(), ids=list(LONG_VALUES))
 def test_error_values_are_cut_short(
     make: Callable[[], object], shown: str, registry: Registry
 ) -> None:
@@ -679,15 +684,16 @@ def test_prefix_arc_memory_factors_are_bounded(factor: str) -> None:
     assert policy.num_slots == 10**9
 
 
-@pytest.mark.parametrize(
-    ("kind", "name", "field", "value"),
-    [
-        ("copy_backends", "torch", "cpu_threads", 10**6),
-        ("copy_backends", "torch", "cuda_staging_bytes", 2**63),
-        ("copy_backends", "dma", "stream_priority", 2**31),
-        ("copy_backends", "kernel", "stream_priority", -(2**31) - 1),
-    ],
-)
+NATIVE_BOUNDS = [
+    ("copy_backends", "torch", "cpu_threads", 10**6),
+    ("copy_backends", "torch", "cuda_staging_bytes", 2**63),
+    ("copy_backends", "dma", "stream_priority", 2**31),
+    ("copy_backends", "kernel", "stream_priority", -(2**31) - 1),
+]
+"""Settings of the built-in plugins one past what native code takes: (kind, type, key, value)."""
+
+
+@pytest.mark.parametrize(("kind", "name", "field", "value"), NATIVE_BOUNDS)
 def test_integers_that_reach_native_code_are_bounded(
     kind: str, name: str, field: str, value: int
 ) -> None:
