@@ -412,7 +412,7 @@ def _table(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
     heading = (
         f"{args.backend} on {torch.device(args.device)}, {args.pattern} blocks, {args.regions} "
         f"region(s) per block, {format_bytes(args.total_bytes)} per direction, best of "
-        f"{args.repeats} (GB/s; ratio: contiguous time / backend time)"
+        f"{args.repeats}; RATIO is the backend's GB/s over the contiguous copy's"
     )
     rows = [["BLOCK", "BLOCKS", "MODE", "GB/S", "CONTIGUOUS GB/S", "RATIO", "RATIO OF MEDIANS"]]
     for result in results:
