@@ -29,6 +29,7 @@ from typing import Any
 from kvtier import __version__
 from kvtier.config import (
     CONFIG_FILE_ENV,
+    MAX_CONFIG_DEPTH,
     ConfigError,
     Problem,
     config_json_schema,
@@ -114,7 +115,8 @@ def _json_config(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except RecursionError:
-        raise ConfigError([Problem(source, "(root)", "nested too deep", text)]) from None
+        message = f"nested more than {MAX_CONFIG_DEPTH} levels deep"
+        raise ConfigError([Problem(source, "(root)", message, text)]) from None
     except ValueError as exc:
         raise ConfigError([Problem(source, "(root)", f"not JSON: {exc}", text)]) from None
     if not isinstance(value, dict):

@@ -108,6 +108,8 @@ def test_validate_checks_the_string_given_to_vllm(capsys: pytest.CaptureFixture[
     [
         ("{'cpu_bytes': 1}", "argument --json: (root): not JSON: Expecting property name "),
         ('["cpu_bytes"]', "argument --json: (root): expected a JSON object of config keys, "),
+        ("[" * 5000 + "]" * 5000, "argument --json: (root): nested more than 32 levels deep "),
+        ('{"x": ' + "[" * 40 + "]" * 40 + "}", "explicit: (root): nested more than 32 levels "),
     ],
 )
 def test_validate_refuses_a_string_that_is_not_a_json_object(
