@@ -123,7 +123,7 @@ def config_json_schema(registry: Registry | None = None) -> dict[str, Any]:
         from kvtier.plugins import default_registry
 
         registry = default_registry()
-    schema = config_model(registry).model_json_schema(schema_generator=_StandardJsonSchema)
+    schema = config_model(registry).model_json_schema(schema_generator=StandardJsonSchema)
     properties = schema["properties"]
     for section in SECTIONS:
         described = properties[section.field]
@@ -160,10 +160,16 @@ def _settings_optional(model: type[PluginConfig]) -> bool:
     return not any(field.is_required() for field in model.model_fields.values())
 
 
-class _StandardJsonSchema(GenerateJsonSchema):
-    """Pydantic's JSON Schema without its one non-standard keyword, ``discriminator``."""
+class StandardJsonSchema(GenerateJsonSchema):
+    """Pydantic's JSON Schema without its one non-standard keyword, ``discriminator``.
+
+    A tagged union says instead, in standard keywords, what pydantic checks: the
+    value is a mapping that has the tag (each choice's schema holds the tag's value).
+    """
 
     def tagged_union_schema(self, schema: core_schema.TaggedUnionSchema) -> JsonSchemaValue:
         generated = super().tagged_union_schema(schema)
-        generated.pop("discriminator", None)
+        discriminator = generated.pop("discriminator", None)
+        if discriminator is not None:
+            generated.update(type="object", required=[discriminator["propertyName"]])
         return generated

@@ -15,12 +15,13 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import pytest
 import yaml
 from jsonschema import Draft202012Validator
 from jsonschema.validators import validator_for
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -34,7 +35,7 @@ from kvtier.config import (
     load_config,
     read_config_file,
 )
-from kvtier.config.schema import JSON_SCHEMA_DIALECT
+from kvtier.config.schema import JSON_SCHEMA_DIALECT, StandardJsonSchema
 from kvtier.plugins import Registry, build_plugin_manager, collect, default_registry
 from tests.config import test_config
 from tests.config.test_config import Sections, make_registry
@@ -245,6 +246,39 @@ SHORTHANDS: dict[str, tuple[dict[str, Any], bool]] = {
 def test_schema_and_loader_agree_on_shorthands_and_sizes(case: str) -> None:
     document, accepted = SHORTHANDS[case]
     assert verdicts(document, make_registry(Sections())) == (accepted, accepted)
+
+
+class Apple(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["apple"] = "apple"
+    seeds: int = 0
+
+
+class Pear(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["pear"] = "pear"
+
+
+class Basket(BaseModel):
+    fruit: list[Annotated[Apple | Pear, Field(discriminator="kind")]]
+
+
+@pytest.mark.parametrize(
+    ("fruit", "accepted"),
+    [([{"kind": "apple", "seeds": 3}, {"kind": "pear"}], True), ([{"seeds": 3}], False)],
+)
+def test_a_tagged_union_needs_its_tag_in_the_schema_as_in_pydantic(
+    fruit: list[dict[str, Any]], accepted: bool
+) -> None:
+    schema = Basket.model_json_schema(schema_generator=StandardJsonSchema)
+    assert "discriminator" not in json.dumps(schema)
+    validated = Draft202012Validator(schema).is_valid({"fruit": fruit})
+    try:
+        Basket.model_validate({"fruit": fruit})
+        loaded = True
+    except ValidationError:
+        loaded = False
+    assert (loaded, validated) == (accepted, accepted)
 
 
 def test_a_float_json_cannot_hold_is_refused_by_the_loader() -> None:
