@@ -110,7 +110,8 @@ def config_json_schema(registry: Registry | None = None) -> dict[str, Any]:
     a mapping without ``type`` (the section's default implementation), and
     sizes with a unit (``"1.5GiB"``). A size string's form is checked; the
     value it stands for (at least one byte, at most a signed 64-bit count) is
-    checked on loading.
+    checked on loading. ``config_file``, which names a file among explicit
+    values, is not a key of a file.
 
     Args:
         registry: The plugins to describe; the process's default registry, loaded at this

@@ -29,6 +29,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from kvtier.config import (
+    CONFIG_FILE_KEY,
     ConfigError,
     KVTierConfig,
     config_json_schema,
@@ -99,10 +100,11 @@ def doc_configs() -> Iterator[tuple[str, Any]]:
                 yield f"{name}:{line}", data
         for match in KV_TRANSFER_CONFIG.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
-            yield (
-                f"{name}:{line} kv_connector_extra_config",
-                json.loads(match.group(1))["kv_connector_extra_config"],
-            )
+            extra = json.loads(match.group(1))["kv_connector_extra_config"]
+            # A file the extra config names is read as a file; the key itself is no setting.
+            extra.pop(CONFIG_FILE_KEY, None)
+            if extra:
+                yield f"{name}:{line} kv_connector_extra_config", extra
 
 
 def parsed(text: str, suffix: str, tmp_path: Path) -> Any:
