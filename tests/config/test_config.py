@@ -383,8 +383,10 @@ BAD_EXPLICIT: dict[str, dict[str, Any]] = {
     "zero size with a unit": {"cpu_bytes_per_rank": "0GiB"},
     "deadlines": {"copy_deadline_s": 0, "report_deadline_s": "soon", "close_timeout_s": 7200},
     "wrong types": {"store_mode": 3, "cpu_bytes": [1], "copy": {"streams": "many"}},
+    "no plugin installed": {"copy": {"type": "torch"}},
 }
-"""Bad explicit values, each refused by its test below (against the ``registry`` fixture)."""
+"""Bad explicit values, each refused by its test below (against the ``registry`` fixture, or
+with no plugin at all for ``no plugin installed``)."""
 
 
 def test_unknown_type_lists_the_installed_choices(registry: Registry) -> None:
@@ -545,7 +547,7 @@ def test_bad_env_variables(registry: Registry) -> None:
 def test_missing_default_implementation_says_what_to_set() -> None:
     registry = make_registry()
     with pytest.raises(ConfigError) as caught:
-        load_config({"copy": {"type": "torch"}}, env={}, registry=registry)
+        load_config(BAD_EXPLICIT["no plugin installed"], env={}, registry=registry)
     assert lines_of(caught) == [
         "default: index: required: the default block index 'prefix_arc' is not installed; set "
         "index.type to one of: none (got nothing)",

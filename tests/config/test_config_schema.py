@@ -120,7 +120,8 @@ def parsed(text: str, suffix: str, tmp_path: Path) -> Any:
 def bad_configs() -> Iterator[tuple[str, Callable[[], Registry], str | dict[str, Any], str]]:
     """The bad configs of the config tests: (name, registry, document or text, file suffix)."""
     for case, given in test_config.BAD_EXPLICIT.items():
-        yield f"test_config {case}", lambda: make_registry(Sections()), given, ""
+        plugins = () if case == "no plugin installed" else (Sections(),)
+        yield f"test_config {case}", lambda plugins=plugins: make_registry(*plugins), given, ""
     for case, (make, _) in test_config.LONG_VALUES.items():
         yield f"test_config {case}", lambda: make_registry(Sections()), {"bogus": make()}, ""
     for _, name, field, value in test_config.NATIVE_BOUNDS:
