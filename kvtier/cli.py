@@ -3,7 +3,7 @@
 Subcommands::
 
     kvtier plugins [--json]          every registered implementation and who provides it
-    kvtier config validate FILE      check a YAML or TOML config (plus KVTIER_* variables)
+    kvtier config validate [FILE]    check a YAML, TOML or JSON config, or --json STRING
     kvtier config show [FILE]        the effective config and where each value came from
     kvtier config schema             JSON Schema of the config, plugin models included
     kvtier config reference          the config reference as Markdown
@@ -28,8 +28,12 @@ from typing import Any
 
 from kvtier import __version__
 from kvtier.config import (
+    CONFIG_FILE_ENV,
+    MAX_CONFIG_DEPTH,
     ConfigError,
-    config_model,
+    Problem,
+    config_json_schema,
+    format_bytes,
     load_config,
     parse_bytes,
 )
@@ -75,11 +79,12 @@ def _command_plugins(args: argparse.Namespace) -> int:
             table.append(
                 [kind.title, row["name"], row["distribution"], row["version"], row["plugin"]]
             )
-    print(_format_table(table))
+    print(format_table(table))
     return EXIT_OK
 
 
-def _format_table(rows: list[list[str]]) -> str:
+def format_table(rows: list[list[str]]) -> str:
+    """Align ``rows`` (the first one a header) in columns two spaces apart."""
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
@@ -88,18 +93,43 @@ def _format_table(rows: list[list[str]]) -> str:
 
 
 def _command_config_validate(args: argparse.Namespace) -> int:
-    config = load_config(config_file=args.file)
+    explicit = None if args.json_config is None else _json_config(args.json_config)
+    config = load_config(explicit, config_file=args.file)
     if args.memory_check:
         config.check_host_memory(args.world_size, ranks=args.world_size)
+    checked = _what_validate_checked(args)
     if args.record_bytes is None:
-        print(f"{args.file}: valid kvtier configuration")
+        print(f"{checked}: valid kvtier configuration")
         return EXIT_OK
     slots = config.host_slots(args.record_bytes, args.world_size)
     print(
-        f"{args.file}: valid kvtier configuration; {slots} blocks of {args.record_bytes} bytes "
+        f"{checked}: valid kvtier configuration; {slots} blocks of {args.record_bytes} bytes "
         f"per rank over {args.world_size} rank(s)"
     )
     return EXIT_OK
+
+
+def _json_config(text: str) -> dict[str, Any]:
+    """The ``--json`` value: a JSON object of config keys, as vLLM's kv_connector_extra_config."""
+    source = "argument --json"
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        message = f"nested more than {MAX_CONFIG_DEPTH} levels deep"
+        raise ConfigError([Problem(source, "(root)", message, text)]) from None
+    except ValueError as exc:
+        raise ConfigError([Problem(source, "(root)", f"not JSON: {exc}", text)]) from None
+    if not isinstance(value, dict):
+        message = "expected a JSON object of config keys, like kv_connector_extra_config"
+        raise ConfigError([Problem(source, "(root)", message, value)])
+    return value
+
+
+def _what_validate_checked(args: argparse.Namespace) -> str:
+    """Name what ``config validate`` checked, for its verdict line."""
+    file = args.file if args.file is not None else os.environ.get(CONFIG_FILE_ENV) or None
+    parts = [part for part in (file, args.json_config is not None and "--json") if part]
+    return " with ".join(parts) if parts else "KVTIER_* variables and defaults"
 
 
 def _positive_bytes(text: str) -> int:
@@ -126,9 +156,16 @@ def _command_config_show(args: argparse.Namespace) -> int:
         print(json.dumps({"config": config.model_dump(mode="json"), "sources": sources}, indent=2))
         return EXIT_OK
     table = [["KEY", "VALUE", "SOURCE"]]
-    table.extend([path, json.dumps(value), sources[path]] for path, value in flat.items())
-    print(_format_table(table))
+    table.extend([path, _shown(path, value), sources[path]] for path, value in flat.items())
+    print(format_table(table))
     return EXIT_OK
+
+
+def _shown(path: str, value: Any) -> str:
+    """A value as ``config show`` prints it: sizes (``*_bytes``) in units, the rest as JSON."""
+    if path.endswith("_bytes") and isinstance(value, int) and not isinstance(value, bool):
+        return format_bytes(value)
+    return json.dumps(value)
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -142,7 +179,7 @@ def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _command_config_schema(args: argparse.Namespace) -> int:
-    print(json.dumps(config_model().model_json_schema(), indent=2))
+    print(json.dumps(config_json_schema(), indent=2))
     return EXIT_OK
 
 
@@ -152,39 +189,70 @@ def _command_config_reference(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Help that shows the default of every option taking a value, unless its text already does."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if (
+            text is None
+            or "(default" in text
+            or action.nargs == 0
+            or action.default in (None, argparse.SUPPRESS)
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvtier", description="kvtier: a tiered KV-cache store for LLM inference engines."
+        prog="kvtier",
+        description="kvtier: a tiered KV-cache store for LLM inference engines.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     parser.add_argument(
         "--log-level",
         default="WARNING",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="logging level (default: WARNING)",
+        help="logging level",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = _subcommands(parser, "command", "COMMAND")
 
     plugins = commands.add_parser("plugins", help="list the installed plugins")
     plugins.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plugins.set_defaults(handler=_command_plugins)
 
     config = commands.add_parser("config", help="validate, show or describe the configuration")
-    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    config_commands = _subcommands(config, "config_command", "ACTION")
     validate = config_commands.add_parser(
         "validate",
-        help="check a config file, with KVTIER_* variables applied",
+        help="check a config file or JSON string, with KVTIER_* variables applied",
         description=(
-            "Check a config file, with KVTIER_* variables applied, and that its host tier fits "
-            "in the memory this machine has available."
+            "Check a config (a file, a JSON string as given to vLLM, or both), with KVTIER_* "
+            "variables applied, and that its host tier fits in the memory this machine has "
+            "available."
         ),
     )
-    validate.add_argument("file", help="YAML (.yaml, .yml) or TOML (.toml) config file")
+    validate.add_argument(
+        "file",
+        nargs="?",
+        help="YAML (.yaml, .yml), TOML (.toml) or JSON (.json) config file "
+        "(default: $KVTIER_CONFIG, if set)",
+    )
+    validate.add_argument(
+        "--json",
+        dest="json_config",
+        metavar="STRING",
+        help="config as a JSON object, exactly as given to vLLM in kv_connector_extra_config; "
+        "it overrides the file and KVTIER_* variables, as in vLLM (default: none)",
+    )
     validate.add_argument(
         "--record-bytes",
         type=_positive_bytes,
         metavar="SIZE",
-        help="also check that the host tier holds blocks of this size (one block, all layers)",
+        help="also check that the host tier holds blocks of SIZE bytes, one block across all "
+        "layers (default: not checked)",
     )
     validate.add_argument(
         "--world-size",
@@ -193,7 +261,7 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help=(
             "ranks the host tier is split over, all on this machine: the memory check counts "
-            "every rank's share (default: 1)"
+            "every rank's share"
         ),
     )
     validate.add_argument(
@@ -222,12 +290,24 @@ def _build_parser() -> argparse.ArgumentParser:
     reference.set_defaults(handler=_command_config_reference)
 
     bench = commands.add_parser("bench", help="run a benchmark")
-    bench_commands = bench.add_subparsers(dest="bench_command", required=True, metavar="WHAT")
+    bench_commands = _subcommands(bench, "bench_command", "WHAT")
     for words, (_, summary) in DELEGATED.items():
         group = bench_commands if words[0] == "bench" else commands
         stub = group.add_parser(words[-1], help=summary, add_help=False)
         stub.set_defaults(delegate=words)
     return parser
+
+
+def _subcommands(parser: argparse.ArgumentParser, dest: str, metavar: str) -> Any:
+    """Add required subcommands to ``parser``, their help formatted by :class:`HelpFormatter`."""
+    return parser.add_subparsers(
+        dest=dest, required=True, metavar=metavar, parser_class=_SubcommandParser
+    )
+
+
+class _SubcommandParser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"formatter_class": HelpFormatter, **kwargs})
 
 
 class _Unavailable(Exception):
@@ -254,7 +334,9 @@ def _delegated_parser(
             f"{command}: {module_name} does not provide add_arguments(parser) and run(args); "
             "reinstall kvtier"
         )
-    parser = argparse.ArgumentParser(prog=command, description=summary)
+    parser = argparse.ArgumentParser(
+        prog=command, description=summary, formatter_class=HelpFormatter
+    )
     add_arguments(parser)
     return parser, run
 

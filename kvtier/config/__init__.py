@@ -6,7 +6,8 @@ The package is split by concern; every public name is importable from
 - :mod:`kvtier.config.model`: :class:`KVTierConfig` and its sections as plain
   data; building one loads no plugin.
 - :mod:`kvtier.config.schema`: :func:`config_model`, the validating model for
-  a registry's plugins (and the JSON Schema ``kvtier config schema`` prints).
+  a registry's plugins, and :func:`config_json_schema`, the JSON Schema
+  ``kvtier config schema`` prints.
 - :mod:`kvtier.config.sources`: explicit values, ``KVTIER_*`` variables and
   files, merged with their provenance, and the limits on reading them.
 - :mod:`kvtier.config.load`: :func:`load_config`, which merges the sources and
@@ -30,8 +31,14 @@ from kvtier.config.model import (
     Section,
     SectionConfig,
 )
-from kvtier.config.schema import config_model
-from kvtier.config.sizes import ByteCount, GiB, available_memory_bytes, parse_bytes
+from kvtier.config.schema import config_json_schema, config_model
+from kvtier.config.sizes import (
+    ByteCount,
+    GiB,
+    available_memory_bytes,
+    format_bytes,
+    parse_bytes,
+)
 from kvtier.config.sources import (
     CONFIG_FILE_ENV,
     CONFIG_FILE_KEY,
@@ -71,7 +78,9 @@ __all__ = [
     "Section",
     "SectionConfig",
     "available_memory_bytes",
+    "config_json_schema",
     "config_model",
+    "format_bytes",
     "load_config",
     "parse_bytes",
     "read_config_file",

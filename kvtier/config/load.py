@@ -5,7 +5,7 @@
 1. explicit arguments (a dict; vLLM passes ``kv_connector_extra_config``),
 2. ``KVTIER_*`` environment variables, nested with ``__``
    (``KVTIER_CPU_BYTES=16GiB``, ``KVTIER_COPY__TYPE=torch``),
-3. a YAML or TOML file named by ``config_file`` (an argument or an explicit
+3. a YAML, TOML or JSON file named by ``config_file`` (an argument or an explicit
    key) or by ``KVTIER_CONFIG``,
 
 and validates the result against :func:`~kvtier.config.config_model` for the
@@ -60,7 +60,7 @@ def load_config(
         env: Environment variables; ``os.environ`` if ``None``.
         registry: Plugins to validate against; the process's default registry, loaded at
             this call, if ``None``.
-        config_file: A YAML or TOML file, overriding any other way of naming one.
+        config_file: A YAML, TOML or JSON file, overriding any other way of naming one.
 
     Returns:
         A plain :class:`~kvtier.config.KVTierConfig` whose sections hold the

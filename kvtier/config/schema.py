@@ -2,9 +2,9 @@
 
 :func:`config_model` builds, for one registry, a model whose pluggable sections
 are discriminated unions (on ``type``) of the config models the registry's
-plugins registered. :func:`~kvtier.config.load_config` validates with it and
-``kvtier config schema`` publishes its JSON Schema; the configs it returns are
-plain :class:`~kvtier.config.KVTierConfig` instances.
+plugins registered. :func:`~kvtier.config.load_config` validates with it; the
+configs it returns are plain :class:`~kvtier.config.KVTierConfig` instances.
+:func:`config_json_schema` is its JSON Schema, as ``kvtier config schema`` publishes it.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, Union
 
 from pydantic import AfterValidator, Field, create_model, field_validator
+from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
+from pydantic_core import core_schema
 
 from kvtier.config.model import (
     COPY_SHADOWS,
@@ -95,3 +97,80 @@ def _no_implementation(section: Section) -> Callable[[Any], Any]:
         )
 
     return reject
+
+
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+
+def config_json_schema(registry: Registry | None = None) -> dict[str, Any]:
+    """Return the JSON Schema of a config file for ``registry``'s plugins, in standard keywords.
+
+    It accepts what :func:`~kvtier.config.load_config` accepts from a file,
+    shorthands included: a section given as a type name (``copy: torch``) or as
+    a mapping without ``type`` (the section's default implementation), and
+    sizes with a unit (``"1.5GiB"``). A size string's form is checked; the
+    value it stands for (at least one byte, at most a signed 64-bit count) is
+    checked on loading. ``config_file``, which names a file among explicit
+    values, is not a key of a file.
+
+    Args:
+        registry: The plugins to describe; the process's default registry, loaded at this
+            call, if ``None``.
+
+    Returns:
+        A JSON Schema (draft 2020-12) as a dict.
+    """
+    if registry is None:
+        from kvtier.plugins import default_registry
+
+        registry = default_registry()
+    schema = config_model(registry).model_json_schema(schema_generator=StandardJsonSchema)
+    properties = schema["properties"]
+    for section in SECTIONS:
+        described = properties[section.field]
+        annotations = {key: described[key] for key in ("title", "description") if key in described}
+        accepted = _section_schema(section, registry, described, schema.get("$defs", {}))
+        properties[section.field] = {**annotations, **accepted}
+    return {"$schema": JSON_SCHEMA_DIALECT, **schema}
+
+
+def _section_schema(
+    section: Section, registry: Registry, described: dict[str, Any], defs: dict[str, Any]
+) -> dict[str, Any]:
+    """What a section accepts: a type name, a mapping with ``type``, or one without it."""
+    by_type = described.get("oneOf")
+    if by_type is None:  # no implementation installed: nothing is accepted
+        return {"not": {}}
+    accepted: list[dict[str, Any]] = [{"type": "object", "required": ["type"], "oneOf": by_type}]
+    registered = registry.of_kind(section.kind)
+    names = [name for name, reg in registered.items() if _settings_optional(reg.config_model)]
+    if names:
+        accepted.insert(0, {"type": "string", "enum": names})
+    refs = {
+        defs[choice["$ref"].rsplit("/", 1)[-1]]["properties"]["type"]["const"]: choice["$ref"]
+        for choice in by_type
+    }
+    if section.default in refs:
+        accepted.append(
+            {"type": "object", "not": {"required": ["type"]}, "$ref": refs[section.default]}
+        )
+    return {"anyOf": accepted}
+
+
+def _settings_optional(model: type[PluginConfig]) -> bool:
+    return not any(field.is_required() for field in model.model_fields.values())
+
+
+class StandardJsonSchema(GenerateJsonSchema):
+    """Pydantic's JSON Schema without its one non-standard keyword, ``discriminator``.
+
+    A tagged union says instead, in standard keywords, what pydantic checks: the
+    value is a mapping that has the tag (each choice's schema holds the tag's value).
+    """
+
+    def tagged_union_schema(self, schema: core_schema.TaggedUnionSchema) -> JsonSchemaValue:
+        generated = super().tagged_union_schema(schema)
+        discriminator = generated.pop("discriminator", None)
+        if discriminator is not None:
+            generated.update(type="object", required=[discriminator["propertyName"]])
+        return generated

@@ -232,7 +232,7 @@ def _read_config_text(path: str | os.PathLike[str], source: str) -> str:
     def check(mode: int, size: int) -> None:
         kind = _file_kind(mode)
         if kind is not None:
-            raise problem(f"{kind}, not a regular file; name a YAML or TOML file")
+            raise problem(f"{kind}, not a regular file; name a YAML, TOML or JSON file")
         if size > MAX_CONFIG_FILE_BYTES:
             raise too_large
 
@@ -261,8 +261,21 @@ def _read_config_text(path: str | os.PathLike[str], source: str) -> str:
         ) from None
 
 
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_ConfigYAMLLoader)
+
+
+_PARSERS: dict[str, Callable[[str], Any]] = {
+    ".yaml": _load_yaml,
+    ".yml": _load_yaml,
+    ".toml": tomllib.loads,
+    ".json": json.loads,
+}
+"""How each config file type is parsed, by file name suffix."""
+
+
 def read_config_file(path: str | os.PathLike[str], source: str) -> dict[str, Any]:
-    """Read a YAML (``.yaml``/``.yml``) or TOML (``.toml``) config file.
+    """Read a YAML (``.yaml``/``.yml``), TOML (``.toml``) or JSON (``.json``) config file.
 
     Args:
         path: The file to read.
@@ -279,13 +292,13 @@ def read_config_file(path: str | os.PathLike[str], source: str) -> dict[str, Any
     """
     file = Path(path)
     suffix = file.suffix.lower()
-    if suffix not in (".yaml", ".yml", ".toml"):
+    if suffix not in _PARSERS:
         raise ConfigError(
             [
                 Problem(
                     source,
                     CONFIG_FILE_KEY,
-                    "unknown file type; use .yaml, .yml or .toml",
+                    "unknown file type; use .yaml, .yml, .toml or .json",
                     str(path),
                 )
             ]
@@ -293,12 +306,11 @@ def read_config_file(path: str | os.PathLike[str], source: str) -> dict[str, Any
     text = _read_config_text(path, source)
     file_source = f"file {path}"
     try:
-        data = (
-            tomllib.loads(text) if suffix == ".toml" else yaml.load(text, Loader=_ConfigYAMLLoader)
-        )
+        data = _PARSERS[suffix](text)
     except RecursionError:
         raise ConfigError([Problem(file_source, "(file)", _TOO_DEEP, str(path))]) from None
-    # ValueError: TOML's errors, and numbers or dates Python cannot hold (a 5000-digit integer).
+    # ValueError: TOML's and JSON's errors, and numbers or dates Python cannot hold (a
+    # 5000-digit integer).
     except (ValueError, yaml.YAMLError) as exc:
         message = " ".join(str(exc).split())
         raise ConfigError(

@@ -14,9 +14,11 @@ device, or both at once (on two streams on CUDA; one after the other on CPU,
 where the torch backend also copies in the caller's thread). The host buffer
 is a :class:`~kvtier.tiers.host.HostTier`, pinned on CUDA as in serving.
 
-Results come out as JSON, per direction: GB/s of the backend and of the
-contiguous copy (best of ``--repeats``, which filters out other processes'
-interference) and their ratio, plus the ratio of the medians.
+Results come out as a table, or as JSON with ``--json`` (and in the file
+``--output`` names), per direction: GB/s of the backend and of the contiguous
+copy (best of ``--repeats``, which filters out other processes' interference)
+and their ratio, plus the ratio of the medians. A progress bar is drawn on
+standard error when it is a terminal.
 
 ``--pattern`` sets the block ids: ``permutation`` pairs a random permutation
 of one pool's blocks with a random permutation of the other pool's slots;
@@ -35,13 +37,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from pydantic import ByteSize
 from tqdm import tqdm
 
-from kvtier.cli import check_output_file
-from kvtier.config.sizes import parse_bytes
+from kvtier.cli import check_output_file, format_table
+from kvtier.config.sizes import format_bytes, parse_bytes
 from kvtier.copy.base import CopyBackend, CopyBatch, Direction
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
@@ -107,10 +110,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch device of the engine blocks (default: cuda if available, else cpu)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random block ids")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument(
-        "--output", default="-", help="file to write the JSON to (default: - for stdout)"
+        "--output",
+        metavar="FILE",
+        help="also write the JSON report to FILE (default: none)",
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar (drawn only when stderr is a terminal)",
+    )
 
 
 @dataclass
@@ -339,7 +349,7 @@ def _check_arguments(args: argparse.Namespace) -> None:
         registry.get(COPY_BACKEND, args.backend)
     except PluginError as exc:
         raise _UsageError(f"--backend: {exc}") from None
-    if args.output != "-":
+    if args.output is not None:
         try:
             check_output_file(args.output)
         except ValueError as exc:
@@ -372,9 +382,10 @@ def run(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "cpu_threads": torch.get_num_threads(),
     }
-    results: list[dict[str, object]] = []
+    results: list[dict[str, Any]] = []
     total = len(args.block_bytes) * len(MODES) * args.repeats
-    with tqdm(total=total, desc="bench copy", file=sys.stderr, disable=args.quiet) as progress:
+    quiet = args.quiet or not sys.stderr.isatty()
+    with tqdm(total=total, desc="bench copy", file=sys.stderr, disable=quiet) as progress:
         for block_bytes in args.block_bytes:
             progress.set_postfix_str(f"{block_bytes} B/block")
             try:
@@ -384,8 +395,8 @@ def run(args: argparse.Namespace) -> int:
                 return 1
     report["results"] = results
     text = json.dumps(report, indent=2)
-    if args.output == "-":
-        print(text)
+    print(text if args.json else _table(args, results))
+    if args.output is None:
         return 0
     try:
         with open(args.output, "w", encoding="utf-8") as handle:
@@ -394,3 +405,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvtier bench copy: cannot write {args.output}: {exc.strerror}", file=sys.stderr)
         return 1
     return 0
+
+
+def _table(args: argparse.Namespace, results: list[dict[str, Any]]) -> str:
+    """The results as a heading line and one row per block size and direction."""
+    heading = (
+        f"{args.backend} on {torch.device(args.device)}, {args.pattern} blocks, {args.regions} "
+        f"region(s) per block, {format_bytes(args.total_bytes)} per direction, best of "
+        f"{args.repeats}; RATIO is the backend's GB/s over the contiguous copy's"
+    )
+    rows = [["BLOCK", "BLOCKS", "MODE", "GB/S", "CONTIGUOUS GB/S", "RATIO", "RATIO OF MEDIANS"]]
+    for result in results:
+        for mode in MODES:
+            measured = result[mode]
+            rows.append(
+                [
+                    format_bytes(result["block_bytes"]),
+                    str(result["blocks"]),
+                    mode,
+                    str(measured["gb_per_s"]),
+                    str(measured["contiguous_gb_per_s"]),
+                    str(measured["ratio"]),
+                    str(measured["ratio_median"]),
+                ]
+            )
+    return f"{heading}\n{format_table(rows)}"

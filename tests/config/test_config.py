@@ -8,14 +8,14 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pluggy
 import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic import Field, ValidationError
+from pydantic import ByteSize, Field, TypeAdapter, ValidationError
 
 import kvtier
 from kvtier import hookspecs, plugins
@@ -27,6 +27,7 @@ from kvtier.config import (
     SectionConfig,
     available_memory_bytes,
     config_model,
+    format_bytes,
     load_config,
     parse_bytes,
 )
@@ -232,10 +233,55 @@ def test_highest_source_wins_and_is_reported(
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("4096", 4096), ("8GiB", 8 * 1024**3), ("512 MB", 512 * 1000**2), ("3kib", 3072), (7, 7)],
+    [
+        ("4096", 4096),
+        ("8GiB", 8 * 1024**3),
+        ("512 MB", 512 * 1000**2),
+        ("3kib", 3072),
+        (7, 7),
+        ("1.5GiB", 1536 * 1024**2),
+        ("64G", 64 * 1000**3),
+        ("500MB", 500 * 1000**2),
+        ("0.5 tb", 500 * 1000**3),
+        (".25KiB", 256),
+        ("2k", 2000),
+        ("1.5", 1),
+        ("9223372036854775807", 2**63 - 1),
+    ],
 )
 def test_parse_bytes_accepts_units(text: str | int, expected: int) -> None:
     assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["1.5GiB", "64G", "500MB", "0.5 tb", ".25KiB", "2k", "7", "1 EiB", "3m", "1.1GB", "999gib"],
+)
+def test_sizes_mean_what_pydantic_bytesize_means(text: str) -> None:
+    assert parse_bytes(text) == TypeAdapter(ByteSize).validate_python(text)
+
+
+@pytest.mark.parametrize("text", ["1.GB", "8GiB of it", "1kbit", "1Ki", "-1", "1e9", "GiB", ""])
+def test_parse_bytes_refuses_what_is_not_a_size(text: str) -> None:
+    with pytest.raises(ValueError, match="expected a number of bytes such as"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize(
+    ("count", "shown"),
+    [
+        (8 * 1024**3, "8GiB"),
+        (1536 * 1024**2, "1.5GiB"),
+        (64 * 1000**3, "64GB"),
+        (4096, "4KiB"),
+        (1000001, "1000001"),
+        (1, "1"),
+        (2**63 - 1, "9223372036854775807"),
+    ],
+)
+def test_format_bytes_is_short_and_exact(count: int, shown: str) -> None:
+    assert format_bytes(count) == shown
+    assert parse_bytes(shown) == count
 
 
 def test_host_slots_split_over_ranks_and_per_rank_override(registry: Registry) -> None:
@@ -329,9 +375,23 @@ def test_importing_the_config_installs_no_warning_filter() -> None:
 # One test per kind of bad input: each gives `<source>: <path>: <message> (got <value>)` lines.
 
 
+BAD_EXPLICIT: dict[str, dict[str, Any]] = {
+    "unknown type": {"copy": {"type": "turbo"}},
+    "unknown keys": {"cpu_byte": 5, "copy": {"stream": 2}},
+    "zero size": {"cpu_bytes_per_rank": 0},
+    "negative size": {"cpu_bytes_per_rank": -1},
+    "zero size with a unit": {"cpu_bytes_per_rank": "0GiB"},
+    "deadlines": {"copy_deadline_s": 0, "report_deadline_s": "soon", "close_timeout_s": 7200},
+    "wrong types": {"store_mode": 3, "cpu_bytes": [1], "copy": {"streams": "many"}},
+    "no plugin installed": {"copy": {"type": "torch"}},
+}
+"""Bad explicit values, each refused by its test below (against the ``registry`` fixture, or
+with no plugin at all for ``no plugin installed``)."""
+
+
 def test_unknown_type_lists_the_installed_choices(registry: Registry) -> None:
     with pytest.raises(ConfigError) as caught:
-        load_config({"copy": {"type": "turbo"}}, env={}, registry=registry)
+        load_config(BAD_EXPLICIT["unknown type"], env={}, registry=registry)
     assert lines_of(caught) == [
         "explicit: copy.type: unknown copy backend type; installed: torch, twin (got 'turbo')"
     ]
@@ -340,7 +400,7 @@ def test_unknown_type_lists_the_installed_choices(registry: Registry) -> None:
 
 def test_unknown_key_at_top_level_and_in_a_section(registry: Registry) -> None:
     with pytest.raises(ConfigError) as caught:
-        load_config({"cpu_byte": 5, "copy": {"stream": 2}}, env={}, registry=registry)
+        load_config(BAD_EXPLICIT["unknown keys"], env={}, registry=registry)
     assert lines_of(caught) == [
         "explicit: copy.stream: unknown key; valid keys here: streams, type (got 2)",
         "explicit: cpu_byte: unknown key; valid keys here: close_timeout_s, copy, "
@@ -350,10 +410,11 @@ def test_unknown_key_at_top_level_and_in_a_section(registry: Registry) -> None:
     assert str(caught.value).startswith("invalid kvtier configuration: 2 problems\n")
 
 
-@pytest.mark.parametrize("size", [0, -1, "0GiB"])
-def test_zero_or_negative_size(size: int | str, registry: Registry) -> None:
+@pytest.mark.parametrize("case", ["zero size", "negative size", "zero size with a unit"])
+def test_zero_or_negative_size(case: str, registry: Registry) -> None:
     with pytest.raises(ConfigError) as caught:
-        load_config({"cpu_bytes_per_rank": size}, env={}, registry=registry)
+        load_config(BAD_EXPLICIT[case], env={}, registry=registry)
+    size = BAD_EXPLICIT[case]["cpu_bytes_per_rank"]
     assert lines_of(caught) == [
         f"explicit: cpu_bytes_per_rank: Input should be greater than 0 (got {size!r})"
     ]
@@ -364,11 +425,7 @@ def test_deadlines_are_seconds_with_defaults_and_bounds(registry: Registry) -> N
     assert (config.copy_deadline_s, config.report_deadline_s) == (10.0, 30.0)
     assert config.close_timeout_s == 0
     with pytest.raises(ConfigError) as caught:
-        load_config(
-            {"copy_deadline_s": 0, "report_deadline_s": "soon", "close_timeout_s": 7200},
-            env={},
-            registry=registry,
-        )
+        load_config(BAD_EXPLICIT["deadlines"], env={}, registry=registry)
     assert lines_of(caught) == [
         "explicit: copy_deadline_s: Input should be greater than 0 (got 0)",
         "explicit: report_deadline_s: Input should be a valid number, unable to parse string "
@@ -399,11 +456,7 @@ def test_size_below_one_block_names_cpu_bytes_per_rank(registry: Registry) -> No
 
 def test_wrong_type(registry: Registry) -> None:
     with pytest.raises(ConfigError) as caught:
-        load_config(
-            {"store_mode": 3, "cpu_bytes": [1], "copy": {"streams": "many"}},
-            env={},
-            registry=registry,
-        )
+        load_config(BAD_EXPLICIT["wrong types"], env={}, registry=registry)
     assert lines_of(caught) == [
         "explicit: cpu_bytes: Input should be a valid integer (got [1])",
         "explicit: store_mode: Input should be 'eager' or 'lazy' (got 3)",
@@ -438,13 +491,27 @@ def test_unparseable_toml(tmp_path: Path, registry: Registry) -> None:
     assert line.startswith(f"file {file}: (file): cannot parse TOML: ")
 
 
-def test_file_of_unknown_type_or_shape(tmp_path: Path, registry: Registry) -> None:
-    json_file = tmp_path / "kvtier.json"
-    json_file.write_text("{}")
+def test_json_file(tmp_path: Path, registry: Registry) -> None:
+    file = tmp_path / "kvtier.json"
+    file.write_text('{"cpu_bytes": "1.5GiB", "copy": {"type": "twin", "depth": 3}}')
+    config = load_config(env={}, registry=registry, config_file=file)
+    assert (config.cpu_bytes, config.copy) == (1536 * 1024**2, TwinConfig(depth=3))
+    assert config.source_of("copy.depth") == f"file {file}"
+    file.write_text('{"cpu_bytes": 1,}')
     with pytest.raises(ConfigError) as caught:
-        load_config({"config_file": str(json_file)}, env={}, registry=registry)
+        load_config(env={}, registry=registry, config_file=file)
+    (line,) = lines_of(caught)
+    assert line.startswith(f"file {file}: (file): cannot parse JSON: Expecting property name ")
+
+
+def test_file_of_unknown_type_or_shape(tmp_path: Path, registry: Registry) -> None:
+    ini_file = tmp_path / "kvtier.ini"
+    ini_file.write_text("{}")
+    with pytest.raises(ConfigError) as caught:
+        load_config({"config_file": str(ini_file)}, env={}, registry=registry)
     assert lines_of(caught) == [
-        f"explicit: config_file: unknown file type; use .yaml, .yml or .toml (got '{json_file}')"
+        f"explicit: config_file: unknown file type; use .yaml, .yml, .toml or .json "
+        f"(got '{ini_file}')"
     ]
     list_file = tmp_path / "list.yaml"
     list_file.write_text("- 1\n")
@@ -469,8 +536,8 @@ def test_bad_env_variables(registry: Registry) -> None:
         "a double underscore, e.g. KVTIER_CPU_BYTES or KVTIER_COPY__TYPE (got 'x')",
         "env KVTIER_INDEX: index: value looks like JSON but is not: Expecting property name "
         "enclosed in double quotes: line 1 column 2 (char 1) (got '{not json')",
-        "env KVTIER_CPU_BYTES: cpu_bytes: expected a number of bytes such as 8589934592, '8GiB' "
-        "or '512MB' (got 'lots')",
+        "env KVTIER_CPU_BYTES: cpu_bytes: expected a number of bytes such as 8589934592, '8GiB', "
+        "'1.5GiB', '64G' or '512MB' (got 'lots')",
         "env KVTIER_BOGUS: bogus: unknown key; valid keys here: close_timeout_s, copy, "
         "copy_deadline_s, cpu_bytes, cpu_bytes_per_rank, index, layout, report_deadline_s, "
         "store_mode (got '1')",
@@ -480,7 +547,7 @@ def test_bad_env_variables(registry: Registry) -> None:
 def test_missing_default_implementation_says_what_to_set() -> None:
     registry = make_registry()
     with pytest.raises(ConfigError) as caught:
-        load_config({"copy": {"type": "torch"}}, env={}, registry=registry)
+        load_config(BAD_EXPLICIT["no plugin installed"], env={}, registry=registry)
     assert lines_of(caught) == [
         "default: index: required: the default block index 'prefix_arc' is not installed; set "
         "index.type to one of: none (got nothing)",
@@ -570,16 +637,16 @@ def test_file_content_python_cannot_hold(
     assert lines_of(caught)[0].startswith(f"file {file}: (file): {message}")
 
 
-@pytest.mark.parametrize(
-    ("make", "shown"),
-    [
-        (lambda: "x" * 10_000_000, "'" + "x" * 30),
-        (lambda: list(range(5000)), "[0, 1, 2, 3, 4, 5, ...]"),
-        (lambda: 10**5000, "<a 16610-bit integer>"),
-        (lambda: -(10**90), "-100000000000"),
-    ],
-    ids=["long string", "long list", "huge integer", "long integer"],
-)
+LONG_VALUES: dict[str, tuple[Callable[[], object], str]] = {
+    "long string": (lambda: "x" * 10_000_000, "'" + "x" * 30),
+    "long list": (lambda: list(range(5000)), "[0, 1, 2, 3, 4, 5, ...]"),
+    "huge integer": (lambda: 10**5000, "<a 16610-bit integer>"),
+    "long integer": (lambda: -(10**90), "-100000000000"),
+}
+"""Values under an unknown key, ``bogus``, and how the error line starts to show them."""
+
+
+@pytest.mark.parametrize(("make", "shown"), LONG_VALUES.values(), ids=list(LONG_VALUES))
 def test_error_values_are_cut_short(
     make: Callable[[], object], shown: str, registry: Registry
 ) -> None:
@@ -619,15 +686,16 @@ def test_prefix_arc_memory_factors_are_bounded(factor: str) -> None:
     assert policy.num_slots == 10**9
 
 
-@pytest.mark.parametrize(
-    ("kind", "name", "field", "value"),
-    [
-        ("copy_backends", "torch", "cpu_threads", 10**6),
-        ("copy_backends", "torch", "cuda_staging_bytes", 2**63),
-        ("copy_backends", "dma", "stream_priority", 2**31),
-        ("copy_backends", "kernel", "stream_priority", -(2**31) - 1),
-    ],
-)
+NATIVE_BOUNDS = [
+    ("copy_backends", "torch", "cpu_threads", 10**6),
+    ("copy_backends", "torch", "cuda_staging_bytes", 2**63),
+    ("copy_backends", "dma", "stream_priority", 2**31),
+    ("copy_backends", "kernel", "stream_priority", -(2**31) - 1),
+]
+"""Settings of the built-in plugins one past what native code takes: (kind, type, key, value)."""
+
+
+@pytest.mark.parametrize(("kind", "name", "field", "value"), NATIVE_BOUNDS)
 def test_integers_that_reach_native_code_are_bounded(
     kind: str, name: str, field: str, value: int
 ) -> None:

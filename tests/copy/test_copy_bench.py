@@ -43,11 +43,30 @@ def test_report_has_every_direction_for_every_block_size(tmp_path: Path) -> None
             )
 
 
-def test_json_goes_to_stdout_by_default(capsys: pytest.CaptureFixture[str]) -> None:
-    assert (
-        bench.run(_args("--block-bytes", "4096", "--total-bytes", "32KiB", "--repeats", "1")) == 0
-    )
+def test_json_goes_to_stdout_with_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args = _args("--json", "--block-bytes", "4096", "--total-bytes", "32KiB", "--repeats", "1")
+    assert bench.run(args) == 0
     assert json.loads(capsys.readouterr().out)["results"][0]["blocks"] == 8
+
+
+def test_table_by_default_and_no_progress_bar_off_a_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    argv = ["--device", "cpu", "--block-bytes", "4KiB", "1MiB", "--total-bytes", "1MiB"]
+    assert bench.run(parser.parse_args([*argv, "--repeats", "1"])) == 0
+    out, err = capsys.readouterr()
+    heading, header, *rows = out.splitlines()
+    assert heading.startswith("torch on cpu, permutation blocks, 1 region(s) per block, 1MiB ")
+    assert header.split() == [
+        "BLOCK", "BLOCKS", "MODE", "GB/S", "CONTIGUOUS", "GB/S", "RATIO", "RATIO", "OF", "MEDIANS"
+    ]  # fmt: skip
+    assert [row.split()[:3] for row in rows] == [
+        [block, blocks, mode] for block, blocks in (("4KiB", "256"), ("1MiB", "1"))
+        for mode in bench.MODES
+    ]  # fmt: skip
+    assert err == ""
 
 
 def test_sizes_take_units() -> None:

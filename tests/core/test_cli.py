@@ -82,6 +82,79 @@ def test_validate_accepts_a_good_file(tmp_path: Path, capsys: pytest.CaptureFixt
     assert (status, out, err) == (0, f"{file}: valid kvtier configuration\n", "")
 
 
+def test_validate_accepts_a_json_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "extra.json"
+    file.write_text('{"cpu_bytes": "64G", "copy": {"type": "twin", "depth": 4}}')
+    status, out, err = run(capsys, "config", "validate", str(file))
+    assert (status, out, err) == (0, f"{file}: valid kvtier configuration\n", "")
+
+
+def test_validate_checks_the_string_given_to_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+    extra = '{"cpu_bytes": "1.5GiB", "copy": "twin"}'
+    status, out, err = run(capsys, "config", "validate", "--json", extra)
+    assert (status, out, err) == (0, "--json: valid kvtier configuration\n", "")
+    extra = '{"cpu_bytes": "64GiB", "copy": {"type": "turbo"}, "store_mode": "never"}'
+    status, out, err = run(capsys, "config", "validate", "--json", extra, "--no-memory-check")
+    assert (status, out) == (2, "")
+    assert err.splitlines() == [
+        "invalid kvtier configuration: 2 problems",
+        "explicit: store_mode: Input should be 'eager' or 'lazy' (got 'never')",
+        "explicit: copy.type: unknown copy backend type; installed: torch, twin (got 'turbo')",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "line"),
+    [
+        ("{'cpu_bytes': 1}", "argument --json: (root): not JSON: Expecting property name "),
+        ('["cpu_bytes"]', "argument --json: (root): expected a JSON object of config keys, "),
+        ("[" * 5000 + "]" * 5000, "argument --json: (root): nested more than 32 levels deep "),
+        ('{"x": ' + "[" * 40 + "]" * 40 + "}", "explicit: (root): nested more than 32 levels "),
+    ],
+)
+def test_validate_refuses_a_string_that_is_not_a_json_object(
+    extra: str, line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = run(capsys, "config", "validate", "--json", extra)
+    assert (status, out) == (2, "")
+    header, problem = err.splitlines()
+    assert header == "invalid kvtier configuration: 1 problem"
+    assert problem.startswith(line)
+
+
+def test_validate_applies_the_json_string_over_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    file = tmp_path / "kvtier.yaml"
+    file.write_text("cpu_bytes: 1MiB\n")
+    argv = ("config", "validate", str(file), "--json", '{"cpu_bytes": 4096}')
+    status, out, _ = run(capsys, *argv, "--record-bytes", "1KiB")
+    assert (status, out) == (
+        0,
+        f"{file} with --json: valid kvtier configuration; 4 blocks of 1024 bytes per rank over "
+        "1 rank(s)\n",
+    )
+
+
+def test_validate_falls_back_to_kvtier_config_like_show(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    file = tmp_path / "kvtier.toml"
+    file.write_text("store_mode = 'sometimes'\n")
+    monkeypatch.setenv("KVTIER_CONFIG", str(file))
+    status, out, err = run(capsys, "config", "validate")
+    assert (status, out) == (2, "")
+    assert err.splitlines()[1] == (
+        f"file {file}: store_mode: Input should be 'eager' or 'lazy' (got 'sometimes')"
+    )
+    file.write_text("store_mode = 'lazy'\n")
+    status, out, _ = run(capsys, "config", "validate")
+    assert (status, out) == (0, f"{file}: valid kvtier configuration\n")
+    monkeypatch.delenv("KVTIER_CONFIG")
+    status, out, _ = run(capsys, "config", "validate")
+    assert (status, out) == (0, "KVTIER_* variables and defaults: valid kvtier configuration\n")
+
+
 BAD_FILES = {
     "unknown type": (
         "copy:\n  type: turbo\n",
@@ -187,13 +260,41 @@ def test_show_reports_each_value_and_its_source(
     status, out, _ = run(capsys, "config", "show", str(file))
     assert status == 0
     rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[1:]}
-    assert rows["cpu_bytes"] == ["1073741824", "file", str(file)]
+    assert rows["cpu_bytes"] == ["1GiB", "file", str(file)]
     assert rows["copy.streams"] == ["2", "env", "KVTIER_COPY__STREAMS"]
     assert rows["store_mode"] == ['"eager"', "default"]
     status, out, _ = run(capsys, "config", "show", "--json")
     shown = json.loads(out)
     assert shown["config"]["copy"] == {"type": "torch", "streams": 2}
     assert shown["sources"]["cpu_bytes"] == "default"
+
+
+def test_show_prints_sizes_in_units(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVTIER_CPU_BYTES", "1.5GiB")
+    monkeypatch.setenv("KVTIER_CPU_BYTES_PER_RANK", "500000001")
+    status, out, _ = run(capsys, "config", "show")
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[1:]}
+    assert status == 0
+    assert rows["cpu_bytes"] == ["1.5GiB", "env", "KVTIER_CPU_BYTES"]
+    assert rows["cpu_bytes_per_rank"] == ["500000001", "env", "KVTIER_CPU_BYTES_PER_RANK"]
+    status, out, _ = run(capsys, "config", "show", "--json")
+    assert json.loads(out)["config"]["cpu_bytes"] == 1536 * 1024**2
+
+
+def test_show_credits_a_json_valued_variable_to_itself(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVTIER_COPY", '{"type": "twin", "depth": 3}')
+    monkeypatch.setenv("KVTIER_INDEX", '{"type": "prefix_arc"}')
+    status, out, _ = run(capsys, "config", "show")
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[1:]}
+    assert status == 0
+    assert rows["copy.type"] == ['"twin"', "env", "KVTIER_COPY"]
+    assert rows["copy.depth"] == ["3", "env", "KVTIER_COPY"]
+    assert rows["index.type"] == ['"prefix_arc"', "env", "KVTIER_INDEX"]
+    assert all(row[-1] == "default" for key, row in rows.items() if key.startswith("index.h"))
 
 
 def test_schema_includes_plugin_models(capsys: pytest.CaptureFixture[str]) -> None:
@@ -241,6 +342,28 @@ def test_help_texts_cover_every_command(monkeypatch: pytest.MonkeyPatch) -> None
         "kvtier simulate: not available in this installation (kvtier_no_such_module is missing)\n"
     )
     assert {"kvtier", "kvtier plugins", "kvtier config show", "kvtier bench copy"} <= set(texts)
+
+
+def test_every_option_with_a_default_shows_it_in_its_help() -> None:
+    parsers = [(("kvtier",), cli._build_parser())]
+    missing = []
+    while parsers:
+        words, parser = parsers.pop()
+        delegate = parser.get_default("delegate")
+        if delegate is not None:
+            parsers.append((delegate, cli._delegated_parser(delegate)[0]))
+            continue
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(((*words, name), child) for name, child in action.choices.items())
+            elif action.nargs != 0 and action.default is not None and action.help:
+                helped = " ".join(action.help.split())
+                shown = helped if "(default" in helped else f"{helped} (default: {action.default})"
+                if shown not in text:
+                    missing.append(f"{' '.join(words)} {action.dest}")
+    assert missing == []
+    assert "(default: 1)" in cli.help_texts()["kvtier config validate"]
 
 
 def test_unknown_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:

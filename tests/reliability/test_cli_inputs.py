@@ -24,7 +24,7 @@ TINY_SIMULATION = (
     "--policies", "lru", "--capacities", "10", "--no-belady", "--synthetic-requests", "20",
 )  # fmt: skip
 TINY_BENCH = ("--block-bytes", "4KiB", "--total-bytes", "16KiB", "--repeats", "1")
-"""No --quiet: a benchmark that started would draw its progress bar on stderr."""
+"""A benchmark that started would print its table on stdout."""
 
 
 def kvtier(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -124,7 +124,7 @@ def write_not_utf8(path: Path) -> None:
 
 
 NOT_CONFIG_FILES: dict[str, tuple[Callable[[Path], None], str]] = {
-    "FIFO": (make_fifo, "a FIFO (named pipe), not a regular file; name a YAML or TOML file"),
+    "FIFO": (make_fifo, "a FIFO (named pipe), not a regular file; name a YAML, TOML or JSON file"),
     "link to /dev/zero": (link_to_dev_zero, "a character device, not a regular file"),
     "directory": (Path.mkdir, "a directory, not a regular file"),
     "4 GiB file": (make_huge_sparse_file, "larger than the 1048576 bytes a config file may have"),
@@ -155,22 +155,20 @@ NOT_FINITE = "Input should be a finite number"
 TOO_LARGE = "Input should be less than or equal to 1024"
 
 
-@pytest.mark.parametrize(
-    ("name", "content"),
-    [
-        (
-            "kvtier.yaml",
-            "index:\n  history_factor: .inf\n  low_value_ratio: .nan\n"
-            "  first_sight_memory_factor: 1e308\n",
-        ),
-        (
-            "kvtier.toml",
-            "[index]\nhistory_factor = inf\nlow_value_ratio = nan\n"
-            "first_sight_memory_factor = 1e308\n",
-        ),
-    ],
-    ids=["YAML", "TOML"],
-)
+FLOAT_FILES = {
+    "YAML": (
+        "kvtier.yaml",
+        "index:\n  history_factor: .inf\n  low_value_ratio: .nan\n"
+        "  first_sight_memory_factor: 1e308\n",
+    ),
+    "TOML": (
+        "kvtier.toml",
+        "[index]\nhistory_factor = inf\nlow_value_ratio = nan\nfirst_sight_memory_factor = 1e308\n",
+    ),
+}
+
+
+@pytest.mark.parametrize(("name", "content"), FLOAT_FILES.values(), ids=list(FLOAT_FILES))
 def test_float_fields_in_files_must_be_finite_and_bounded(
     name: str, content: str, tmp_path: Path
 ) -> None:
@@ -199,11 +197,11 @@ def test_float_fields_in_env_must_be_finite_and_bounded(tmp_path: Path) -> None:
     )
 
 
+NOT_POSITIVE_SIZES = "cpu_bytes: -1\ncpu_bytes_per_rank: 0\ncopy:\n  cuda_staging_bytes: 0GiB\n"
+
+
 def test_sizes_must_be_positive(tmp_path: Path) -> None:
-    file = write(
-        tmp_path / "kvtier.yaml",
-        "cpu_bytes: -1\ncpu_bytes_per_rank: 0\ncopy:\n  cuda_staging_bytes: 0GiB\n",
-    )
+    file = write(tmp_path / "kvtier.yaml", NOT_POSITIVE_SIZES)
     assert_refused(
         kvtier("config", "validate", str(file)),
         f"file {file}: cpu_bytes: Input should be greater than 0 (got -1)",
