@@ -66,6 +66,9 @@ assert HEADER_FIXED_BYTES + MAX_KEY_BYTES <= HEADER_AREA_BYTES
 _SUPERBLOCK = struct.Struct("<4sHQQQ")
 _SUPERBLOCK_MAGIC = b"KVTD"
 _SUPERBLOCK_VERSION = 1
+_HEADER_LIMIT = HEADER_FIXED_BYTES + MAX_KEY_BYTES
+"""A header area's bytes past this are never written: zeros in every slot."""
+_ZEROS = memoryview(bytes(_HEADER_LIMIT))
 
 
 def _cause_of(exc: OSError) -> Cause:
@@ -348,61 +351,73 @@ class DiskTier(QueuedTier):
         return payload if fault is None else fault
 
     def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
+        index = self._index
         with self._index_lock:
-            slots = [self._index.reserve([key])[0] for key in keys]
+            slots = [index.reserve([key])[0] for key in keys]
             present = [
-                slot is None and self._index.slot_of(key) is not None
+                slot is None and index.slot_of(key) is not None
                 for key, slot in zip(keys, slots, strict=True)
             ]
             sequence = self._sequence
             self._sequence += len(keys)
-            evicted = sum(event.kind is EventKind.EVICTED for event in self._index.take_events())
-        self._count(evictions=evicted)
+            evicted = sum(event.kind is EventKind.EVICTED for event in index.take_events())
         written: list[BlockKey] = []
         failed: list[BlockKey] = []
+        buffer = self._thread_buffer()
         for position, (key, slot, record) in enumerate(zip(keys, slots, records, strict=True)):
             if slot is None:
                 continue
+            offset = self._offset(self._file_slots[slot])
             try:
-                self._write_record(
-                    key, record, sequence + position, self._offset(self._file_slots[slot])
-                )
+                self._write_record(buffer, key, record, sequence + position, offset)
             except OSError as exc:
                 self._count_error(_cause_of(exc))
                 failed.append(key)
             else:
                 written.append(key)
         with self._index_lock:
-            self._index.commit(written)
-            self._index.abort(failed)
-        self._count(stores=len(written), bytes_written=len(written) * self.record_bytes)
+            index.commit(written)
+            index.abort(failed)
+        self._count(
+            evictions=evicted, stores=len(written), bytes_written=len(written) * self.record_bytes
+        )
         done = set(written)
         return [key in done or was for key, was in zip(keys, present, strict=True)]
 
-    def _write_record(self, key: BlockKey, record: memoryview, sequence: int, offset: int) -> None:
-        """Write one slot: the payload, then its header (in one write with ``o_direct``)."""
-        buffer = self._thread_buffer()
+    def _write_record(
+        self, buffer: memoryview, key: BlockKey, record: memoryview, sequence: int, offset: int
+    ) -> None:
+        """Write one slot through this thread's ``buffer``: the payload, then its header.
+
+        With ``o_direct`` the payload is copied behind the header in ``buffer``
+        and the slot is written at once; the checksum then reads the copy while
+        it is still in the CPU's cache.
+        """
         if self.o_direct:
             payload = buffer[HEADER_AREA_BYTES : HEADER_AREA_BYTES + self.record_bytes]
             payload[:] = record
-            record = payload
-        header = self._codec.header(key, payload_checksum(record), sequence)
-        buffer[: len(header)] = header
-        buffer[len(header) : HEADER_AREA_BYTES] = bytes(HEADER_AREA_BYTES - len(header))
-        if self.o_direct:
+            self._header_into(buffer, key, payload_checksum(payload), sequence)
             self._write_all(buffer, offset)
         else:
+            checksum = payload_checksum(record)
             self._write_all(record, offset + HEADER_AREA_BYTES)
-            self._write_all(buffer, offset)
+            self._header_into(buffer, key, checksum, sequence)
+            self._write_all(buffer[:HEADER_AREA_BYTES], offset)
+
+    def _header_into(self, buffer: memoryview, key: BlockKey, checksum: int, sequence: int) -> None:
+        """The record header at the start of ``buffer``, zeros after it (what a longer key left)."""
+        end = self._codec.header_into(buffer, key, checksum, sequence)
+        buffer[end:_HEADER_LIMIT] = _ZEROS[: _HEADER_LIMIT - end]
 
     def _write_all(self, data: memoryview, offset: int) -> None:
         """``pwrite`` all of ``data`` at ``offset``; a short write is continued."""
-        while data:
-            written = os.pwrite(self._fd, data, offset)
+        written = os.pwrite(self._fd, data, offset)
+        while written < len(data):
             if written == 0:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             data = data[written:]
             offset += written
+            written = os.pwrite(self._fd, data, offset)
 
     def _exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         with self._index_lock:
