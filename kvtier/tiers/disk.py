@@ -5,12 +5,13 @@ second process. The file is a 4 KiB superblock (magic, format version, record
 and slot sizes, slot count) followed by fixed-size slots; a slot is a 4 KiB
 header area (the record header of :mod:`kvtier.tiers.record`, zero-padded)
 and the payload, padded to a multiple of 4 KiB so every record starts on a
-page. Records are written and read with positional I/O (``os.pwrite``,
-``os.pread``) from a pool of I/O threads, through the page cache. A write
-puts the payload first and its header last; a crash part-way through leaves
-the slot's previous header over a mixed payload, which the payload checksum
-turns into a miss. A read takes header and payload in one ``os.pread`` into
-one new buffer, and the payload is returned as a view of it: no copy.
+page. Records are written and read with positional I/O from a pool of I/O
+threads, through the page cache, one system call per record: a write takes
+the header (built in the I/O thread's buffer) and the caller's payload in one
+``os.pwritev``, with no copy; a read takes header and payload in one
+``os.pread`` into one new buffer, and the payload is returned as a view of it.
+A crash part-way through a write may leave any mix of the slot's old and new
+pages; the payload checksum in the header turns every such mix into a miss.
 
 With ``o_direct`` the file is opened with ``O_DIRECT``, bypassing the page
 cache. Every offset and length is already a multiple of 4 KiB; a write copies
@@ -387,37 +388,39 @@ class DiskTier(QueuedTier):
     def _write_record(
         self, buffer: memoryview, key: BlockKey, record: memoryview, sequence: int, offset: int
     ) -> None:
-        """Write one slot through this thread's ``buffer``: the payload, then its header.
+        """Write one slot, header and payload, in one system call through this thread's ``buffer``.
 
-        With ``o_direct`` the payload is copied behind the header in ``buffer``
-        and the slot is written at once; the checksum then reads the copy while
-        it is still in the CPU's cache.
+        With ``o_direct`` the payload is first copied behind the header in
+        ``buffer`` (page-aligned); the checksum then reads the copy while it is
+        still in the CPU's cache.
         """
         if self.o_direct:
             payload = buffer[HEADER_AREA_BYTES : HEADER_AREA_BYTES + self.record_bytes]
             payload[:] = record
             self._header_into(buffer, key, payload_checksum(payload), sequence)
-            self._write_all(buffer, offset)
+            self._write_all([buffer], offset)
         else:
-            checksum = payload_checksum(record)
-            self._write_all(record, offset + HEADER_AREA_BYTES)
-            self._header_into(buffer, key, checksum, sequence)
-            self._write_all(buffer[:HEADER_AREA_BYTES], offset)
+            self._header_into(buffer, key, payload_checksum(record), sequence)
+            self._write_all([buffer, record], offset)
 
     def _header_into(self, buffer: memoryview, key: BlockKey, checksum: int, sequence: int) -> None:
         """The record header at the start of ``buffer``, zeros after it (what a longer key left)."""
         end = self._codec.header_into(buffer, key, checksum, sequence)
         buffer[end:_HEADER_LIMIT] = _ZEROS[: _HEADER_LIMIT - end]
 
-    def _write_all(self, data: memoryview, offset: int) -> None:
-        """``pwrite`` all of ``data`` at ``offset``; a short write is continued."""
-        written = os.pwrite(self._fd, data, offset)
-        while written < len(data):
+    def _write_all(self, parts: list[memoryview], offset: int) -> None:
+        """``pwritev`` all of ``parts`` at ``offset``; a short write is continued."""
+        while True:
+            written = os.pwritev(self._fd, parts, offset)
             if written == 0:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            data = data[written:]
             offset += written
-            written = os.pwrite(self._fd, data, offset)
+            while parts and written >= len(parts[0]):
+                written -= len(parts[0])
+                parts = parts[1:]
+            if not parts:
+                return
+            parts = [parts[0][written:], *parts[1:]]
 
     def _exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         with self._index_lock:

@@ -301,6 +301,28 @@ def test_a_truncated_file_is_a_miss(open_tier: Callable[..., DiskTier]) -> None:
     assert tier.stats().errors == {"length": 1}
 
 
+def test_short_writes_are_continued(
+    monkeypatch: pytest.MonkeyPatch, open_tier: Callable[..., DiskTier]
+) -> None:
+    """A write the kernel takes only in part (a signal, a filesystem's limit) is finished."""
+    tier = open_tier()
+    real_pwritev = os.pwritev
+    calls = []
+
+    def short_pwritev(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls.append(offset)
+        first = memoryview(buffers[0])
+        return real_pwritev(fd, [first[: max(1, min(len(first), 3000))]], offset)
+
+    keys = tier.keys.keys(block_hashes("short-writes", 2))
+    records = payloads(2, RECORD)
+    monkeypatch.setattr(os, "pwritev", short_pwritev)
+    assert store(tier, keys, records) == (True, True)
+    monkeypatch.undo()
+    assert len(calls) > 2 * (HEADER_AREA_BYTES + RECORD) // 3000
+    assert fetch(tier, keys) == records
+
+
 # ------------------------------------------------------------------------- O_DIRECT
 
 
