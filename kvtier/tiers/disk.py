@@ -9,7 +9,8 @@ page. Records are written and read with positional I/O from a pool of I/O
 threads, through the page cache, one system call per record: a write takes
 the header (built in the I/O thread's buffer) and the caller's payload in one
 ``os.pwritev``, with no copy; a read takes header and payload in one
-``os.pread`` into one new buffer, and the payload is returned as a view of it.
+``os.preadv`` into one new buffer (not zero-filled first), and the payload is
+returned as a view of it.
 A crash part-way through a write may leave any mix of the slot's old and new
 pages; the payload checksum in the header turns every such mix into a miss.
 
@@ -44,6 +45,8 @@ import struct
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 from kvtier.index.base import BlockIndex, BlockKey, EventKind
 from kvtier.plugins import default_registry
@@ -343,8 +346,8 @@ class DiskTier(QueuedTier):
             slot = aligned_buffer(self.slot_bytes)
             read = os.preadv(self._fd, [slot], offset)
         else:
-            slot = memoryview(os.pread(self._fd, size, offset))
-            read = len(slot)
+            slot = memoryview(np.empty(size, np.uint8))  # no zero-fill: every byte is read
+            read = os.preadv(self._fd, [slot], offset)
         if read < size:
             return RecordFault.LENGTH
         payload = slot[HEADER_AREA_BYTES:size]

@@ -301,6 +301,24 @@ def test_a_truncated_file_is_a_miss(open_tier: Callable[..., DiskTier]) -> None:
     assert tier.stats().errors == {"length": 1}
 
 
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_a_get_returns_new_writable_buffers(
+    o_direct: bool, tmp_path: Path, open_tier: Callable[..., DiskTier]
+) -> None:
+    if o_direct and o_direct_refused(tmp_path) is not None:
+        pytest.skip(str(o_direct_refused(tmp_path)))
+    tier = open_tier(o_direct=o_direct)
+    keys = tier.keys.keys(block_hashes("writable", 1))
+    records = payloads(1, RECORD)
+    store(tier, keys, records)
+    first, second = (done(tier.get(keys)).records[0] for _ in range(2))
+    assert first is not None and second is not None
+    assert not first.readonly and len(first) == RECORD
+    first[:4] = b"\0\0\0\0"
+    assert bytes(second) == records[0], "each get has its own buffer"
+    assert fetch(tier, keys) == records
+
+
 def test_short_writes_are_continued(
     monkeypatch: pytest.MonkeyPatch, open_tier: Callable[..., DiskTier]
 ) -> None:
