@@ -1,20 +1,24 @@
 """Storage-tier bandwidth, 256 KiB to 2 MiB records, against the bare I/O in the same run.
 
-Two comparisons, each arm run in turn ``--repeats`` times (alternating, so
-both see the same machine), medians reported in GB/s:
+Three comparisons, each pair of arms run in turn ``--repeats`` times
+(alternating, so both see the same machine), medians reported in GB/s:
 
 - ``disk``: the disk tier's put and get of N records (header, checksum, index,
   I/O threads included) against plain sequential ``os.pwrite``/``os.pread`` of
   the same payload bytes to a preallocated file in the same directory. Both
   go through the page cache, so on a machine with memory to spare this
   measures the software path rather than the drive.
+- ``disk_o_direct``: the same with ``o_direct: true``, against plain
+  sequential ``O_DIRECT`` writes and reads through page-aligned buffers;
+  skipped, with the reason, where the filesystem of ``--dir`` refuses O_DIRECT.
 - ``redis``: the redis tier's put and get against a bare redis-py pipeline
   that SETs and GETs the same payloads in batches of the same size, on a
   ``redis-server`` the benchmark starts on 127.0.0.1 (or ``--redis-url``).
   Both arms write new keys in every run and delete them after it, untimed.
 
-``ratio`` is tier / bare GB/s for each direction; 1.0 is as fast as the bare
-I/O. ``cpu_ratio`` compares this process's CPU seconds per byte the same way
+``ratio`` is tier / bare GB/s for each direction, per repeat (the tier's run
+against the bare run next to it), as its median, min and max; 1.0 is as fast
+as the bare I/O. ``cpu_ratio`` compares this process's CPU seconds per byte the same way
 (bare / tier), which a busy machine disturbs less than wall-clock time.
 Prints one JSON object. Usage::
 
@@ -25,6 +29,7 @@ Prints one JSON object. Usage::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -35,7 +40,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import redis
@@ -43,7 +48,7 @@ import redis
 from kvtier.keys import KeyNamespace
 from kvtier.testing.redis_server import RedisServer, redis_server_binary
 from kvtier.tiers.base import StorageTier, TierSpec
-from kvtier.tiers.disk import DiskTier, DiskTierConfig, build_disk_tier
+from kvtier.tiers.disk import DiskTier, DiskTierConfig, aligned_buffer, build_disk_tier
 from kvtier.tiers.redis import RedisTier, RedisTierConfig
 
 TARGET_RATIO = 0.8
@@ -61,8 +66,16 @@ def gbps(total_bytes: int, seconds: float) -> float:
     return round(total_bytes / seconds / 1e9, 3)
 
 
-class TierArms:
-    """Put every record under fresh keys (evicting the previous run's), and get them back."""
+class Arm(NamedTuple):
+    """One way to move the records: put them all, get them all, then check (untimed)."""
+
+    put: Callable[[], None]
+    get: Callable[[], None]
+    check: Callable[[], None]
+
+
+class TierArm:
+    """Put every record under fresh keys, get them back, check them and delete them."""
 
     def __init__(self, tier: StorageTier, records: list[bytes], batch: int) -> None:
         self.tier = tier
@@ -71,16 +84,19 @@ class TierArms:
             range(start, min(start + batch, len(records)))
             for start in range(0, len(records), batch)
         ]
-        self.run = 0
+        self.runs = itertools.count(1)
         self.keys: list[bytes] = []
         self.got: list[memoryview | None] = []
+        self.next_keys()
+
+    def next_keys(self) -> None:
+        """Keys for the next put, made outside the timed runs like the bare arms' names."""
+        run = next(self.runs)
+        names = [f"run-{run}/block-{i}".encode() for i in range(len(self.records))]
+        self.keys = self.tier.keys.keys(names)
 
     def put(self) -> None:
-        self.run += 1
-        keys = self.tier.keys.keys(
-            [f"run-{self.run}/block-{i}".encode() for i in range(len(self.records))]
-        )
-        self.keys = keys
+        keys = self.keys
         futures = [
             self.tier.put([keys[i] for i in b], [self.records[i] for i in b]) for b in self.batches
         ]
@@ -95,54 +111,71 @@ class TierArms:
         self.got = [record for future in futures for record in future.result(WAIT_S).records]
 
     def check(self) -> None:
-        """Outside the timed runs: every record came back intact; then they are deleted."""
+        """Every record came back intact; then they are deleted."""
         if any(
-            got is None or bytes(got) != record
-            for got, record in zip(self.got, self.records, strict=True)
+            got is None or got != record for got, record in zip(self.got, self.records, strict=True)
         ):
             raise RuntimeError(f"{self.tier!r} returned a wrong or missing record")
         self.got = []
         self.tier.delete(self.keys).result(WAIT_S)
+        self.next_keys()
+
+    def arm(self) -> Arm:
+        return Arm(self.put, self.get, self.check)
 
 
-def measure(
-    arms: dict[str, tuple[Callable[[], None], Callable[[], None], Callable[[], None]]],
-    repeats: int,
-    total: int,
-) -> dict[str, Any]:
-    """Alternate the arms ``repeats`` times; medians of each direction and their ratios.
+def spread(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+    }
 
-    Each arm is (put, get, check); the check runs after each get, outside the timing.
+
+def measure(tier: Arm, bare: Arm, bare_name: str, repeats: int, total: int) -> dict[str, Any]:
+    """Run the two arms in turn ``repeats`` times; medians, and each run's ratio to its peer.
+
+    Runs alternate in ABBA order (tier then bare, then bare then tier) so a
+    drift in the machine's load weighs on both arms alike. The ratio of a
+    repeat compares the tier's run with the bare run next to it in time.
     """
+    arms = {"tier": tier, bare_name: bare}
     seconds: dict[str, dict[str, list[float]]] = {name: {"put": [], "get": []} for name in arms}
     cpu: dict[str, dict[str, list[float]]] = {name: {"put": [], "get": []} for name in arms}
-    for _ in range(repeats):
-        for name, (put, get, check) in arms.items():
-            for direction, action in (("put", put), ("get", get)):
+    for repeat in range(repeats):
+        order = list(arms) if repeat % 2 == 0 else list(arms)[::-1]
+        for name in order:
+            for direction, action in (("put", arms[name].put), ("get", arms[name].get)):
                 wall, used = timed(action)
                 seconds[name][direction].append(wall)
                 cpu[name][direction].append(used)
-            check()
+            arms[name].check()
     result: dict[str, Any] = {
         name: {
-            f"{direction}_gbps": gbps(total, statistics.median(times))
-            for direction, times in directions.items()
+            f"{direction}_gbps": gbps(total, statistics.median(seconds[name][direction]))
+            for direction in ("put", "get")
         }
         | {
-            f"{direction}_cpu_s_per_gb": round(statistics.median(times) / (total / 1e9), 4)
-            for direction, times in cpu[name].items()
+            f"{direction}_cpu_s_per_gb": round(
+                statistics.median(cpu[name][direction]) / (total / 1e9), 4
+            )
+            for direction in ("put", "get")
         }
-        for name, directions in seconds.items()
+        for name in arms
     }
-    tier, bare = list(arms)
     for direction in ("put", "get"):
-        result[f"{direction}_ratio"] = round(
-            statistics.median(seconds[bare][direction])
-            / statistics.median(seconds[tier][direction]),
-            3,
+        result[f"{direction}_ratio"] = spread(
+            [
+                bare_s / tier_s
+                for bare_s, tier_s in zip(
+                    seconds[bare_name][direction], seconds["tier"][direction], strict=True
+                )
+            ]
         )
         result[f"{direction}_cpu_ratio"] = round(
-            statistics.median(cpu[bare][direction]) / statistics.median(cpu[tier][direction]), 3
+            statistics.median(cpu[bare_name][direction])
+            / statistics.median(cpu["tier"][direction]),
+            3,
         )
     return result
 
@@ -156,7 +189,52 @@ def spec(record_bytes: int) -> TierSpec:
     return TierSpec(record_bytes, KeyNamespace("bench", f"layout-{record_bytes}", 0, 1))
 
 
-def bench_disk(args: argparse.Namespace, record_bytes: int, directory: Path) -> dict[str, Any]:
+def bare_file_arm(path: Path, records: list[bytes], *, o_direct: bool) -> tuple[Arm, int]:
+    """Sequential ``os.pwrite``/``os.pread`` of the records to a preallocated file, and its fd.
+
+    With ``o_direct`` the file is opened with ``O_DIRECT``; each record is copied
+    into one page-aligned buffer to be written, and read into a new page-aligned
+    buffer, as the tier does.
+    """
+    record_bytes = len(records[0])
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if o_direct else 0)
+    fd = os.open(path, flags, 0o600)
+    os.posix_fallocate(fd, 0, len(records) * record_bytes)
+    read: list[Any] = []
+
+    def put() -> None:
+        for i, record in enumerate(records):
+            os.pwrite(fd, record, i * record_bytes)
+
+    def put_aligned() -> None:
+        staging = aligned_buffer(record_bytes)
+        for i, record in enumerate(records):
+            staging[:] = record
+            os.pwrite(fd, staging, i * record_bytes)
+
+    def get() -> None:
+        read[:] = [os.pread(fd, record_bytes, i * record_bytes) for i in range(len(records))]
+
+    def get_aligned() -> None:
+        read.clear()
+        for i in range(len(records)):
+            buffer = aligned_buffer(record_bytes)
+            os.preadv(fd, [buffer], i * record_bytes)
+            read.append(buffer)
+
+    def check() -> None:
+        if read != records:
+            raise RuntimeError(f"plain pread of {path} returned other bytes")
+        read.clear()
+
+    if o_direct:
+        return Arm(put_aligned, get_aligned, check), fd
+    return Arm(put, get, check), fd
+
+
+def bench_disk(
+    args: argparse.Namespace, record_bytes: int, directory: Path, *, o_direct: bool
+) -> dict[str, Any]:
     count = max(args.total_mib * 2**20 // record_bytes, 1)
     records = payloads(count, record_bytes)
     config = DiskTierConfig(
@@ -164,38 +242,38 @@ def bench_disk(args: argparse.Namespace, record_bytes: int, directory: Path) -> 
         capacity_bytes=4096 + count * DiskTier.slot_bytes_for(record_bytes),
         io_threads=args.io_threads,
         queue_depth=count,
+        o_direct=o_direct,
     )
     tier = build_disk_tier(config, spec(record_bytes))
     bare_file = directory / "bare.bin"
-    fd = os.open(bare_file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = -1
     try:
-        os.posix_fallocate(fd, 0, count * record_bytes)
-
-        def bare_put() -> None:
-            for i, record in enumerate(records):
-                os.pwrite(fd, record, i * record_bytes)
-
-        read: list[bytes] = []
-
-        def bare_get() -> None:
-            read[:] = [os.pread(fd, record_bytes, i * record_bytes) for i in range(count)]
-
-        def bare_check() -> None:
-            if read != records:
-                raise RuntimeError("plain pread returned other bytes")
-
-        tier_arms = TierArms(tier, records, args.batch)
-        arms = {
-            "tier": (tier_arms.put, tier_arms.get, tier_arms.check),
-            "pwrite_pread": (bare_put, bare_get, bare_check),
-        }
-        result = measure(arms, args.repeats, count * record_bytes)
+        bare, fd = bare_file_arm(bare_file, records, o_direct=o_direct)
+        tier_arm = TierArm(tier, records, args.batch).arm()
+        result = measure(tier_arm, bare, "pwrite_pread", args.repeats, count * record_bytes)
     finally:
         tier.close()
-        os.close(fd)
-        bare_file.unlink()
+        if fd >= 0:
+            os.close(fd)
+        bare_file.unlink(missing_ok=True)
         tier.file.unlink()
     return {"record_bytes": record_bytes, "records": count, **result}
+
+
+def o_direct_refused(directory: Path) -> str | None:
+    """Why ``directory``'s filesystem cannot take the O_DIRECT arms, or ``None``."""
+    probe = directory / "o_direct-probe"
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+        try:
+            os.pwrite(fd, aligned_buffer(4096), 0)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return f"the filesystem of {directory} refuses O_DIRECT: {exc.strerror}"
+    finally:
+        probe.unlink(missing_ok=True)
+    return None
 
 
 def bench_redis(args: argparse.Namespace, record_bytes: int, url: str) -> dict[str, Any]:
@@ -204,15 +282,17 @@ def bench_redis(args: argparse.Namespace, record_bytes: int, url: str) -> dict[s
     config = RedisTierConfig(url=url, io_threads=args.io_threads, queue_depth=count)  # type: ignore[arg-type]
     tier = RedisTier(config, spec(record_bytes))
     client = redis.Redis.from_url(url)
-    runs = iter(range(1, 1 << 30))
+    runs = itertools.count(1)
     names: list[bytes] = []
     batches = [
         range(start, min(start + args.batch, count)) for start in range(0, count, args.batch)
     ]
 
-    def bare_put() -> None:
+    def next_names() -> None:
         run = next(runs)
         names[:] = [f"bare:run-{run}/block-{i}".encode() for i in range(count)]
+
+    def bare_put() -> None:
         for b in batches:
             pipe = client.pipeline(transaction=False)
             for i in b:
@@ -234,14 +314,18 @@ def bench_redis(args: argparse.Namespace, record_bytes: int, url: str) -> dict[s
             raise RuntimeError("the bare pipeline returned other bytes")
         read.clear()
         client.delete(*names)
+        next_names()
 
-    tier_arms = TierArms(tier, records, args.batch)
-    arms = {
-        "tier": (tier_arms.put, tier_arms.get, tier_arms.check),
-        "pipeline": (bare_put, bare_get, bare_check),
-    }
+    next_names()
+    tier_arm = TierArm(tier, records, args.batch).arm()
     try:
-        result = measure(arms, args.repeats, count * record_bytes)
+        result = measure(
+            tier_arm,
+            Arm(bare_put, bare_get, bare_check),
+            "pipeline",
+            args.repeats,
+            count * record_bytes,
+        )
     finally:
         tier.close()
         client.flushdb()
@@ -263,7 +347,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5, help="runs of each arm; medians shown")
     parser.add_argument("--dir", type=Path, default=None, help="directory for the disk files")
     parser.add_argument("--redis-url", default=None, help="use this server instead of starting one")
-    parser.add_argument("--skip", choices=("disk", "redis"), action="append", default=[])
+    parser.add_argument(
+        "--skip", choices=("disk", "o_direct", "redis"), action="append", default=[]
+    )
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
 
@@ -274,15 +360,23 @@ def main() -> int:
         }
         | {"dir": str(args.dir) if args.dir else None},
         "statistic": (
-            "median of repeats, arms alternated; ratio = tier GB/s / bare GB/s; "
-            "cpu_ratio = bare CPU s / tier CPU s"
+            "GB/s and CPU s/GB: medians of the repeats; ratio: tier GB/s / bare GB/s of each "
+            "repeat (ABBA order), median, min and max; cpu_ratio: bare CPU s / tier CPU s"
         ),
-        "load_average": os.getloadavg(),
+        "load_average": {"start": os.getloadavg()},
         "target_ratio": TARGET_RATIO,
     }
-    if "disk" not in args.skip:
-        with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtier-bench-") as directory:
-            report["disk"] = [bench_disk(args, size, Path(directory)) for size in sizes]
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtier-bench-") as name:
+        directory = Path(name)
+        if "disk" not in args.skip:
+            report["disk"] = [bench_disk(args, size, directory, o_direct=False) for size in sizes]
+        if "o_direct" not in args.skip:
+            refused = o_direct_refused(directory)
+            report["disk_o_direct"] = (
+                {"skipped": refused}
+                if refused is not None
+                else [bench_disk(args, size, directory, o_direct=True) for size in sizes]
+            )
     if "redis" not in args.skip:
         server = None
         url = args.redis_url
@@ -299,6 +393,7 @@ def main() -> int:
         finally:
             if server is not None:
                 server.stop()
+    report["load_average"]["end"] = os.getloadavg()
     json.dump(report, sys.stdout, indent=2)
     print()
     return 0

@@ -46,6 +46,14 @@ class DiskTierConfig(PluginConfig):
             "disk full are dropped and counted."
         ),
     )
+    o_direct: bool = Field(
+        False,
+        description=(
+            "Read and write the file with O_DIRECT, bypassing the page cache, through "
+            "page-aligned buffers. A filesystem that refuses O_DIRECT (some network and FUSE "
+            "filesystems) is a start-up error."
+        ),
+    )
     namespace: str = Field(
         "",
         description=(

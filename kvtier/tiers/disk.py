@@ -5,11 +5,20 @@ second process. The file is a 4 KiB superblock (magic, format version, record
 and slot sizes, slot count) followed by fixed-size slots; a slot is a 4 KiB
 header area (the record header of :mod:`kvtier.tiers.record`, zero-padded)
 and the payload, padded to a multiple of 4 KiB so every record starts on a
-page. Records are written and read with positional I/O (``os.pwrite``,
-``os.preadv``) from a pool of I/O threads, through the page cache. A write
-puts the payload first and its header last; a crash part-way through leaves
-the slot's previous header over a mixed payload, which the payload checksum
-turns into a miss. A read takes header and payload in one ``os.preadv``.
+page. Records are written and read with positional I/O from a pool of I/O
+threads, through the page cache, one system call per record: a write takes
+the header (built in the I/O thread's buffer) and the caller's payload in one
+``os.pwritev``, with no copy; a read takes header and payload in one
+``os.preadv`` into one new buffer (not zero-filled first), and the payload is
+returned as a view of it.
+A crash part-way through a write may leave any mix of the slot's old and new
+pages; the payload checksum in the header turns every such mix into a miss.
+
+With ``o_direct`` the file is opened with ``O_DIRECT``, bypassing the page
+cache. Every offset and length is already a multiple of 4 KiB; a write copies
+the payload into the I/O thread's page-aligned slot buffer behind the header
+and writes the whole slot at once, and a read takes the whole slot into a new
+page-aligned buffer. A filesystem that refuses ``O_DIRECT`` is a start-up error.
 
 Which key sits in which slot is a :class:`~kvtier.index.BlockIndex` (any
 registered one, ``lru`` by default), so the tier evicts with the same policies
@@ -30,11 +39,14 @@ from __future__ import annotations
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import struct
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+
+import numpy as np
 
 from kvtier.index.base import BlockIndex, BlockKey, EventKind
 from kvtier.plugins import default_registry
@@ -58,7 +70,9 @@ assert HEADER_FIXED_BYTES + MAX_KEY_BYTES <= HEADER_AREA_BYTES
 _SUPERBLOCK = struct.Struct("<4sHQQQ")
 _SUPERBLOCK_MAGIC = b"KVTD"
 _SUPERBLOCK_VERSION = 1
-_ZERO_HEADER = bytes(HEADER_AREA_BYTES)
+_HEADER_LIMIT = HEADER_FIXED_BYTES + MAX_KEY_BYTES
+"""A header area's bytes past this are never written: zeros in every slot."""
+_ZEROS = memoryview(bytes(_HEADER_LIMIT))
 
 
 def _cause_of(exc: OSError) -> Cause:
@@ -67,6 +81,11 @@ def _cause_of(exc: OSError) -> Cause:
     if exc.errno == errno.EROFS:
         return Cause.READ_ONLY
     return Cause.IO
+
+
+def aligned_buffer(nbytes: int) -> memoryview:
+    """A new zero-filled, writable buffer that starts on a page, as ``O_DIRECT`` I/O needs."""
+    return memoryview(mmap.mmap(-1, nbytes))
 
 
 class DiskTier(QueuedTier):
@@ -82,7 +101,8 @@ class DiskTier(QueuedTier):
 
         Raises:
             TierError: The directory cannot be created or written, the file is
-                in use by another process, or the disk has no room for it.
+                in use by another process, the disk has no room for it, or
+                ``o_direct`` is set and the filesystem refuses ``O_DIRECT``.
         """
         super().__init__(
             spec,
@@ -100,7 +120,8 @@ class DiskTier(QueuedTier):
         self._codec = RecordCodec(self.keys.layout_fingerprint, spec.record_bytes)
         self._index = index
         self._index_lock = threading.Lock()
-        self._header_buffers = threading.local()
+        self.o_direct = config.o_direct
+        self._thread_buffers = threading.local()
         self._file_slots = list(range(self.num_slots))
         self._sequence = 0
         self._fd = self._open(config)
@@ -151,8 +172,11 @@ class DiskTier(QueuedTier):
         try:
             Path(config.path).mkdir(parents=True, exist_ok=True)
             what = "open"
-            fd = os.open(self.file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if self.o_direct else 0)
+            fd = os.open(self.file, flags, 0o600)
         except OSError as exc:
+            if self.o_direct and exc.errno == errno.EINVAL:
+                raise self._no_direct_io(exc) from None
             raise TierError(
                 f"disk tier: cannot {what} {self.file if what == 'open' else config.path}: "
                 f"{exc.strerror}; point path at a writable directory on a local disk"
@@ -166,6 +190,13 @@ class DiskTier(QueuedTier):
                 "engine its own path"
             ) from None
         return fd
+
+    def _no_direct_io(self, exc: OSError) -> TierError:
+        return TierError(
+            f"disk tier: the filesystem of {self.file.parent} refuses O_DIRECT "
+            f"({exc.strerror}); set o_direct: false, or point path at a local filesystem "
+            "that supports it (ext4, xfs)"
+        )
 
     def _prepare_file(self, preallocate: bool) -> int:
         """Size the file and write its superblock; return how many slots may hold records."""
@@ -186,10 +217,14 @@ class DiskTier(QueuedTier):
                 self.slot_bytes,
                 self.num_slots,
             )
-            os.pwrite(self._fd, superblock.ljust(SUPERBLOCK_BYTES, b"\0"), 0)
+            page = aligned_buffer(SUPERBLOCK_BYTES)
+            page[: len(superblock)] = superblock
+            os.pwrite(self._fd, page, 0)
         except OSError as exc:
             if previous_slots == 0:
                 os.ftruncate(self._fd, 0)
+            if self.o_direct and exc.errno == errno.EINVAL:
+                raise self._no_direct_io(exc) from None
             if _cause_of(exc) is Cause.NO_SPACE:
                 raise TierError(
                     f"disk tier: no room for {size} bytes in {self.file} ({exc.strerror}); free "
@@ -203,10 +238,16 @@ class DiskTier(QueuedTier):
 
     def _read_superblock(self) -> int:
         """Slots the file held records in, or 0 when it is new or of another geometry."""
-        data = os.pread(self._fd, _SUPERBLOCK.size, 0)
-        if len(data) < _SUPERBLOCK.size:
+        page = aligned_buffer(SUPERBLOCK_BYTES)
+        try:
+            read = os.preadv(self._fd, [page], 0)
+        except OSError as exc:
+            if self.o_direct and exc.errno == errno.EINVAL:
+                raise self._no_direct_io(exc) from None
+            raise
+        if read < _SUPERBLOCK.size:
             return 0
-        magic, version, record_bytes, slot_bytes, num_slots = _SUPERBLOCK.unpack(data)
+        magic, version, record_bytes, slot_bytes, num_slots = _SUPERBLOCK.unpack_from(page)
         if (magic, version, record_bytes, slot_bytes) == (
             _SUPERBLOCK_MAGIC,
             _SUPERBLOCK_VERSION,
@@ -224,10 +265,11 @@ class DiskTier(QueuedTier):
     def _rebuild(self, previous_slots: int) -> None:
         """Index the intact records of this layout and namespace in the first slots."""
         found: dict[BlockKey, tuple[int, int]] = {}
+        page = aligned_buffer(HEADER_AREA_BYTES)
         for file_slot in range(previous_slots):
-            area = os.pread(self._fd, HEADER_AREA_BYTES, self._offset(file_slot))
+            area = page[: os.preadv(self._fd, [page], self._offset(file_slot))]
             if not any(area[:HEADER_FIXED_BYTES]):
-                continue  # never written, or deleted
+                continue  # never written, deleted, or past the end of a truncated file
             header = self._codec.parse(area)
             if isinstance(header, RecordFault):
                 self._count_error(header)
@@ -260,10 +302,12 @@ class DiskTier(QueuedTier):
     def _offset(self, file_slot: int) -> int:
         return SUPERBLOCK_BYTES + file_slot * self.slot_bytes
 
-    def _header_buffer(self) -> bytearray:
-        buffer: bytearray | None = getattr(self._header_buffers, "buffer", None)
+    def _thread_buffer(self) -> memoryview:
+        """This I/O thread's page-aligned buffer: a slot with ``o_direct``, else a header area."""
+        buffer: memoryview | None = getattr(self._thread_buffers, "buffer", None)
         if buffer is None:
-            buffer = self._header_buffers.buffer = bytearray(HEADER_AREA_BYTES)
+            size = self.slot_bytes if self.o_direct else HEADER_AREA_BYTES
+            buffer = self._thread_buffers.buffer = aligned_buffer(size)
         return buffer
 
     def _read(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
@@ -296,64 +340,90 @@ class DiskTier(QueuedTier):
         return found
 
     def _read_record(self, key: BlockKey, offset: int) -> memoryview | RecordFault:
-        """Header and payload in one ``preadv``, then every check."""
-        header_area = self._header_buffer()
-        payload = bytearray(self.record_bytes)
-        read = os.preadv(self._fd, [header_area, payload], offset)
-        if read != HEADER_AREA_BYTES + self.record_bytes:
+        """Header and payload in one read into a new buffer, then every check."""
+        size = HEADER_AREA_BYTES + self.record_bytes
+        if self.o_direct:
+            slot = aligned_buffer(self.slot_bytes)
+            read = os.preadv(self._fd, [slot], offset)
+        else:
+            slot = memoryview(np.empty(size, np.uint8))  # no zero-fill: every byte is read
+            read = os.preadv(self._fd, [slot], offset)
+        if read < size:
             return RecordFault.LENGTH
-        fault = self._codec.verify(key, self._codec.parse(header_area), payload)
-        return memoryview(payload) if fault is None else fault
+        payload = slot[HEADER_AREA_BYTES:size]
+        fault = self._codec.verify(key, self._codec.parse(slot[:HEADER_AREA_BYTES]), payload)
+        return payload if fault is None else fault
 
     def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
+        index = self._index
         with self._index_lock:
-            slots = [self._index.reserve([key])[0] for key in keys]
+            slots = [index.reserve([key])[0] for key in keys]
             present = [
-                slot is None and self._index.slot_of(key) is not None
+                slot is None and index.slot_of(key) is not None
                 for key, slot in zip(keys, slots, strict=True)
             ]
             sequence = self._sequence
             self._sequence += len(keys)
-            evicted = sum(event.kind is EventKind.EVICTED for event in self._index.take_events())
-        self._count(evictions=evicted)
+            evicted = sum(event.kind is EventKind.EVICTED for event in index.take_events())
         written: list[BlockKey] = []
         failed: list[BlockKey] = []
+        buffer = self._thread_buffer()
         for position, (key, slot, record) in enumerate(zip(keys, slots, records, strict=True)):
             if slot is None:
                 continue
+            offset = self._offset(self._file_slots[slot])
             try:
-                self._write_record(
-                    key, record, sequence + position, self._offset(self._file_slots[slot])
-                )
+                self._write_record(buffer, key, record, sequence + position, offset)
             except OSError as exc:
                 self._count_error(_cause_of(exc))
                 failed.append(key)
             else:
                 written.append(key)
         with self._index_lock:
-            self._index.commit(written)
-            self._index.abort(failed)
-        self._count(stores=len(written), bytes_written=len(written) * self.record_bytes)
+            index.commit(written)
+            index.abort(failed)
+        self._count(
+            evictions=evicted, stores=len(written), bytes_written=len(written) * self.record_bytes
+        )
         done = set(written)
         return [key in done or was for key, was in zip(keys, present, strict=True)]
 
-    def _write_record(self, key: BlockKey, record: memoryview, sequence: int, offset: int) -> None:
-        """The payload, then its header: a header is only written over a complete payload."""
-        checksum = payload_checksum(record)
-        self._write_all(record, offset + HEADER_AREA_BYTES)
-        header = self._codec.header(key, checksum, sequence)
-        self._write_all(header.ljust(HEADER_AREA_BYTES, b"\0"), offset)
+    def _write_record(
+        self, buffer: memoryview, key: BlockKey, record: memoryview, sequence: int, offset: int
+    ) -> None:
+        """Write one slot, header and payload, in one system call through this thread's ``buffer``.
 
-    def _write_all(self, data: bytes | memoryview, offset: int) -> None:
-        """``pwrite`` all of ``data`` at ``offset``; a short write is continued."""
-        written = os.pwrite(self._fd, data, offset)
-        view = memoryview(data)[written:]
-        while view:
-            offset += written
-            written = os.pwrite(self._fd, view, offset)
+        With ``o_direct`` the payload is first copied behind the header in
+        ``buffer`` (page-aligned); the checksum then reads the copy while it is
+        still in the CPU's cache.
+        """
+        if self.o_direct:
+            payload = buffer[HEADER_AREA_BYTES : HEADER_AREA_BYTES + self.record_bytes]
+            payload[:] = record
+            self._header_into(buffer, key, payload_checksum(payload), sequence)
+            self._write_all([buffer], offset)
+        else:
+            self._header_into(buffer, key, payload_checksum(record), sequence)
+            self._write_all([buffer, record], offset)
+
+    def _header_into(self, buffer: memoryview, key: BlockKey, checksum: int, sequence: int) -> None:
+        """The record header at the start of ``buffer``, zeros after it (what a longer key left)."""
+        end = self._codec.header_into(buffer, key, checksum, sequence)
+        buffer[end:_HEADER_LIMIT] = _ZEROS[: _HEADER_LIMIT - end]
+
+    def _write_all(self, parts: list[memoryview], offset: int) -> None:
+        """``pwritev`` all of ``parts`` at ``offset``; a short write is continued."""
+        while True:
+            written = os.pwritev(self._fd, parts, offset)
             if written == 0:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            view = view[written:]
+            offset += written
+            while parts and written >= len(parts[0]):
+                written -= len(parts[0])
+                parts = parts[1:]
+            if not parts:
+                return
+            parts = [parts[0][written:], *parts[1:]]
 
     def _exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         with self._index_lock:
@@ -367,12 +437,13 @@ class DiskTier(QueuedTier):
             self._index.pin(held)
             self._index.discard(held)
             self._index.take_events()
+        zero_header = aligned_buffer(HEADER_AREA_BYTES)
         try:
             for slot in slots:
                 if slot is None:
                     continue
                 try:
-                    os.pwrite(self._fd, _ZERO_HEADER, self._offset(self._file_slots[slot]))
+                    os.pwrite(self._fd, zero_header, self._offset(self._file_slots[slot]))
                 except OSError as exc:
                     self._count_error(_cause_of(exc))
         finally:

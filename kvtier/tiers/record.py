@@ -36,6 +36,7 @@ FORMAT_VERSION = 1
 _FIXED = struct.Struct("<4sHHQ16sQQQ")
 _VERSIONED = struct.Struct("<4sH")
 _CHECKSUM_OFFSET = _FIXED.size - 8
+_SUMMED = struct.Struct("<Q")
 HEADER_FIXED_BYTES = _FIXED.size
 """Bytes of the header before the key."""
 MAX_KEY_BYTES = 1024
@@ -90,9 +91,20 @@ class RecordCodec:
 
     def header(self, key: BlockKey, checksum: int, sequence: int = 0) -> bytes:
         """The header of a ``record_bytes`` payload whose checksum is ``checksum``."""
+        buffer = bytearray(HEADER_FIXED_BYTES + len(key))
+        self.header_into(buffer, key, checksum, sequence)
+        return bytes(buffer)
+
+    def header_into(
+        self, buffer: bytearray | memoryview, key: BlockKey, checksum: int, sequence: int = 0
+    ) -> int:
+        """Write the header of :meth:`header` at the start of ``buffer``; return its length."""
         if not 0 < len(key) <= MAX_KEY_BYTES:
             raise ValueError(f"a record key is 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
-        fixed = _FIXED.pack(
+        end = HEADER_FIXED_BYTES + len(key)
+        _FIXED.pack_into(
+            buffer,
+            0,
             MAGIC,
             FORMAT_VERSION,
             len(key),
@@ -102,8 +114,9 @@ class RecordCodec:
             checksum,
             0,
         )
-        summed = xxhash.xxh3_64_intdigest(fixed + key)
-        return fixed[:_CHECKSUM_OFFSET] + summed.to_bytes(8, "little") + key
+        buffer[HEADER_FIXED_BYTES:end] = key
+        _SUMMED.pack_into(buffer, _CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(buffer[:end]))
+        return end
 
     def parse(self, data: memoryview | bytes) -> RecordHeader | RecordFault:
         """Parse the header at the start of ``data`` and check everything but the payload.
@@ -174,10 +187,9 @@ class RecordCodec:
             The record: a view of the start of ``buffer``, valid until it is written again.
         """
         payload = self._payload(payload)
-        header = self.header(key, payload_checksum(payload), sequence)
-        end = len(header) + len(payload)
-        buffer[: len(header)] = header
-        buffer[len(header) : end] = payload
+        start = self.header_into(buffer, key, payload_checksum(payload), sequence)
+        end = start + len(payload)
+        buffer[start:end] = payload
         return memoryview(buffer)[:end]
 
     def decode(self, key: BlockKey, record: memoryview | bytes) -> memoryview | RecordFault:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import resource
 import subprocess
@@ -28,6 +30,7 @@ from kvtier.tiers.disk import (
     SUPERBLOCK_BYTES,
     DiskTier,
     DiskTierConfig,
+    aligned_buffer,
     build_disk_tier,
 )
 from kvtier.tiers.record import payload_checksum
@@ -69,6 +72,45 @@ class TestDiskContract(StorageTierContract):
 
         def build(spec: TierSpec) -> DiskTier:
             config = DiskTierConfig(path=tmp_path, capacity_bytes=capacity_for(24), io_threads=2)
+            built.append(build_disk_tier(config, spec))
+            return built[-1]
+
+        yield build
+        for tier in built:
+            tier.close()
+
+
+def o_direct_refused(path: Path) -> str | None:
+    """Why the filesystem of ``path`` cannot do aligned ``O_DIRECT`` I/O, or ``None``."""
+    probe = path / "o_direct-probe"
+    try:
+        fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError as exc:
+        return f"the filesystem of {path} refuses O_DIRECT: {exc.strerror}"
+    try:
+        os.pwrite(fd, aligned_buffer(4096), 0)
+    except OSError as exc:
+        return f"the filesystem of {path} refuses O_DIRECT writes: {exc.strerror}"
+    finally:
+        os.close(fd)
+        probe.unlink()
+    return None
+
+
+class TestDiskContractODirect(StorageTierContract):
+    concurrent_namespaces = False
+
+    @pytest.fixture
+    def make_tier(self, tmp_path: Path) -> Iterator[TierFactory]:
+        refused = o_direct_refused(tmp_path)
+        if refused is not None:
+            pytest.skip(refused)
+        built: list[DiskTier] = []
+
+        def build(spec: TierSpec) -> DiskTier:
+            config = DiskTierConfig(
+                path=tmp_path, capacity_bytes=capacity_for(24), io_threads=2, o_direct=True
+            )
             built.append(build_disk_tier(config, spec))
             return built[-1]
 
@@ -257,6 +299,100 @@ def test_a_truncated_file_is_a_miss(open_tier: Callable[..., DiskTier]) -> None:
     os.truncate(tier.file, slot_offset(tier, keys[0]) + HEADER_AREA_BYTES + 10)
     assert fetch(tier, keys) == [None]
     assert tier.stats().errors == {"length": 1}
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_a_get_returns_new_writable_buffers(
+    o_direct: bool, tmp_path: Path, open_tier: Callable[..., DiskTier]
+) -> None:
+    if o_direct and o_direct_refused(tmp_path) is not None:
+        pytest.skip(str(o_direct_refused(tmp_path)))
+    tier = open_tier(o_direct=o_direct)
+    keys = tier.keys.keys(block_hashes("writable", 1))
+    records = payloads(1, RECORD)
+    store(tier, keys, records)
+    first, second = (done(tier.get(keys)).records[0] for _ in range(2))
+    assert first is not None and second is not None
+    assert not first.readonly and len(first) == RECORD
+    first[:4] = b"\0\0\0\0"
+    assert bytes(second) == records[0], "each get has its own buffer"
+    assert fetch(tier, keys) == records
+
+
+def test_short_writes_are_continued(
+    monkeypatch: pytest.MonkeyPatch, open_tier: Callable[..., DiskTier]
+) -> None:
+    """A write the kernel takes only in part (a signal, a filesystem's limit) is finished."""
+    tier = open_tier()
+    real_pwritev = os.pwritev
+    calls = []
+
+    def short_pwritev(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls.append(offset)
+        first = memoryview(buffers[0])
+        return real_pwritev(fd, [first[: max(1, min(len(first), 3000))]], offset)
+
+    keys = tier.keys.keys(block_hashes("short-writes", 2))
+    records = payloads(2, RECORD)
+    monkeypatch.setattr(os, "pwritev", short_pwritev)
+    assert store(tier, keys, records) == (True, True)
+    monkeypatch.undo()
+    assert len(calls) > 2 * (HEADER_AREA_BYTES + RECORD) // 3000
+    assert fetch(tier, keys) == records
+
+
+# ------------------------------------------------------------------------- O_DIRECT
+
+
+def test_o_direct_bypasses_the_page_cache_in_the_same_file_format(
+    tmp_path: Path, open_tier: Callable[..., DiskTier]
+) -> None:
+    refused = o_direct_refused(tmp_path)
+    if refused is not None:
+        pytest.skip(refused)
+    tier = open_tier(o_direct=True)
+    assert fcntl.fcntl(tier._fd, fcntl.F_GETFL) & os.O_DIRECT
+    keys = tier.keys.keys(block_hashes("direct", 4))
+    records = payloads(4, RECORD)
+    assert store(tier, keys, records) == (True,) * 4
+    assert fetch(tier, keys) == records
+    overwrite(tier, slot_offset(tier, keys[0]) + HEADER_AREA_BYTES + RECORD - 1, b"\x5a")
+    assert fetch(tier, keys[:1]) == [None]
+    assert tier.stats().errors == {"checksum": 1}
+    tier.close()
+    buffered = open_tier()
+    assert fetch(buffered, keys) == [None, *records[1:]], "a warm restart reads the same file"
+    store(buffered, keys[:1], records[:1])
+    buffered.close()
+    assert fetch(open_tier(o_direct=True), keys) == records
+
+
+@pytest.mark.parametrize("refusing", ["open", "preadv"])
+def test_a_filesystem_that_refuses_o_direct_is_a_start_up_error(
+    refusing: str, monkeypatch: pytest.MonkeyPatch, open_tier: Callable[..., DiskTier]
+) -> None:
+    """Some filesystems refuse ``O_DIRECT`` when the file is opened, others at the first
+    read; both answer ``EINVAL``, as tmpfs did before Linux 6.6."""
+    real_open, real_preadv = os.open, os.preadv
+    direct_fds: set[int] = set()
+
+    def fake_open(path: object, flags: int, *args: object) -> int:
+        if flags & os.O_DIRECT and refusing == "open":
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        fd = real_open(path, flags, *args)  # type: ignore[arg-type]
+        (direct_fds.add if flags & os.O_DIRECT else direct_fds.discard)(fd)
+        return fd
+
+    def fake_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "preadv", fake_preadv)
+    with pytest.raises(TierError, match="refuses O_DIRECT .*set o_direct: false"):
+        open_tier(o_direct=True)
+    open_tier().close()
 
 
 # ------------------------------------------------------------------ full or read-only disks

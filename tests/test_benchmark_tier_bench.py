@@ -1,0 +1,59 @@
+"""The tier benchmark on tiny settings: it runs, and every field it prints is documented."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvtier.testing.redis_server import redis_server_binary
+from tests.conftest import REPO_ROOT
+
+
+def field_names(value: Any) -> set[str]:
+    """Every key of every object in a JSON value, at any depth."""
+    if isinstance(value, dict):
+        return set(value).union(*(field_names(item) for item in value.values()))
+    if isinstance(value, list):
+        return set().union(*(field_names(item) for item in value))
+    return set()
+
+
+def speed_section() -> str:
+    text = (REPO_ROOT / "docs" / "tiers.md").read_text()
+    start = text.index("\n## Speed\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def test_every_field_the_tier_benchmark_prints_is_documented(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        str(REPO_ROOT / "benchmarks" / "tier_bench.py"),
+        "--sizes",
+        "16384",
+        "--total-mib",
+        "1",
+        "--redis-total-mib",
+        "1",
+        "--repeats",
+        "2",
+        "--dir",
+        str(tmp_path),
+    ]
+    if redis_server_binary() is None:
+        command += ["--skip", "redis"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["disk"][0]["records"] == 64
+    assert report["disk_o_direct"], "O_DIRECT arms ran, or say why they were skipped"
+    for row in report["disk"]:
+        assert 0 < row["put_ratio"]["min"] <= row["put_ratio"]["median"] <= row["put_ratio"]["max"]
+    section = speed_section()
+    missing = sorted(name for name in field_names(report) if f"`{name}`" not in section)
+    assert not missing, f"docs/tiers.md's Speed section does not describe {missing}"
