@@ -267,8 +267,12 @@ def test_start_up_capacity_is_zero_when_prefix_caching_disables_kvtier() -> None
 
 def test_docs_list_every_metric() -> None:
     text = DOCS.read_text()
-    for name in METRICS:
-        assert f"`{PROMETHEUS_PREFIX}{name}`" in text, f"{name} is missing from {DOCS.name}"
+    for name, spec in METRICS.items():
+        exposed = f"{PROMETHEUS_PREFIX}{name}"
+        if spec.kind is MetricKind.COUNTER:
+            exposed += "_total"
+        row = f"| `{exposed}` | {spec.kind.value} |"
+        assert row in text, f"{DOCS.name} has no row {row!r}"
     for cause in FailureCause:
         assert f"`{cause.value}`" in text, f"failure cause {cause.value} is missing"
 
