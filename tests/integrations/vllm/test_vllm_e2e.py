@@ -323,14 +323,14 @@ def test_bad_extra_config_fails_at_start_with_config_lines(model_dir: str) -> No
 
 def test_multiprocess_engine_accuracy(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Scheduler and worker in different processes: the plan and reports cross by pickle."""
+    from vllm.v1.metrics.reader import Histogram
+
     from kvtier.integrations.vllm.offline import (
         generate,
         metric_values,
         reset_device_cache,
         shutdown,
     )
-
-    from vllm.v1.metrics.reader import Histogram
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     llm = _engine(model_dir, {"cpu_bytes": 64 * MIB}, num_device_blocks=256)
