@@ -133,8 +133,8 @@ class Observations:
     store_blocks: list[int] = field(default_factory=list)
     """Blocks of each store batch planned."""
     request_hit_tokens: list[int] = field(default_factory=list)
-    """Per request the engine allocated after a lookup: the tokens it accepted from the tier
-    (0 for none). A preempted request that starts over is counted again."""
+    """Per request, at its first allocation: the tokens it accepted from the tier (0 for
+    none). A preempted request that starts over is counted again."""
 
 
 @dataclass(frozen=True)
