@@ -1,6 +1,14 @@
 """Offload: the scheduler-side manager that plans transfers and the worker side that runs them."""
 
-from kvtier.offload.manager import GroupBlockIds, OffloadManager, OffloadStats, Progress, StoreMode
+from kvtier.offload.failures import FailureCause
+from kvtier.offload.manager import (
+    GroupBlockIds,
+    Observations,
+    OffloadManager,
+    OffloadStats,
+    Progress,
+    StoreMode,
+)
 from kvtier.offload.messages import (
     DeviceBlock,
     LazyCandidate,
@@ -13,9 +21,11 @@ from kvtier.offload.worker import BackendFactory, LoadFailures, OffloadWorker
 __all__ = [
     "BackendFactory",
     "DeviceBlock",
+    "FailureCause",
     "GroupBlockIds",
     "LazyCandidate",
     "LoadFailures",
+    "Observations",
     "OffloadManager",
     "OffloadStats",
     "OffloadWorker",

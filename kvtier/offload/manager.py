@@ -36,7 +36,7 @@ Per step:
    unpin their slots (a failed load is a recompute, never a hit). A batch
    not reported by every worker within ``report_deadline_s`` fails.
 
-At any time: :meth:`take_events`, :meth:`stats`, :meth:`reset`.
+At any time: :meth:`take_events`, :meth:`stats`, :meth:`take_observations`, :meth:`reset`.
 
 Slots are never reused while a copy might still write them: when a worker
 abandons a copy (past its deadline, or after a backend error) or a worker
@@ -48,16 +48,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvtier.config.model import DEFAULT_REPORT_DEADLINE_S
 from kvtier.copy.base import Direction
 from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent
 from kvtier.keys import KeyNamespace
 from kvtier.kinds import BLOCK_INDEX
-from kvtier.offload.failures import FailureLog
+from kvtier.offload.failures import FailureCause, FailureLog
 from kvtier.offload.messages import (
     DeviceBlock,
     LazyCandidate,
@@ -113,6 +113,28 @@ class OffloadStats:
     """Worker report entries rejected as impossible (and ignored)."""
     quarantined_slots: int = 0
     """Slots kept out of use because an abandoned or unreported copy may still write them."""
+    failures: Mapping[FailureCause, int] = field(default_factory=dict)
+    """Failures the manager detected, by cause (the workers count theirs)."""
+
+
+@dataclass
+class Observations:
+    """Measurements of single events since the last :meth:`OffloadManager.take_observations`.
+
+    Only kept with ``record_observations``; an engine integration turns them into histograms.
+    """
+
+    load_seconds: list[float] = field(default_factory=list)
+    """Per load batch that completed on every worker: seconds from its planning to then."""
+    store_seconds: list[float] = field(default_factory=list)
+    """Per store batch that completed on every worker: seconds from its planning to then."""
+    load_blocks: list[int] = field(default_factory=list)
+    """Blocks of each load batch planned."""
+    store_blocks: list[int] = field(default_factory=list)
+    """Blocks of each store batch planned."""
+    request_hit_tokens: list[int] = field(default_factory=list)
+    """Per request, at its first allocation: the tokens it accepted from the tier (0 for
+    none). A preempted request that starts over is counted again."""
 
 
 @dataclass(frozen=True)
@@ -185,6 +207,8 @@ class _Request:
     hold_announced: bool = False
     load_end: int = 0
     """Block position after the last one loaded from the tier."""
+    admitted: bool = False
+    """Whether its tier hit since it (re)started was counted in the observations."""
 
     def __post_init__(self) -> None:
         if not self.block_ids:
@@ -211,6 +235,7 @@ class OffloadManager:
         namespace: KeyNamespace | None = None,
         null_block_id: int | None = None,
         record_events: bool = False,
+        record_observations: bool = False,
         group_windows: Sequence[int | None] | None = None,
         report_deadline_s: float = DEFAULT_REPORT_DEADLINE_S,
         clock: Callable[[], float] = time.monotonic,
@@ -232,6 +257,8 @@ class OffloadManager:
                 by stores and loads), if the engine has one.
             record_events: Keep the index's stored/evicted events for
                 :meth:`take_events`; otherwise they are only counted.
+            record_observations: Keep latencies, batch sizes and per-request hits for
+                :meth:`take_observations` (whoever sets it must take them regularly).
             group_windows: Per kv-cache group, ``None`` when a prefix needs all
                 its blocks (full attention), or ``w`` when only its last ``w``
                 blocks matter (sliding window: the blocks the window spans;
@@ -272,6 +299,8 @@ class OffloadManager:
             )
         self.group_windows: tuple[int | None, ...] = tuple(windows)
         self.record_events = record_events
+        self.record_observations = record_observations
+        self._observations = Observations()
         self.report_deadline_s = report_deadline_s
         self._clock = clock
         self._requests: dict[str, _Request] = {}
@@ -309,6 +338,7 @@ class OffloadManager:
         namespace: KeyNamespace | None = None,
         null_block_id: int | None = None,
         record_events: bool = False,
+        record_observations: bool = False,
         group_windows: Sequence[int | None] | None = None,
         registry: Registry | None = None,
     ) -> OffloadManager:
@@ -335,6 +365,7 @@ class OffloadManager:
             namespace=namespace,
             null_block_id=null_block_id,
             record_events=record_events,
+            record_observations=record_observations,
             group_windows=group_windows,
             report_deadline_s=config.report_deadline_s,
         )
@@ -412,6 +443,9 @@ class OffloadManager:
         count = num_external_tokens // self.block_tokens
         for group in range(self.num_groups):
             self.index.touch(self.namespace.keys(block_hashes[:first], group))
+        if not state.admitted:
+            state.admitted = True
+            self._observe(self._observations.request_hit_tokens, count * self.block_tokens)
         if count == 0:
             return
         self._hit_tokens += count * self.block_tokens
@@ -504,6 +538,7 @@ class OffloadManager:
             state.clear_blocks()
             state.computed_tokens = 0
             state.load_end = 0
+            state.admitted = False
 
     def finished(self, request_id: str, num_computed_tokens: int | None = None) -> bool:
         """The request finished; return whether the engine must keep its device blocks.
@@ -562,6 +597,7 @@ class OffloadManager:
                 state.batches.add(transfer.batch_id)
                 state.load_batches.add(transfer.batch_id)
                 loads.append(transfer)
+                self._observe(self._observations.load_blocks, len(transfer))
             state.pending_loads.clear()
             if state.unavailable:
                 unavailable[state.request_id] = tuple(b.block_id for b in state.unavailable)
@@ -715,7 +751,14 @@ class OffloadManager:
             quarantined_slots=len(
                 {slot for batch in self._quarantine.values() for slot in batch.transfer.host_slots}
             ),
+            failures=self._failures.counts,
         )
+
+    def take_observations(self) -> Observations:
+        """Return and forget the measurements since the last call (empty without
+        ``record_observations``)."""
+        observations, self._observations = self._observations, Observations()
+        return observations
 
     @property
     def num_inflight_batches(self) -> int:
@@ -884,6 +927,7 @@ class OffloadManager:
             for request_id in requests:
                 self._requests[request_id].batches.add(transfer.batch_id)
             transfers.append(transfer)
+            self._observe(self._observations.store_blocks, len(transfer))
         return transfers
 
     def _count(self, report: WorkerReport) -> set[int]:
@@ -901,7 +945,7 @@ class OffloadManager:
             if problem is not None:
                 self._rejected_reports += 1
                 self._failures.failed(
-                    "worker report",
+                    FailureCause.REJECTED_REPORT,
                     "ignored a worker report for batch %s (done=%s, failed=%s, abandoned=%s, "
                     "settled=%s): %s; reports must come from this manager's plans, each worker "
                     "reporting a batch once",
@@ -943,6 +987,13 @@ class OffloadManager:
         del self._batches[transfer.batch_id]
         ok = batch.done == self.world_size
         running = batch.copies_running(self.world_size) > 0
+        if ok:
+            seconds = self._clock() - batch.planned_at
+            observations = self._observations
+            store = transfer.direction is Direction.STORE
+            self._observe(
+                observations.store_seconds if store else observations.load_seconds, seconds
+            )
         if transfer.direction is Direction.STORE:
             if ok and not batch.reset:
                 for key in batch.keys:
@@ -954,7 +1005,7 @@ class OffloadManager:
             if not ok:
                 self._failed_stores += len(batch.keys)
                 self._failures.failed(
-                    "store",
+                    FailureCause.STORE_DROPPED,
                     "store batch %d of %d blocks did not complete on %d of %d workers; the "
                     "blocks were dropped",
                     transfer.batch_id,
@@ -1019,7 +1070,7 @@ class OffloadManager:
                 break  # batches are kept in planning order
             self._expired_batches += 1
             self._failures.failed(
-                "report deadline",
+                FailureCause.REPORT_DEADLINE,
                 "%s batch %d of %d blocks was not reported by %d of %d workers within "
                 "report_deadline_s=%s; it failed (a load is recomputed, a store dropped) and its "
                 "host slots stay out of use until those workers report it",
@@ -1035,6 +1086,10 @@ class OffloadManager:
     def _release(self, request_id: str) -> None:
         del self._requests[request_id]
         self._released.append(request_id)
+
+    def _observe(self, into: list[Any], value: float) -> None:
+        if self.record_observations:
+            into.append(value)
 
     def _drain_index_events(self) -> None:
         events = self.index.take_events()

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,7 +52,7 @@ from kvtier.config.model import DEFAULT_CLOSE_TIMEOUT_S, DEFAULT_COPY_DEADLINE_S
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout, LayoutError
-from kvtier.offload.failures import FailureLog
+from kvtier.offload.failures import FailureCause, FailureLog
 from kvtier.offload.messages import Transfer, TransferPlan, WorkerReport
 from kvtier.tiers.host import HostTier
 
@@ -304,6 +304,11 @@ class OffloadWorker:
         return len(self._inflight)
 
     @property
+    def failure_counts(self) -> Mapping[FailureCause, int]:
+        """This worker's failures so far, by cause."""
+        return self._failures.counts
+
+    @property
     def num_abandoned(self) -> int:
         """Abandoned copies that may still be running."""
         return len(self._abandoned)
@@ -320,7 +325,9 @@ class OffloadWorker:
         self._flush_pending = False
         self._wait(until=self._clock() + self.close_timeout_s)
         for batch_id in list(self._inflight):
-            self._abandon(batch_id, "close timeout", "still running when the worker closed")
+            self._abandon(
+                batch_id, FailureCause.CLOSE_TIMEOUT, "still running when the worker closed"
+            )
         live = {id(copy.backend) for copy in self._abandoned.values()}
         for backend in self._backends:
             if id(backend) not in live:
@@ -366,12 +373,12 @@ class OffloadWorker:
         try:
             handle = backend.submit(batch)
         except CopyError as exc:
-            self._fail(transfer, "copy", str(exc))
+            self._fail(transfer, FailureCause.COPY_ERROR, str(exc))
             return
         except Exception as exc:  # a backend's bug fails its batch, never the engine
             self._fail(
                 transfer,
-                "copy backend error",
+                FailureCause.BACKEND_ERROR,
                 f"{type(backend).__name__} raised {type(exc).__name__} submitting it (a copy "
                 f"backend must raise CopyError): {exc}",
                 exc_info=True,
@@ -388,12 +395,12 @@ class OffloadWorker:
                 finished = copy.backend.done(copy.handle)
             except CopyError as exc:
                 del self._inflight[batch_id]
-                self._fail(copy.transfer, "copy", str(exc))
+                self._fail(copy.transfer, FailureCause.COPY_ERROR, str(exc))
                 continue
             except Exception as exc:  # a backend's bug: the copy's state is unknown
                 self._abandon(
                     batch_id,
-                    "copy backend error",
+                    FailureCause.BACKEND_ERROR,
                     f"{type(copy.backend).__name__} raised {type(exc).__name__} polling it "
                     f"(a copy backend must raise CopyError): {exc}",
                 )
@@ -403,7 +410,9 @@ class OffloadWorker:
                 self._record(copy.transfer, ok=True)
             elif now >= copy.deadline:
                 self._abandon(
-                    batch_id, "copy deadline", f"still running after {self.copy_deadline_s} s"
+                    batch_id,
+                    FailureCause.COPY_DEADLINE,
+                    f"still running after {self.copy_deadline_s} s",
                 )
         for batch_id, copy in list(self._abandoned.items()):
             try:
@@ -433,7 +442,7 @@ class OffloadWorker:
             self._sleep(pause)
             pause = min(2 * pause, _LONGEST_PAUSE_S)
 
-    def _abandon(self, batch_id: int, cause: str, why: str) -> None:
+    def _abandon(self, batch_id: int, cause: FailureCause, why: str) -> None:
         copy = self._inflight.pop(batch_id)
         self._abandoned[batch_id] = copy
         self._abandoned_report[batch_id] = self._abandoned_report.get(batch_id, 0) + 1
@@ -450,7 +459,9 @@ class OffloadWorker:
         if transfer.direction is Direction.LOAD:
             self._load_failed(transfer)
 
-    def _fail(self, transfer: Transfer, cause: str, why: str, *, exc_info: bool = False) -> None:
+    def _fail(
+        self, transfer: Transfer, cause: FailureCause, why: str, *, exc_info: bool = False
+    ) -> None:
         self._failures.failed(
             cause,
             "%s batch %d of %d blocks failed: %s",

@@ -334,6 +334,10 @@ class VllmSteps:
         """The sum of a kvtier counter over every step's connector stats."""
         return sum(stats.get(name, 0) for stats in self.connector_stats)
 
+    def observations(self, name: str) -> list[float]:
+        """Every observation of a kvtier histogram over every step's connector stats, in order."""
+        return [value for stats in self.connector_stats for value in stats.get(name, [])]
+
     def close(self) -> None:
         """Shut the worker connector down (bounded wait for copies)."""
         self.worker.shutdown()

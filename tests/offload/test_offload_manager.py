@@ -15,7 +15,9 @@ from kvtier.index.policy import PolicyIndex
 from kvtier.keys import KeyNamespace
 from kvtier.offload import (
     DeviceBlock,
+    FailureCause,
     LazyCandidate,
+    Observations,
     OffloadManager,
     Progress,
     Transfer,
@@ -85,6 +87,7 @@ def test_a_store_failed_on_one_worker_is_dropped() -> None:
     assert m.lookup("b", HASHES[:2], 0, 99) == 0
     assert m.index.stats().free == 8
     assert m.stats().failed_stores == 2 and m.stats().stored_blocks == 0
+    assert m.stats().failures == {FailureCause.STORE_DROPPED: 1}
 
 
 def test_equal_blocks_of_two_requests_are_stored_once() -> None:
@@ -451,6 +454,7 @@ def test_a_batch_a_worker_never_reports_fails_at_the_report_deadline(
     assert m.num_inflight_batches == 0 and m.num_quarantined_batches == 2
     stats = m.stats()
     assert (stats.expired_batches, stats.failed_loads, stats.failed_stores) == (2, 2, 2)
+    assert stats.failures == {FailureCause.REPORT_DEADLINE: 2, FailureCause.STORE_DROPPED: 1}
     assert stats.quarantined_slots == 4
     warned = [r.message for r in caplog.records if r.levelno == logging.WARNING]
     assert len([m for m in warned if "report_deadline_s" in m]) == 1, "once, not per batch"
@@ -480,3 +484,42 @@ def test_an_abandoned_copy_fails_its_batch_and_keeps_its_slots_until_it_settles(
     assert m.build_plan().stores[0].device_blocks == (5,)
     with pytest.raises(ValueError, match="report_deadline_s"):
         manager(report_deadline_s=0)
+
+
+def test_observations_time_each_batch_from_its_plan_to_its_last_report() -> None:
+    clock = ManualClock()
+    m = manager(world_size=2, clock=clock, record_observations=True)
+    plan = store_blocks(m, "a", 3)
+    clock.advance(0.25)
+    m.process(WorkerReport(done={plan.stores[0].batch_id: 1}))
+    clock.advance(0.5)
+    m.process(done(plan, workers=1))
+    m.allocated("b", HASHES[:3], [[8, 9, 10, 11]], 0, 2 * BT)
+    m.allocated("c", HASHES[4:6], [[12, 13]], 0, 0)
+    (load,) = m.build_plan().loads
+    clock.advance(2.0)
+    m.process(WorkerReport(done={load.batch_id: 1}, failed={load.batch_id: 1}))
+    observed = m.take_observations()
+    assert observed.store_seconds == [0.75] and observed.store_blocks == [3]
+    assert observed.load_blocks == [2]
+    assert observed.load_seconds == [], "a failed load is counted as a failure, not timed"
+    assert observed.request_hit_tokens == [2 * BT, 0]
+    assert m.take_observations() == Observations()
+
+
+def test_a_request_hit_is_observed_once_per_admission() -> None:
+    m = manager(record_observations=True)
+    m.process(done(store_blocks(m, "a", 2)))
+    m.allocated("b", HASHES[:2], [[8, 9, 10]], 0, 2 * BT)
+    # vLLM allocates again once the load is over, with nothing more from the tier
+    m.allocated("b", HASHES[:2], [[8, 9, 10]], 2 * BT, 0)
+    m.preempted(["b"])
+    m.allocated("b", HASHES[:2], [[4, 5, 6]], 0, BT)
+    assert m.take_observations().request_hit_tokens == [2 * BT, BT]
+
+
+def test_observations_are_kept_only_when_asked_for() -> None:
+    m = manager()
+    m.allocated("b", HASHES[:2], [[8, 9, 10]], 0, 0)
+    m.process(done(store_blocks(m, "a", 2)))
+    assert m.take_observations() == Observations()

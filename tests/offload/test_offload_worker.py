@@ -12,7 +12,14 @@ from kvtier.config import load_config
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, Direction
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import BlockRegion, KVLayout, LayoutError
-from kvtier.offload import LoadFailures, OffloadWorker, Transfer, TransferPlan, WorkerReport
+from kvtier.offload import (
+    FailureCause,
+    LoadFailures,
+    OffloadWorker,
+    Transfer,
+    TransferPlan,
+    WorkerReport,
+)
 from kvtier.plugins import default_registry
 from kvtier.testing.faults import FlakyBackend, ManualClock
 from kvtier.tiers import HostTier
@@ -133,6 +140,7 @@ def test_failed_copies_are_reported_and_loads_name_their_blocks() -> None:
     assert worker.take_failed_load_blocks() == {4, 5}
     assert worker.take_failed_load_blocks() == set()
     assert backends[0].failed == 2
+    assert worker.failure_counts == {FailureCause.COPY_ERROR: 2}
 
 
 def test_unavailable_blocks_fail_without_a_copy() -> None:
@@ -275,6 +283,7 @@ def test_a_hung_copy_is_abandoned_at_its_deadline_and_reported_when_it_ends(
     warned = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 1, "one warning for three abandoned copies"
     assert "still running after 1.0 s" in warned[0].message
+    assert worker.failure_counts == {FailureCause.COPY_DEADLINE: 3}
     assert worker.num_inflight == 0 and worker.num_abandoned == 3
     assert backends[0].release_hung() == 3
     worker.bind(TransferPlan())
@@ -304,6 +313,7 @@ def test_close_gives_up_on_a_hung_copy_and_keeps_the_host_tier() -> None:
     worker.close()
     assert 2.0 <= clock() < 2.1, "close waits close_timeout_s, not forever"
     assert worker.num_abandoned == 1
+    assert worker.failure_counts == {FailureCause.COPY_DEADLINE: 1}, "its deadline came first"
     assert worker.tier.buffer.numel() > 0, "memory a copy may still write is not freed"
     backends[0].release_hung()
     worker.close()
@@ -340,6 +350,7 @@ def test_backend_bugs_fail_their_batch_and_the_rest_of_the_plan_still_runs() -> 
     assert worker.take_report() == WorkerReport(
         done={2: 1, 3: 1}, failed={0: 1}, abandoned={1: 1}, settled={1: 1}
     )
+    assert worker.failure_counts == {FailureCause.BACKEND_ERROR: 2}
     assert block_bytes(layout, 5) == original
 
 

@@ -239,7 +239,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.take_events() if self.scheduler is not None else ()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self.scheduler.stats() if self.scheduler is not None else None
+        if self.scheduler is not None:
+            return self.scheduler.stats()
+        return self.worker.stats() if self.worker is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:

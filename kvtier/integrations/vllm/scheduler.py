@@ -43,8 +43,9 @@ from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_conv
 from vllm.v1.request import RequestStatus
 
 from kvtier.config import KVTierConfig
+from kvtier.config.sizes import host_bytes_per_rank
 from kvtier.index.base import EventKind
-from kvtier.integrations.vllm.stats import OFFLOAD_COUNTERS, KVTierStats
+from kvtier.integrations.vllm.stats import OFFLOAD_COUNTERS, OFFLOAD_HISTOGRAMS, KVTierStats
 from kvtier.keys import KeyNamespace
 from kvtier.offload import (
     LazyCandidate,
@@ -139,6 +140,7 @@ class KVTierScheduler:
             namespace=KeyNamespace(model=vllm_config.model_config.model),
             null_block_id=0,
             record_events=self.record_events,
+            record_observations=True,
             group_windows=group_windows_of(kv_cache_config, block_tokens),
         )
         self.guard = LazyStoreGuard(self.manager)
@@ -151,6 +153,7 @@ class KVTierScheduler:
             -vllm_config.scheduler_config.max_num_batched_tokens // block_tokens
         )
         self._reported = OffloadStats()
+        self._capacity_bytes = host_bytes_per_rank(config, world_size)
         logger.info(
             "kvtier: %s mode, %d host slots of %d bytes per rank, world size %d, %d group(s)",
             config.store_mode,
@@ -308,7 +311,8 @@ class KVTierScheduler:
         return BlockRemoved(block_hashes=[block_hash], medium=EVENT_MEDIUM, group_idx=event.group)
 
     def stats(self) -> KVTierStats:
-        """What changed in the tier's counters and usage since the last call."""
+        """What changed in the tier's counters and usage since the last call, and the
+        latencies, batch sizes and per-request hits measured since then."""
         now = self.manager.stats()
         last, self._reported = self._reported, now
         stats = KVTierStats()
@@ -320,7 +324,14 @@ class KVTierScheduler:
             stats.record("used_blocks", now.used_slots)
             stats.record("capacity_blocks", now.num_slots)
             stats.record("used_bytes", now.used_slots * self.record_bytes)
-            stats.record("capacity_bytes", now.num_slots * self.record_bytes)
+            stats.record("capacity_bytes", self._capacity_bytes)
         if now.quarantined_slots != last.quarantined_slots:
             stats.record("quarantined_blocks", now.quarantined_slots)
+        for cause, count in now.failures.items():
+            new = count - last.failures.get(cause, 0)
+            if new:
+                stats.record("failures", new, label=cause.value)
+        observations = self.manager.take_observations()
+        for name, field in OFFLOAD_HISTOGRAMS.items():
+            stats.observe(name, getattr(observations, field))
         return stats

@@ -1,22 +1,31 @@
 """kvtier's metrics in vLLM: a ``KVConnectorStats`` payload and its Prometheus exporter.
 
-Each engine step the scheduler-side connector hands vLLM a :class:`KVTierStats`
-(a flat ``name -> number`` dict, so it pickles across processes) with what
-changed since the previous step. vLLM merges payloads with
-:meth:`KVTierStats.aggregate`, logs :meth:`KVTierStats.reduce` and feeds the
-merged dict to :class:`KVTierPromMetrics`, which publishes every metric in
-:data:`METRICS` as ``vllm:kvtier_<name>``.
+Each engine step the scheduler-side connector, and every worker-side one,
+hands vLLM a :class:`KVTierStats` with what changed since its previous step:
+a ``name -> value`` dict of plain numbers, lists and string-keyed dicts, so it
+crosses processes. vLLM merges payloads with :meth:`KVTierStats.aggregate`,
+logs :meth:`KVTierStats.reduce` and feeds the merged dict to
+:class:`KVTierPromMetrics`, which publishes every metric in :data:`METRICS` as
+``vllm:kvtier_<name>`` with vLLM's own ``model_name`` and ``engine`` labels.
 
-Counters are added up when payloads merge; gauges keep the most recent value.
-Everything is counted on the scheduler side, which learns of a transfer once
-every rank reported it: block counts count it once, byte counts include every
-rank's shard.
+A counter's value is a number, or for a counter with an extra label a
+``label value -> number`` dict; counters add up when payloads merge. A gauge's
+value is a number and the most recent one wins. A histogram's value is the list
+of its observations, and lists are joined. The scheduler side counts transfers
+once every rank reported them (block counts count a transfer once, byte counts
+include every rank's shard) and measures their latency from planning to then;
+each worker counts its own failures.
+
+:class:`KVTierPromMetrics` publishes every series when vLLM builds it, before
+any request: counters at 0, histograms empty, the usage gauges at 0 and
+``capacity_bytes`` at the configured size. Only ``capacity_blocks`` waits for
+the first engine step, because the record size is known only in the engine.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +37,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvtier.config import load_config
+from kvtier.config.sizes import host_bytes_per_rank
+from kvtier.offload.failures import FailureCause
+
 PROMETHEUS_PREFIX = "vllm:kvtier_"
 """Prefix of every kvtier metric name in vLLM's Prometheus output."""
 
@@ -35,14 +48,33 @@ PROMETHEUS_PREFIX = "vllm:kvtier_"
 class MetricKind(enum.Enum):
     COUNTER = "counter"
     GAUGE = "gauge"
+    HISTOGRAM = "histogram"
 
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One kvtier metric: how it merges and what it means."""
+    """One kvtier metric: how it merges, what it means, and its extra label or buckets."""
 
     kind: MetricKind
     documentation: str
+    label: str | None = None
+    """A counter's label besides vLLM's (``model_name``, ``engine``), if it has one."""
+    label_values: tuple[str, ...] = ()
+    """The values of ``label``, each published at 0 from start-up."""
+    buckets: tuple[float, ...] = ()
+    """A histogram's bucket upper bounds."""
+
+
+LATENCY_BUCKETS_S = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+"""Upper bounds, in seconds, of the latency histograms' buckets."""
+
+BATCH_BUCKETS_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+"""Upper bounds, in blocks, of the batch-size histograms' buckets."""
+
+HIT_BUCKETS_TOKENS = (0, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+"""Upper bounds, in tokens, of the per-request hit histogram's buckets (``le="0"``: no hit)."""
 
 
 METRICS: Mapping[str, MetricSpec] = {
@@ -95,7 +127,40 @@ METRICS: Mapping[str, MetricSpec] = {
     ),
     "capacity_blocks": MetricSpec(MetricKind.GAUGE, "Host-tier slots per rank."),
     "used_bytes": MetricSpec(MetricKind.GAUGE, "Host-tier bytes in use, per rank."),
-    "capacity_bytes": MetricSpec(MetricKind.GAUGE, "Host-tier bytes per rank."),
+    "capacity_bytes": MetricSpec(
+        MetricKind.GAUGE,
+        "Host-tier bytes per rank, as configured (cpu_bytes over the ranks, or "
+        "cpu_bytes_per_rank).",
+    ),
+    "failures": MetricSpec(
+        MetricKind.COUNTER,
+        "Failed copies and reports, by cause: one per batch and rank for a rank's causes, "
+        "one per batch or report entry for the scheduler's.",
+        label="cause",
+        label_values=tuple(cause.value for cause in FailureCause),
+    ),
+    "load_seconds": MetricSpec(
+        MetricKind.HISTOGRAM,
+        "Seconds from planning a load batch to every rank reporting it complete.",
+        buckets=LATENCY_BUCKETS_S,
+    ),
+    "store_seconds": MetricSpec(
+        MetricKind.HISTOGRAM,
+        "Seconds from planning a store batch to every rank reporting it complete.",
+        buckets=LATENCY_BUCKETS_S,
+    ),
+    "load_batch_blocks": MetricSpec(
+        MetricKind.HISTOGRAM, "Blocks per load batch planned.", buckets=BATCH_BUCKETS_BLOCKS
+    ),
+    "store_batch_blocks": MetricSpec(
+        MetricKind.HISTOGRAM, "Blocks per store batch planned.", buckets=BATCH_BUCKETS_BLOCKS
+    ),
+    "request_hit_tokens": MetricSpec(
+        MetricKind.HISTOGRAM,
+        "Tokens each request loads from the host tier (0 for a miss), observed when vLLM "
+        "allocates it.",
+        buckets=HIT_BUCKETS_TOKENS,
+    ),
 }
 """Every metric the connector reports, by short name."""
 
@@ -114,6 +179,18 @@ OFFLOAD_COUNTERS: Mapping[str, str] = {
 }
 """Counter metric name -> the cumulative :class:`~kvtier.offload.OffloadStats` field it counts."""
 
+OFFLOAD_HISTOGRAMS: Mapping[str, str] = {
+    "load_seconds": "load_seconds",
+    "store_seconds": "store_seconds",
+    "load_batch_blocks": "load_blocks",
+    "store_batch_blocks": "store_blocks",
+    "request_hit_tokens": "request_hit_tokens",
+}
+"""Histogram metric name -> the :class:`~kvtier.offload.Observations` field it observes."""
+
+LabelledCounts = dict[str, float]
+"""A labelled counter's value in a payload: label value -> count."""
+
 
 @dataclass
 class KVTierStats(KVConnectorStats):
@@ -124,34 +201,107 @@ class KVTierStats(KVConnectorStats):
         if unknown:
             raise ValueError(f"unknown kvtier metrics {unknown}; known: {sorted(METRICS)}")
 
-    def record(self, name: str, value: float) -> None:
-        """Add ``value`` to counter ``name`` or set gauge ``name`` to it."""
+    def record(self, name: str, value: float, *, label: str | None = None) -> None:
+        """Add ``value`` to counter ``name`` or set gauge ``name`` to it.
+
+        Args:
+            name: A counter or gauge of :data:`METRICS`.
+            value: The increment or the gauge's value.
+            label: The value of the counter's extra label; only for counters that have one.
+
+        Raises:
+            ValueError: ``name`` is a histogram, or ``label`` is given for a metric without one
+                (or missing for one with).
+        """
         spec = METRICS[name]
-        if spec.kind is MetricKind.COUNTER:
+        if spec.kind is MetricKind.HISTOGRAM:
+            raise ValueError(f"{name} is a histogram: use observe()")
+        if (label is None) != (spec.label is None):
+            wanted = "no label" if spec.label is None else f"a {spec.label!r} label"
+            raise ValueError(f"{name} takes {wanted}, got label={label!r}")
+        if spec.kind is MetricKind.GAUGE:
+            self.data[name] = value
+        elif label is None:
             self.data[name] = self.data.get(name, 0) + value
         else:
-            self.data[name] = value
+            counts = self.data.setdefault(name, {})
+            counts[label] = counts.get(label, 0) + value
+
+    def observe(self, name: str, values: Iterable[float]) -> None:
+        """Add observations to histogram ``name``.
+
+        Raises:
+            ValueError: ``name`` is not a histogram.
+        """
+        if METRICS[name].kind is not MetricKind.HISTOGRAM:
+            raise ValueError(f"{name} is a {METRICS[name].kind.value}: use record()")
+        values = list(values)
+        if values:
+            self.data.setdefault(name, []).extend(values)
 
     def reset(self) -> None:
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVTierStats:
-        """Merge ``other`` into this payload: counters add up, gauges take ``other``'s value."""
+        """Merge ``other`` into this payload.
+
+        Counters add up (per label value), gauges take ``other``'s value, histograms join
+        their observations.
+        """
         if not isinstance(other, KVTierStats):
             raise TypeError(f"cannot merge {type(other).__name__} into KVTierStats")
         for name, value in other.data.items():
-            self.record(name, value)
+            spec = METRICS[name]
+            if spec.kind is MetricKind.HISTOGRAM:
+                self.observe(name, value)
+            elif spec.label is not None:
+                for label, count in value.items():
+                    self.record(name, count, label=label)
+            else:
+                self.record(name, value)
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return dict(self.data)
+        """One number per series for vLLM's log line: a labelled counter per label value
+        (``failures_copy_error``), a histogram as its count and mean (``load_seconds_count``,
+        ``load_seconds_mean``)."""
+        reduced: dict[str, int | float] = {}
+        for name, value in self.data.items():
+            spec = METRICS[name]
+            if spec.kind is MetricKind.HISTOGRAM:
+                reduced[f"{name}_count"] = len(value)
+                reduced[f"{name}_mean"] = sum(value) / len(value)
+            elif spec.label is not None:
+                reduced.update({f"{name}_{label}": count for label, count in value.items()})
+            else:
+                reduced[name] = value
+        return reduced
 
     def is_empty(self) -> bool:
         return not self.data
 
 
+def startup_gauges(vllm_config: VllmConfig) -> dict[str, float]:
+    """The gauges' values before the engine's first step: an empty tier of the configured size.
+
+    ``capacity_blocks`` is not among them: it depends on the record size, which only the
+    engine knows.
+    """
+    transfer_config = vllm_config.kv_transfer_config
+    enabled = vllm_config.cache_config.enable_prefix_caching and transfer_config is not None
+    capacity = 0
+    if enabled:
+        config = load_config(dict(transfer_config.kv_connector_extra_config))
+        capacity = host_bytes_per_rank(config, vllm_config.parallel_config.world_size)
+    return {"used_blocks": 0, "quarantined_blocks": 0, "used_bytes": 0, "capacity_bytes": capacity}
+
+
 class KVTierPromMetrics(KVConnectorPromMetrics):
-    """Publishes :class:`KVTierStats` payloads as Prometheus metrics, one child per engine."""
+    """Publishes :class:`KVTierStats` payloads as Prometheus metrics, one child per engine.
+
+    Every series exists from construction (vLLM builds this once the engine is up, before
+    any request): see :func:`startup_gauges`.
+    """
 
     def __init__(
         self,
@@ -163,33 +313,64 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._families: dict[str, Any] = {}
         for name, spec in METRICS.items():
+            full_name = f"{PROMETHEUS_PREFIX}{name}"
             if spec.kind is MetricKind.COUNTER:
-                self._families[name] = self._counter_cls(
-                    name=f"{PROMETHEUS_PREFIX}{name}",
-                    documentation=spec.documentation,
-                    labelnames=labelnames,
+                extra = [spec.label] if spec.label is not None else []
+                family = self._counter_cls(
+                    name=full_name, documentation=spec.documentation, labelnames=labelnames + extra
                 )
-            else:
-                self._families[name] = self._gauge_cls(
-                    name=f"{PROMETHEUS_PREFIX}{name}",
+            elif spec.kind is MetricKind.GAUGE:
+                family = self._gauge_cls(
+                    name=full_name,
                     documentation=spec.documentation,
                     labelnames=labelnames,
                     multiprocess_mode="mostrecent",
                 )
-        self._children: dict[tuple[int, str], Any] = {}
+            else:
+                family = self._histogram_cls(
+                    name=full_name,
+                    documentation=spec.documentation,
+                    labelnames=labelnames,
+                    buckets=spec.buckets,
+                )
+            self._families[name] = family
+        self._children: dict[tuple[int, str, str | None], Any] = {}
+        gauges = startup_gauges(vllm_config)
+        for engine_idx in per_engine_labelvalues:
+            for name, spec in METRICS.items():
+                if spec.kind is MetricKind.GAUGE:
+                    if name in gauges:
+                        self._child(engine_idx, name).set(gauges[name])
+                    continue
+                for label in spec.label_values or (None,):
+                    self._child(engine_idx, name, label)
+
+    def _child(self, engine_idx: int, name: str, label: str | None = None) -> Any:
+        key = (engine_idx, name, label)
+        child = self._children.get(key)
+        if child is None:
+            values = list(self.per_engine_labelvalues[engine_idx])
+            if label is not None:
+                values.append(label)
+            child = self._families[name].labels(*values)
+            self._children[key] = child
+        return child
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Record one merged payload (``KVTierStats.data``) for engine ``engine_idx``."""
         for name, value in transfer_stats_data.items():
-            child = self._children.get((engine_idx, name))
-            if child is None:
-                family = self._families[name]
-                child = family.labels(*self.per_engine_labelvalues[engine_idx])
-                self._children[(engine_idx, name)] = child
-            if METRICS[name].kind is MetricKind.COUNTER:
-                child.inc(value)
+            spec = METRICS[name]
+            if spec.kind is MetricKind.HISTOGRAM:
+                child = self._child(engine_idx, name)
+                for observation in value:
+                    child.observe(observation)
+            elif spec.kind is MetricKind.GAUGE:
+                self._child(engine_idx, name).set(value)
+            elif spec.label is not None:
+                for label, count in value.items():
+                    self._child(engine_idx, name, label).inc(count)
             else:
-                child.set(value)
+                self._child(engine_idx, name).inc(value)
 
 
 __all__ = [
@@ -197,6 +378,9 @@ __all__ = [
     "KVTierStats",
     "METRICS",
     "MetricKind",
+    "MetricSpec",
     "OFFLOAD_COUNTERS",
+    "OFFLOAD_HISTOGRAMS",
     "PROMETHEUS_PREFIX",
+    "startup_gauges",
 ]

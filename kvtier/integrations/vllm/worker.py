@@ -15,7 +15,8 @@ Call sequence in one engine step, inside ``GPUModelRunner.execute_model``
    requests whose load failed.
 5. :meth:`KVTierWorker.get_block_ids_with_load_errors` — with one group, the
    device blocks whose loads failed, so vLLM recomputes them.
-6. :meth:`KVTierWorker.take_report` — the worker's report for the scheduler.
+6. :meth:`KVTierWorker.stats` — the worker's failures by cause, for vLLM's metrics.
+7. :meth:`KVTierWorker.take_report` — the worker's report for the scheduler.
 
 With sleep mode (vLLM 0.33), :meth:`KVTierWorker.suspend` runs before the KV
 cache is unmapped.
@@ -24,14 +25,16 @@ cache is unmapped.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.config import KVTierConfig
+from kvtier.integrations.vllm.stats import KVTierStats
 from kvtier.kinds import LAYOUT_RESOLVER
 from kvtier.layout.base import KVCaches, KVLayout
-from kvtier.offload import OffloadWorker, TransferPlan, WorkerReport
+from kvtier.offload import FailureCause, OffloadWorker, TransferPlan, WorkerReport
 from kvtier.plugins import default_registry
 
 if TYPE_CHECKING:
@@ -78,6 +81,7 @@ class KVTierWorker:
         # Built in register_kv_caches, once vLLM allocated the tensors.
         self.offload: OffloadWorker | None = None
         self._failed_blocks: frozenset[int] = frozenset()
+        self._reported_failures: Mapping[FailureCause, int] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Resolve vLLM's KV tensors, per kv-cache group, and build the offload worker.
@@ -137,6 +141,19 @@ class KVTierWorker:
         """Device blocks whose loads failed since the last call: vLLM recomputes them."""
         failed, self._failed_blocks = self._failed_blocks, frozenset()
         return set(failed)
+
+    def stats(self) -> KVTierStats | None:
+        """This rank's failures since the last call, by cause, or ``None`` if there were none."""
+        if self.offload is None:
+            return None
+        counts = self.offload.failure_counts
+        stats = KVTierStats()
+        for cause, count in counts.items():
+            new = count - self._reported_failures.get(cause, 0)
+            if new:
+                stats.record("failures", new, label=cause.value)
+        self._reported_failures = counts
+        return None if stats.is_empty() else stats
 
     def take_report(self) -> WorkerReport | None:
         """This worker's completions since the last call, for the scheduler."""

@@ -24,6 +24,7 @@ from kvtier.integrations.vllm.adapters import (  # noqa: E402
 from kvtier.integrations.vllm.stats import (  # noqa: E402
     METRICS,
     OFFLOAD_COUNTERS,
+    OFFLOAD_HISTOGRAMS,
     PROMETHEUS_PREFIX,
     KVTierPromMetrics,
     KVTierStats,
@@ -33,10 +34,19 @@ from kvtier.integrations.vllm.version import (  # noqa: E402
     UnsupportedVLLMVersion,
     check_vllm_version,
 )
-from kvtier.offload import OffloadStats, Transfer, TransferPlan, WorkerReport  # noqa: E402
+from kvtier.offload import (  # noqa: E402
+    FailureCause,
+    Observations,
+    OffloadStats,
+    Transfer,
+    TransferPlan,
+    WorkerReport,
+)
 from tests.conftest import REPO_ROOT  # noqa: E402
 
-DOCS = REPO_ROOT / "docs" / "vllm.md"
+DOCS = REPO_ROOT / "docs" / "metrics.md"
+MIB = 1 << 20
+LABELS = {"model_name": "m", "engine": "0"}
 
 
 @pytest.mark.parametrize(
@@ -90,6 +100,38 @@ def test_stats_add_counters_and_keep_the_latest_gauge() -> None:
     assert merged.is_empty()
 
 
+def test_stats_merge_failures_by_cause_and_join_histogram_observations() -> None:
+    worker = KVTierStats()
+    worker.record("failures", 1, label="copy_error")
+    worker.observe("load_seconds", [0.5])
+    scheduler = KVTierStats(data={"failures": {"copy_error": 2, "report_deadline": 1}})
+    scheduler.observe("load_seconds", [0.25, 0.75])
+    scheduler.observe("store_seconds", [])
+    merged = worker.aggregate(scheduler)
+    assert merged.data == {
+        "failures": {"copy_error": 3, "report_deadline": 1},
+        "load_seconds": [0.5, 0.25, 0.75],
+    }
+    assert merged.reduce() == {
+        "failures_copy_error": 3,
+        "failures_report_deadline": 1,
+        "load_seconds_count": 3,
+        "load_seconds_mean": 0.5,
+    }
+
+
+def test_stats_refuse_the_wrong_call_for_a_kind() -> None:
+    stats = KVTierStats()
+    with pytest.raises(ValueError, match="histogram: use observe"):
+        stats.record("load_seconds", 1.0)
+    with pytest.raises(ValueError, match="counter: use record"):
+        stats.observe("hit_tokens", [1])
+    with pytest.raises(ValueError, match="'cause' label"):
+        stats.record("failures", 1)
+    with pytest.raises(ValueError, match="no label"):
+        stats.record("hit_tokens", 1, label="x")
+
+
 def test_stats_reject_unknown_names_and_foreign_payloads() -> None:
     with pytest.raises(ValueError, match="unknown kvtier metrics"):
         KVTierStats(data={"stored_blokcs": 1})
@@ -99,9 +141,19 @@ def test_stats_reject_unknown_names_and_foreign_payloads() -> None:
         KVTierStats().aggregate(KVConnectorStats())
 
 
-def test_stats_survive_pickling() -> None:
+def test_stats_survive_pickling_and_vllms_engine_messages() -> None:
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
     stats = KVTierStats(data={"loaded_bytes": 4096})
-    assert pickle.loads(pickle.dumps(stats)).reduce() == {"loaded_bytes": 4096}
+    stats.record("failures", 1, label="copy_error")
+    stats.observe("store_batch_blocks", [3, 5])
+    assert pickle.loads(pickle.dumps(stats)).data == stats.data
+    # a served engine sends the payload to the frontend inside msgpack-encoded SchedulerStats
+    sent = SchedulerStats(kv_connector_stats=stats.to_dict())
+    (frame, *_) = MsgpackEncoder().encode(sent)
+    received = MsgpackDecoder(SchedulerStats).decode(frame)
+    assert KVTierStats(data=received.kv_connector_stats).data == stats.data
 
 
 class _Registered:
@@ -121,32 +173,120 @@ class _Registered:
         return Bound
 
 
-def test_prometheus_metrics_publish_every_payload() -> None:
-    from vllm.config import DeviceConfig, VllmConfig
+def _vllm_config(kvtier: dict[str, object] | None = None, world_size: int = 1):  # noqa: ANN202
+    from vllm.config import DeviceConfig, KVTransferConfig, ParallelConfig, VllmConfig
 
+    transfer = None
+    if kvtier is not None:
+        transfer = KVTransferConfig(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=kvtier,
+        )
+    config = VllmConfig(device_config=DeviceConfig("cpu"), kv_transfer_config=transfer)
+    config.parallel_config = ParallelConfig(tensor_parallel_size=world_size)
+    return config
+
+
+def test_prometheus_metrics_publish_every_payload() -> None:
     bound = _Registered()
-    config = VllmConfig(device_config=DeviceConfig("cpu"))
+    config = _vllm_config({"cpu_bytes": 4 * MIB})
     prom = KVTierPromMetrics(config, bound.types, ["model_name", "engine"], {0: ["m", "0"]})
     prom.observe({"hit_tokens": 64, "used_blocks": 3}, engine_idx=0)
     prom.observe({"hit_tokens": 32, "used_blocks": 5}, engine_idx=0)
-    labels = {"model_name": "m", "engine": "0"}
     value = bound.registry.get_sample_value
-    assert value(f"{PROMETHEUS_PREFIX}hit_tokens_total", labels) == 96
-    assert value(f"{PROMETHEUS_PREFIX}used_blocks", labels) == 5
+    assert value(f"{PROMETHEUS_PREFIX}hit_tokens_total", LABELS) == 96
+    assert value(f"{PROMETHEUS_PREFIX}used_blocks", LABELS) == 5
+
+
+def test_prometheus_histograms_and_failures_count_every_observation() -> None:
+    bound = _Registered()
+    prom = KVTierPromMetrics(
+        _vllm_config({"cpu_bytes": 4 * MIB}), bound.types, ["model_name", "engine"], {0: ["m", "0"]}
+    )
+    payload = KVTierStats()
+    payload.observe("load_seconds", [0.002, 0.004, 3.0])
+    payload.observe("request_hit_tokens", [0, 0, 96])
+    payload.record("failures", 2, label="copy_deadline")
+    prom.observe(payload.to_dict(), engine_idx=0)
+    value = bound.registry.get_sample_value
+    load = f"{PROMETHEUS_PREFIX}load_seconds"
+    assert value(f"{load}_count", LABELS) == 3
+    assert value(f"{load}_sum", LABELS) == pytest.approx(3.006)
+    assert value(f"{load}_bucket", {**LABELS, "le": "0.005"}) == 2
+    hits = f"{PROMETHEUS_PREFIX}request_hit_tokens_bucket"
+    assert value(hits, {**LABELS, "le": "0.0"}) == 2
+    assert value(hits, {**LABELS, "le": "128.0"}) == 3
+    failures = f"{PROMETHEUS_PREFIX}failures_total"
+    assert value(failures, {**LABELS, "cause": "copy_deadline"}) == 2
+    assert value(failures, {**LABELS, "cause": "copy_error"}) == 0
+
+
+@pytest.mark.parametrize(
+    "kvtier, world_size, capacity",
+    [
+        ({"cpu_bytes": 4 * MIB}, 1, 4 * MIB),
+        ({"cpu_bytes": 4 * MIB}, 2, 2 * MIB),
+        ({"cpu_bytes_per_rank": 3 * MIB}, 2, 3 * MIB),
+    ],
+)
+def test_every_series_has_a_value_at_start_up(
+    kvtier: dict[str, object], world_size: int, capacity: int
+) -> None:
+    bound = _Registered()
+    engines = {0: ["m", "0"], 1: ["m", "1"]}
+    config = _vllm_config(kvtier, world_size)
+    KVTierPromMetrics(config, bound.types, ["model_name", "engine"], engines)
+    value = bound.registry.get_sample_value
+    for engine in ("0", "1"):
+        labels = {"model_name": "m", "engine": engine}
+        assert value(f"{PROMETHEUS_PREFIX}capacity_bytes", labels) == capacity
+        for gauge in ("used_blocks", "used_bytes", "quarantined_blocks"):
+            assert value(f"{PROMETHEUS_PREFIX}{gauge}", labels) == 0
+        for name, spec in METRICS.items():
+            full = f"{PROMETHEUS_PREFIX}{name}"
+            if spec.kind is MetricKind.HISTOGRAM:
+                assert value(f"{full}_count", labels) == 0, name
+            elif spec.label is not None:
+                for label in spec.label_values:
+                    assert value(f"{full}_total", {**labels, spec.label: label}) == 0
+            elif spec.kind is MetricKind.COUNTER:
+                assert value(f"{full}_total", labels) == 0, name
+    # the record size, hence the slot count, is known only once the engine reports
+    assert value(f"{PROMETHEUS_PREFIX}capacity_blocks", LABELS) is None
+
+
+def test_start_up_capacity_is_zero_when_prefix_caching_disables_kvtier() -> None:
+    bound = _Registered()
+    config = _vllm_config({"cpu_bytes": 4 * MIB})
+    config.cache_config.enable_prefix_caching = False
+    KVTierPromMetrics(config, bound.types, ["model_name", "engine"], {0: ["m", "0"]})
+    assert bound.registry.get_sample_value(f"{PROMETHEUS_PREFIX}capacity_bytes", LABELS) == 0
 
 
 def test_docs_list_every_metric() -> None:
     text = DOCS.read_text()
-    for name in METRICS:
-        assert f"`{PROMETHEUS_PREFIX}{name}`" in text, f"{name} is missing from docs/vllm.md"
+    for name, spec in METRICS.items():
+        exposed = f"{PROMETHEUS_PREFIX}{name}"
+        if spec.kind is MetricKind.COUNTER:
+            exposed += "_total"
+        row = f"| `{exposed}` | {spec.kind.value} |"
+        assert row in text, f"{DOCS.name} has no row {row!r}"
+    for cause in FailureCause:
+        assert f"`{cause.value}`" in text, f"failure cause {cause.value} is missing"
 
 
-def test_every_offload_counter_is_a_vllm_counter() -> None:
-    gauges = {"num_slots", "used_slots", "quarantined_slots"}
-    counters = {field.name for field in dataclasses.fields(OffloadStats)} - gauges
+def test_every_offload_counter_and_observation_is_published() -> None:
+    not_counters = {"num_slots", "used_slots", "quarantined_slots", "failures"}
+    counters = {field.name for field in dataclasses.fields(OffloadStats)} - not_counters
     assert set(OFFLOAD_COUNTERS.values()) == counters
     assert all(METRICS[name].kind is MetricKind.COUNTER for name in OFFLOAD_COUNTERS)
     assert METRICS["quarantined_blocks"].kind is MetricKind.GAUGE
+    observed = {field.name for field in dataclasses.fields(Observations)}
+    assert set(OFFLOAD_HISTOGRAMS.values()) == observed
+    assert all(METRICS[name].kind is MetricKind.HISTOGRAM for name in OFFLOAD_HISTOGRAMS)
+    assert METRICS["failures"].label_values == tuple(cause.value for cause in FailureCause)
 
 
 def test_plan_and_reports_cross_processes() -> None:

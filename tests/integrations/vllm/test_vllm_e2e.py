@@ -323,6 +323,8 @@ def test_bad_extra_config_fails_at_start_with_config_lines(model_dir: str) -> No
 
 def test_multiprocess_engine_accuracy(model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Scheduler and worker in different processes: the plan and reports cross by pickle."""
+    from vllm.v1.metrics.reader import Histogram
+
     from kvtier.integrations.vllm.offline import (
         generate,
         metric_values,
@@ -333,12 +335,20 @@ def test_multiprocess_engine_accuracy(model_dir: str, monkeypatch: pytest.Monkey
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     llm = _engine(model_dir, {"cpu_bytes": 64 * MIB}, num_device_blocks=256)
     try:
+        idle = metric_values(llm)
+        assert idle["vllm:kvtier_capacity_bytes"] == 64 * MIB, "published before any request"
+        assert idle["vllm:kvtier_used_blocks"] == 0 and idle["vllm:kvtier_failures"] == 0
         prompts = _random_prompts(random.Random(5), 4, 100, 400)
         cold = generate(llm, prompts, max_tokens=8)
         reset_device_cache(llm)
         warm = generate(llm, prompts, max_tokens=8)
         assert warm == cold
         assert metric_values(llm).get("vllm:kvtier_hit_tokens", 0) > 0
+        # the histograms crossed from the engine process to this one with the other stats
+        counts = {m.name: m.count for m in llm.get_metrics() if isinstance(m, Histogram)}
+        for name in ("load_seconds", "store_seconds", "load_batch_blocks", "store_batch_blocks"):
+            assert counts[f"vllm:kvtier_{name}"] > 0, name
+        assert counts["vllm:kvtier_request_hit_tokens"] == 2 * len(prompts)
     finally:
         shutdown(llm)
 

@@ -141,6 +141,10 @@ def test_failed_loads_are_recomputed(
     assert stats.hit_tokens == full_blocks * BLOCK
     assert stats.loaded_blocks == 0
     assert stats.failed_loads == engine.failed_blocks == full_blocks
+    # the worker counts its failed copies; the scheduler has no cause of its own here
+    failures = [payload["failures"] for payload in engine.connector_stats if "failures" in payload]
+    assert sum(counts["copy_error"] for counts in failures) == len(batch)
+    assert all(set(counts) == {"copy_error"} for counts in failures)
 
 
 def test_a_reset_with_copies_in_flight_succeeds_and_serves_nothing_older(
@@ -220,4 +224,16 @@ def test_metrics_count_what_the_tier_did(engine_factory: Callable[..., VllmSteps
     assert engine.counter("stored_bytes") == full_blocks * record
     gauges = [stats for stats in engine.connector_stats if "used_blocks" in stats]
     assert gauges[-1]["used_blocks"] == full_blocks
-    assert gauges[-1]["capacity_bytes"] == engine.connector.manager.index.num_slots * record
+    assert gauges[-1]["capacity_blocks"] == engine.connector.manager.index.num_slots
+    assert gauges[-1]["capacity_bytes"] == 4 * MIB
+    assert sum(engine.observations("store_batch_blocks")) == full_blocks
+    assert len(engine.observations("store_seconds")) == len(
+        engine.observations("store_batch_blocks")
+    )
+    assert engine.observations("request_hit_tokens") == [0, 0]
+    reset_device_cache(engine)
+    engine.generate(batch)
+    assert sum(engine.observations("load_batch_blocks")) == full_blocks
+    assert len(engine.observations("load_seconds")) == 2
+    assert all(seconds >= 0 for seconds in engine.observations("load_seconds"))
+    assert engine.observations("request_hit_tokens")[2:] == [len(p) // BLOCK * BLOCK for p in batch]
