@@ -151,14 +151,6 @@ class KVTierScheduler:
             -vllm_config.scheduler_config.max_num_batched_tokens // block_tokens
         )
         self._reported = OffloadStats()
-        logger.info(
-            "kvtier: %s mode, %d host slots of %d bytes per rank, world size %d, %d group(s)",
-            config.store_mode,
-            self.manager.index.num_slots,
-            record_bytes,
-            world_size,
-            num_groups,
-        )
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """Keep vLLM's block pool: lazy mode reads its free queue and protects blocks in it."""
