@@ -43,9 +43,7 @@ def join_vllm_logging() -> bool:
     return True
 
 
-def startup_summary(
-    config: KVTierConfig, *, role: str, record_bytes: int, world_size: int
-) -> str:
+def startup_summary(config: KVTierConfig, *, role: str, record_bytes: int, world_size: int) -> str:
     """One line that says how this process's side of kvtier is set up, and what set it.
 
     Args:
@@ -86,4 +84,3 @@ def _shown(path: str, value: object) -> str:
     if path.rsplit(".", 1)[-1].endswith("_bytes") and isinstance(value, int):
         return _human(value)
     return str(value)
-

@@ -70,9 +70,7 @@ def test_handlers_someone_gave_kvtier_are_kept(
 
 
 def test_start_up_line_says_sizes_in_units_and_where_values_came_from() -> None:
-    config = load_config(
-        {"cpu_bytes": "64MiB", "copy": "torch"}, env={"KVTIER_STORE_MODE": "lazy"}
-    )
+    config = load_config({"cpu_bytes": "64MiB", "copy": "torch"}, env={"KVTIER_STORE_MODE": "lazy"})
     line = startup_summary(config, role="worker", record_bytes=32768, world_size=2)
     assert line.startswith(
         "kvtier worker: lazy store mode, host tier 32.0MiB per rank (1024 slots of 32.0KiB, "
