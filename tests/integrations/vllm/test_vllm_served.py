@@ -35,7 +35,8 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 BLOCK = 32
-START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 600.0
+"""A minute or two on an idle two-core machine; far longer when other work shares it."""
 REQUEST_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 20.0
 
@@ -57,9 +58,10 @@ VLLM_ARGS = [
     "--enforce-eager",
     "--seed",
     "0",
-    # 16 blocks: two of the prompts below at a time, so each prefix is evicted before reuse.
+    # 16 usable blocks (vLLM keeps one back) of 512 tokens: two of the prompts below at a time,
+    # so each prefix is evicted before it is used again.
     "--num-gpu-blocks-override",
-    "16",
+    "17",
     # One process less per server: the worker runs in the engine-core process.
     "--distributed-executor-backend",
     "uni",
@@ -213,7 +215,7 @@ def test_served_replies_match_plain_vllm_and_kvtier_hits(servers: tuple[Server, 
         metrics = _kvtier_metrics(kvtier)
     assert metrics["vllm:kvtier_hit_tokens_total"] > 0, metrics
     assert metrics["vllm:kvtier_loaded_blocks_total"] > 0, metrics
-    assert metrics["vllm:kvtier_load_failures_total"] == 0, metrics
+    assert metrics.get("vllm:kvtier_load_failures_total", 0) == 0, metrics
     assert _kvtier_metrics(plain) == {}
 
 
