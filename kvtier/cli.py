@@ -9,6 +9,7 @@ Subcommands::
     kvtier config reference          the config reference as Markdown
     kvtier bench copy ...            copy backend benchmark (kvtier.copy.bench)
     kvtier simulate ...              eviction policy trace replay (kvtier.simulator)
+    kvtier serve ...                 vLLM's OpenAI server with kvtier (kvtier.integrations.serve)
 
 Exit status: 0 on success, 2 for an invalid configuration or command line,
 1 when the plugins cannot be loaded or a delegated command fails to start.
@@ -38,6 +39,7 @@ from kvtier.config import (
     parse_bytes,
 )
 from kvtier.config_reference import render_config_reference
+from kvtier.integrations import serve as vllm_serve
 from kvtier.kinds import KINDS
 from kvtier.plugins import PluginError, default_registry
 
@@ -289,6 +291,12 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     reference.set_defaults(handler=_command_config_reference)
 
+    serve = commands.add_parser(
+        "serve", help="start vLLM's OpenAI-compatible server with kvtier, on any vLLM build"
+    )
+    vllm_serve.add_arguments(serve)
+    serve.set_defaults(handler=vllm_serve.run, passes_through=True)
+
     bench = commands.add_parser("bench", help="run a benchmark")
     bench_commands = _subcommands(bench, "bench_command", "WHAT")
     for words, (_, summary) in DELEGATED.items():
@@ -418,7 +426,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if delegate is not None:
             return _run_delegated(delegate, rest)
-        if rest:
+        # kvtier serve hands what it does not know to vLLM.
+        if getattr(args, "passes_through", False):
+            args.vllm_args = rest
+        elif rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
         handler: Callable[[argparse.Namespace], int] = args.handler
         return handler(args)

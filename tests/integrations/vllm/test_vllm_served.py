@@ -1,0 +1,229 @@
+"""Served end to end: ``kvtier serve`` and plain vLLM's OpenAI server, answering over HTTP.
+
+Two servers start side by side on 127.0.0.1 (random free ports), the same
+random-weight Llama behind both: plain vLLM, and vLLM with kvtier started the
+way an operator starts it. vLLM's own KV cache is too small for the prompts'
+shared prefixes, so their second use is a kvtier hit. The replies must be
+equal, kvtier's hit counters on ``/metrics`` non-zero, and kvtier's start-up
+lines in vLLM's log format. The servers are stopped however the test ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
+from kvtier.integrations.serve import VLLM_SERVER_MODULE
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 32
+START_TIMEOUT_S = 600.0
+"""A minute or two on an idle two-core machine; far longer when other work shares it."""
+REQUEST_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 20.0
+
+SERVER_ENVIRONMENT = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # Same rounding whatever shares a step (see test_vllm_e2e.ENGINE_ENVIRONMENT).
+    "VLLM_CPU_ATTN_SPLIT_KV": "0",
+    "VLLM_LOGGING_COLOR": "0",
+}
+
+VLLM_ARGS = [
+    "--skip-tokenizer-init",
+    "--dtype",
+    "float32",
+    "--block-size",
+    str(BLOCK),
+    "--max-model-len",
+    "512",
+    "--enforce-eager",
+    "--seed",
+    "0",
+    # 16 usable blocks (vLLM keeps one back) of 512 tokens: two of the prompts below at a time,
+    # so each prefix is evicted before it is used again.
+    "--num-gpu-blocks-override",
+    "17",
+    # One process less per server: the worker runs in the engine-core process.
+    "--distributed-executor-backend",
+    "uni",
+]
+
+
+@dataclass
+class Server:
+    """A server process (leader of its own process group) and where it listens and logs."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    log: Path
+    model: str
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _start(command: list[str], log: Path, port: int, model: str) -> Server:
+    env = {**os.environ, **SERVER_ENVIRONMENT}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    return Server(process, port, log, model)
+
+
+def _stop(server: Server) -> None:
+    if server.process.poll() is not None:
+        return
+    group = os.getpgid(server.process.pid)
+    os.killpg(group, signal.SIGTERM)
+    try:
+        server.process.wait(STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(group, signal.SIGKILL)
+        server.process.wait(STOP_TIMEOUT_S)
+
+
+def _wait_ready(server: Server, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            pytest.fail(f"server exited with {server.process.returncode}:\n{server.log_tail()}")
+        try:
+            with urllib.request.urlopen(server.url("/health"), timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1)
+    pytest.fail(f"server not ready within {START_TIMEOUT_S} s:\n{server.log_tail()}")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
+    """(plain vLLM, vLLM with kvtier), started together so their start-ups overlap."""
+    work = tmp_path_factory.mktemp("served")
+    model = str(write_tiny_llama(work / "model", TinyLlamaSpec()))
+    config = work / "kvtier.yaml"
+    config.write_text("cpu_bytes: 64MiB\n")
+    started: list[Server] = []
+    try:
+        port = _free_port()
+        started.append(
+            _start(
+                [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", model, "--port", str(port)]
+                + ["--host", "127.0.0.1", *VLLM_ARGS],
+                work / "plain.log",
+                port,
+                model,
+            )
+        )
+        port = _free_port()
+        started.append(
+            _start(
+                [sys.executable, "-m", "kvtier", "serve", "--kvtier-config", str(config), model]
+                + ["--host", "127.0.0.1", "--port", str(port), *VLLM_ARGS],
+                work / "kvtier.log",
+                port,
+                model,
+            )
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for server in started:
+            _wait_ready(server, deadline)
+        yield started[0], started[1]
+    finally:
+        for server in started:
+            _stop(server)
+
+
+def _complete(server: Server, prompt: list[int]) -> list[int]:
+    body = json.dumps(
+        {
+            "model": server.model,
+            "prompt": prompt,
+            "max_tokens": 4,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
+    ).encode()
+    request = urllib.request.Request(
+        server.url("/v1/completions"), body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
+        choice = json.load(reply)["choices"][0]
+    return list(choice["token_ids"])
+
+
+def _kvtier_metrics(server: Server) -> dict[str, float]:
+    with urllib.request.urlopen(server.url("/metrics"), timeout=REQUEST_TIMEOUT_S) as reply:
+        text = reply.read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:kvtier_"):
+            name, value = line.rsplit(" ", 1)
+            metric = name.split("{", 1)[0]
+            values[metric] = values.get(metric, 0.0) + float(value)
+    return values
+
+
+def _prompts() -> list[list[int]]:
+    """Three prefixes of six blocks, each used twice with other tails, the second round later."""
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(1000) for _ in range(6 * BLOCK)] for _ in range(3)]
+    tails = [[rng.randrange(1000) for _ in range(rng.randrange(1, BLOCK))] for _ in range(6)]
+    return [prefix + tails[i] for i, prefix in enumerate(prefixes)] + [
+        prefix + tails[3 + i] for i, prefix in enumerate(prefixes)
+    ]
+
+
+def test_served_replies_match_plain_vllm_and_kvtier_hits(servers: tuple[Server, Server]) -> None:
+    plain, kvtier = servers
+    for prompt in _prompts():
+        assert _complete(kvtier, prompt) == _complete(plain, prompt)
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    metrics = _kvtier_metrics(kvtier)
+    while metrics.get("vllm:kvtier_loaded_blocks_total", 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        metrics = _kvtier_metrics(kvtier)
+    assert metrics["vllm:kvtier_hit_tokens_total"] > 0, metrics
+    assert metrics["vllm:kvtier_loaded_blocks_total"] > 0, metrics
+    assert metrics.get("vllm:kvtier_load_failures_total", 0) == 0, metrics
+    assert _kvtier_metrics(plain) == {}
+
+
+def test_kvtier_start_up_lines_are_in_vllm_log_format(servers: tuple[Server, Server]) -> None:
+    log = servers[1].log.read_text(errors="replace")
+    prefix = r"\((EngineCore|Worker)[^)]* pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[[^]]+\] "
+    for role in ("scheduler", "worker"):
+        summary = re.search(prefix + f"kvtier {role}: eager store mode, host tier 64.0MiB", log)
+        assert summary is not None, f"no {role} start-up line in vLLM's format:\n{log[-4000:]}"
+        assert "cpu_bytes=64.0MiB (file " in log[summary.end() :].splitlines()[0]
+    assert re.search(prefix + "kvtier sets kv_load_failure_policy to 'recompute'", log)
