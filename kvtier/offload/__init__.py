@@ -2,8 +2,10 @@
 
 from kvtier.offload.manager import GroupBlockIds, OffloadManager, OffloadStats, Progress, StoreMode
 from kvtier.offload.messages import (
+    Demotion,
     DeviceBlock,
     LazyCandidate,
+    Promotion,
     Transfer,
     TransferPlan,
     WorkerReport,
@@ -12,6 +14,7 @@ from kvtier.offload.worker import BackendFactory, LoadFailures, OffloadWorker
 
 __all__ = [
     "BackendFactory",
+    "Demotion",
     "DeviceBlock",
     "GroupBlockIds",
     "LazyCandidate",
@@ -20,6 +23,7 @@ __all__ = [
     "OffloadStats",
     "OffloadWorker",
     "Progress",
+    "Promotion",
     "StoreMode",
     "Transfer",
     "TransferPlan",
