@@ -866,6 +866,11 @@ class OffloadManager:
         return len(self._batches)
 
     @property
+    def has_tier_work(self) -> bool:
+        """Whether demotions or promotions wait for the next plan."""
+        return bool(self._demotions or self._promotions_to_plan)
+
+    @property
     def num_quarantined_batches(self) -> int:
         """Failed batches whose copies may still run on some worker; their slots stay held."""
         return len(self._quarantine)
