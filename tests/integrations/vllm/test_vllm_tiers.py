@@ -29,9 +29,7 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 RECORD_BYTES = TinyLlamaSpec().kv_bytes_per_token() * BLOCK
-PROMPTS = [
-    [random.Random(seed).randrange(1000) for _ in range(6 * BLOCK + 5)] for seed in range(8)
-]
+PROMPTS = [[random.Random(seed).randrange(1000) for _ in range(6 * BLOCK + 5)] for seed in range(8)]
 """Eight prompts of six full blocks: 48 blocks, far more than the host tier holds."""
 HOST_BYTES = 8 * RECORD_BYTES
 DEVICE = {"num_device_blocks": 64, "max_model_len": 512, "max_num_seqs": 4}
@@ -49,11 +47,13 @@ def serve(llm: Any, prompts: list[list[int]]) -> list[list[int]]:  # noqa: ANN40
     return got
 
 
-def run(model_dir: str, config: dict[str, Any], prompts: list[list[int]]) -> tuple[Any, OffloadStats]:
+def run(
+    model: str, config: dict[str, Any], prompts: list[list[int]]
+) -> tuple[list[list[int]], OffloadStats]:
     """Serve ``prompts`` on a fresh engine, shut it down; its outputs and its tier's stats."""
     from kvtier.integrations.vllm.offline import shutdown
 
-    llm = _engine(model_dir, config, **DEVICE)
+    llm = _engine(model, config, **DEVICE)
     try:
         got = serve(llm, prompts)
         stats = _tier(llm).stats()
@@ -62,9 +62,26 @@ def run(model_dir: str, config: dict[str, Any], prompts: list[list[int]]) -> tup
     return got, stats
 
 
-def disk_config(path: Path, **settings: Any) -> dict[str, Any]:  # noqa: ANN401
-    tier = {"type": "disk", "path": str(path), "capacity_bytes": 256 * RECORD_BYTES}
-    return {"cpu_bytes": HOST_BYTES, "tiers": [{**tier, **settings}]}
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    pytest.importorskip("redis")
+    from kvtier.testing.redis_server import RedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+def redis_tier(server: Any) -> dict[str, Any]:  # noqa: ANN401
+    return {
+        "type": "redis",
+        "url": server.url,
+        "timeout_s": 0.5,
+        "reconnect_backoff_s": 0.05,
+        "reconnect_max_backoff_s": 0.2,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -73,18 +90,29 @@ def disk_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def first_run(model_dir: str, disk_dir: Path) -> tuple[list[list[int]], OffloadStats]:  # noqa: F811
-    """Engine A: serves the prompts, demoting what the host tier evicts to disk, then stops."""
-    return run(model_dir, disk_config(disk_dir), PROMPTS)
+def chain_config(disk_dir: Path, redis_server: Any) -> dict[str, Any]:  # noqa: ANN401
+    disk = {"type": "disk", "path": str(disk_dir), "capacity_bytes": 256 * RECORD_BYTES}
+    return {"cpu_bytes": HOST_BYTES, "tiers": [disk, redis_tier(redis_server)]}
+
+
+@pytest.fixture(scope="module")
+def first_run(
+    model_dir: str,  # noqa: F811
+    chain_config: dict[str, Any],
+) -> tuple[list[list[int]], OffloadStats]:
+    """Engine A: serves the prompts, demoting what the host tier evicts to disk and Redis."""
+    return run(model_dir, chain_config, PROMPTS)
 
 
 def test_a_restarted_engine_serves_disk_hits_with_identical_tokens(
     model_dir: str,  # noqa: F811
     disk_dir: Path,
+    chain_config: dict[str, Any],
     first_run: tuple[list[list[int]], OffloadStats],
 ) -> None:
     expected, first = first_run
     assert first.demoted_blocks > 0 and first.promoted_blocks == 0
+    assert first.tiers["disk"]["stores"] == first.tiers["redis"]["stores"] > 0
     # corrupt one record's payload: a miss, counted, never a wrong token
     from kvtier.tiers.disk import HEADER_AREA_BYTES, SUPERBLOCK_BYTES
 
@@ -94,7 +122,7 @@ def test_a_restarted_engine_serves_disk_hits_with_identical_tokens(
         byte = handle.read(1)
         handle.seek(-1, 1)
         handle.write(bytes([byte[0] ^ 0xFF]))
-    got, stats = run(model_dir, disk_config(disk_dir), PROMPTS)
+    got, stats = run(model_dir, chain_config, PROMPTS)
     assert got == expected
     assert stats.promoted_blocks > 0
     assert stats.loaded_blocks >= stats.promoted_blocks
@@ -103,31 +131,19 @@ def test_a_restarted_engine_serves_disk_hits_with_identical_tokens(
     assert disk["errors.checksum"] == 1
 
 
-def test_another_tenant_on_the_same_disk_gets_no_hits(
+def test_another_tenant_on_the_same_stores_gets_no_hits(
     model_dir: str,  # noqa: F811
-    disk_dir: Path,
+    chain_config: dict[str, Any],
     first_run: tuple[list[list[int]], OffloadStats],
 ) -> None:
     expected, _ = first_run
-    got, stats = run(model_dir, {**disk_config(disk_dir), "namespace": "tenant-b"}, PROMPTS[:3])
+    got, stats = run(model_dir, {**chain_config, "namespace": "tenant-b"}, PROMPTS[:3])
     assert got == expected[:3]
     assert stats.promoted_blocks == 0
-    assert stats.tiers["disk"].get("hits", 0) == 0
+    assert stats.tiers["disk"].get("hits", 0) == stats.tiers["redis"].get("hits", 0) == 0
 
 
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[Any]:
-    pytest.importorskip("redis")
-    from kvtier.testing.redis_server import RedisServer, redis_server_binary
-
-    if redis_server_binary() is None:
-        pytest.skip("redis-server is not installed")
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
-
-
-def test_engines_sharing_a_redis_and_a_redis_that_restarts(
+def test_an_engine_sharing_the_redis_and_a_redis_that_restarts(
     model_dir: str,  # noqa: F811
     redis_server: Any,  # noqa: ANN401
     first_run: tuple[list[list[int]], OffloadStats],
@@ -135,20 +151,10 @@ def test_engines_sharing_a_redis_and_a_redis_that_restarts(
     from kvtier.integrations.vllm.offline import shutdown
 
     expected, _ = first_run
-    tier = {
-        "type": "redis",
-        "url": redis_server.url,
-        "timeout_s": 0.5,
-        "reconnect_backoff_s": 0.05,
-        "reconnect_max_backoff_s": 0.2,
-    }
-    config = {"cpu_bytes": HOST_BYTES, "tiers": [tier]}
-    got, first = run(model_dir, config, PROMPTS)
-    assert got == expected and first.demoted_blocks > 0
-
+    config = {"cpu_bytes": HOST_BYTES, "tiers": [redis_tier(redis_server)]}
     llm = _engine(model_dir, config, **DEVICE)
     try:
-        # the second engine finds what the first one demoted
+        # an engine on another machine would find what engine A demoted
         assert serve(llm, PROMPTS[:3]) == expected[:3]
         before = _tier(llm).stats()
         assert before.promoted_blocks > 0
