@@ -329,4 +329,5 @@ class KVTierScheduler:
             stats.record("capacity_bytes", now.num_slots * self.record_bytes)
         if now.quarantined_slots != last.quarantined_slots:
             stats.record("quarantined_blocks", now.quarantined_slots)
+        stats.record_tiers(now.tiers, last.tiers)
         return stats

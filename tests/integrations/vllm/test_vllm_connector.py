@@ -25,6 +25,7 @@ from kvtier.integrations.vllm.stats import (  # noqa: E402
     METRICS,
     OFFLOAD_COUNTERS,
     PROMETHEUS_PREFIX,
+    TIER_METRICS,
     KVTierPromMetrics,
     KVTierStats,
     MetricKind,
@@ -135,14 +136,40 @@ def test_prometheus_metrics_publish_every_payload() -> None:
     assert value(f"{PROMETHEUS_PREFIX}used_blocks", labels) == 5
 
 
+def test_per_tier_counters_publish_with_a_tier_label() -> None:
+    from vllm.config import DeviceConfig, VllmConfig
+
+    stats = KVTierStats()
+    last = {"disk": {"hits": 2, "errors.checksum": 1}}
+    now = {"disk": {"hits": 5, "bytes_read": 30, "errors.checksum": 2, "errors.io": 1}}
+    stats.record_tiers({**now, "redis": {"queue_drops": 4}}, last)
+    assert stats.reduce() == {
+        "tier_hits/disk": 3,
+        "tier_bytes_read/disk": 30,
+        "tier_errors/disk": 2,
+        "tier_queue_drops/redis": 4,
+    }
+    with pytest.raises(ValueError, match="unknown kvtier metrics"):
+        KVTierStats(data={"tier_colour/disk": 1})
+    bound = _Registered()
+    config = VllmConfig(device_config=DeviceConfig("cpu"))
+    prom = KVTierPromMetrics(config, bound.types, ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe(stats.reduce(), engine_idx=0)
+    prom.observe({"tier_hits/disk": 1}, engine_idx=0)
+    value = bound.registry.get_sample_value
+    labels = {"model_name": "m", "engine": "0"}
+    assert value(f"{PROMETHEUS_PREFIX}tier_hits_total", {**labels, "tier": "disk"}) == 4
+    assert value(f"{PROMETHEUS_PREFIX}tier_queue_drops_total", {**labels, "tier": "redis"}) == 4
+
+
 def test_docs_list_every_metric() -> None:
     text = DOCS.read_text()
-    for name in METRICS:
+    for name in [*METRICS, *TIER_METRICS]:
         assert f"`{PROMETHEUS_PREFIX}{name}`" in text, f"{name} is missing from docs/vllm.md"
 
 
 def test_every_offload_counter_is_a_vllm_counter() -> None:
-    gauges = {"num_slots", "used_slots", "quarantined_slots"}
+    gauges = {"num_slots", "used_slots", "quarantined_slots", "tiers"}
     counters = {field.name for field in dataclasses.fields(OffloadStats)} - gauges
     assert set(OFFLOAD_COUNTERS.values()) == counters
     assert all(METRICS[name].kind is MetricKind.COUNTER for name in OFFLOAD_COUNTERS)
