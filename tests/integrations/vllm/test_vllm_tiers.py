@@ -170,3 +170,31 @@ def test_an_engine_sharing_the_redis_and_a_redis_that_restarts(
         assert after.tiers["redis"]["stores"] > down.tiers["redis"].get("stores", 0)
     finally:
         shutdown(llm)
+
+
+def test_a_disk_that_fills_up_drops_stores_and_keeps_tokens_right(
+    model_dir: str,  # noqa: F811
+    tmp_path: Path,
+    first_run: tuple[list[list[int]], OffloadStats],
+) -> None:
+    from kvtier.tiers.disk import HEADER_AREA_BYTES, PAGE_BYTES, SUPERBLOCK_BYTES
+    from tests.tiers.test_tier_disk import mount_tmpfs, unmount
+
+    expected, _ = first_run
+    slot_bytes = HEADER_AREA_BYTES + -(-RECORD_BYTES // PAGE_BYTES) * PAGE_BYTES
+    small = tmp_path / "small"
+    if not mount_tmpfs(small, SUPERBLOCK_BYTES + 4 * slot_bytes):
+        pytest.skip("this process may not mount a tmpfs")
+    try:
+        disk = {
+            "type": "disk",
+            "path": str(small),
+            "capacity_bytes": 256 * RECORD_BYTES,
+            "preallocate": False,
+        }
+        got, stats = run(model_dir, {"cpu_bytes": HOST_BYTES, "tiers": [disk]}, PROMPTS[:4])
+    finally:
+        unmount(small)
+    assert got == expected[:4]
+    counts = stats.tiers["disk"]
+    assert counts["errors.no_space"] > 0 and counts["drops"] >= counts["errors.no_space"]
