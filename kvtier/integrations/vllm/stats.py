@@ -172,6 +172,7 @@ def _spec(key: str) -> MetricSpec | None:
     name, _, tier = key.partition("/")
     return TIER_METRICS.get(name) if tier else METRICS.get(name)
 
+
 OFFLOAD_COUNTERS: Mapping[str, str] = {
     "hit_tokens": "hit_tokens",
     "stored_blocks": "stored_blocks",
