@@ -1,8 +1,11 @@
 """Time to first token on vLLM (CPU): cold prefill vs vLLM prefix-cache hit vs kvtier tier hit.
 
-Also measures throughput at a 0% hit rate with and without the connector, so
-the cost of storing every block is visible. All arms run in one process on the
-same random-weight model; the output is JSON with ratios against the peers.
+Also measures the first token of a prefix found only in a disk tier or a Redis
+tier below a host tier too small to keep it (promoted, then loaded), and
+throughput at a 0% hit rate with and without the connector, so the cost of
+storing every block is visible. All arms run in one process on the same
+random-weight model; the output is JSON with ratios against the peers. The
+Redis arm needs ``redis-server`` on the PATH and is left out without it.
 
     python benchmarks/vllm_ttft.py [--prompt-tokens 4096] [--repeats 7] [--throughput-rounds 3]
 
@@ -72,6 +75,42 @@ def measure_ttft(model_dir: Path, prompt_tokens: int, repeats: int) -> dict[str,
     return {"cold": cold, "device_hit": device, "tier_hit": tier}
 
 
+def measure_lower_tier_ttft(
+    model_dir: Path, prompt_tokens: int, repeats: int, tier: dict[str, object]
+) -> dict[str, list[float]]:
+    """Seconds to the first token of a cold prompt and of the same prompt served from ``tier``.
+
+    The host tier holds about one prompt: a second prompt evicts the first one's
+    blocks, which are demoted to ``tier``; with vLLM's own cache emptied, the
+    first prompt's blocks can then only come from ``tier``.
+    """
+    from vllm import LLM
+
+    from kvtier.integrations.vllm.offline import engine_kwargs, reset_device_cache, shutdown
+
+    record_bytes = MODEL.kv_bytes_per_token() * 32
+    llm = LLM(
+        **engine_kwargs(
+            model_dir,
+            kvtier={"cpu_bytes": 3 * prompt_tokens // 2 // 32 * record_bytes, "tiers": [tier]},
+            num_device_blocks=4 * prompt_tokens // 32,
+            max_model_len=2 * prompt_tokens,
+        )
+    )
+    rng = random.Random(2)
+    _timed(llm, [_prompt(rng, prompt_tokens)], 1)  # warm-up
+    cold, hit = [], []
+    for _ in range(repeats):
+        prompt = _prompt(rng, prompt_tokens)
+        cold.append(_timed(llm, [prompt], 1))
+        _timed(llm, [_prompt(rng, prompt_tokens)], 1)  # evicts (demotes) the first prompt
+        reset_device_cache(llm)
+        time.sleep(1.0)  # the tier writes on its own threads
+        hit.append(_timed(llm, [prompt], 1))
+    shutdown(llm)
+    return {"cold": cold, "hit": hit}
+
+
 def _summary(values: list[float]) -> dict[str, float]:
     return {"best": min(values), "median": statistics.median(values)}
 
@@ -112,6 +151,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--lower-tier-repeats", type=int, default=3)
     parser.add_argument("--throughput-rounds", type=int, default=4)
     parser.add_argument("--throughput-prompts", type=int, default=16)
     parser.add_argument("--throughput-prompt-tokens", type=int, default=1024)
@@ -124,6 +164,22 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as scratch:
         model_dir = write_tiny_llama(Path(scratch) / "model", MODEL)
         ttft = measure_ttft(model_dir, args.prompt_tokens, args.repeats)
+        lower: dict[str, dict[str, list[float]]] = {}
+        disk = {"type": "disk", "path": str(Path(scratch) / "disk"), "capacity_bytes": "4GiB"}
+        lower["disk"] = measure_lower_tier_ttft(
+            model_dir, args.prompt_tokens, args.lower_tier_repeats, disk
+        )
+        from kvtier.testing.redis_server import RedisServer, redis_server_binary
+
+        if redis_server_binary() is not None:
+            server = RedisServer(Path(scratch) / "redis").start()
+            try:
+                redis = {"type": "redis", "url": server.url}
+                lower["redis"] = measure_lower_tier_ttft(
+                    model_dir, args.prompt_tokens, args.lower_tier_repeats, redis
+                )
+            finally:
+                server.stop()
         shape = (args.throughput_prompts, args.throughput_prompt_tokens, args.output_tokens)
         # Both arms every round, in alternating order, so load from other processes and
         # whatever the first engine of a process warms up fall on both alike.
@@ -152,6 +208,14 @@ def main() -> int:
         "tier_hit_over_device_hit_median_of_rounds": statistics.median(
             t / d for t, d in zip(ttft["tier_hit"], ttft["device_hit"], strict=True)
         ),
+        "lower_tier_ttft_s": {
+            name: {kind: _summary(values) for kind, values in arms.items()}
+            for name, arms in lower.items()
+        },
+        **{
+            f"{name}_hit_over_cold": min(arms["hit"]) / min(arms["cold"])
+            for name, arms in lower.items()
+        },
         "zero_hit_tokens_per_wall_s": {
             "without": [wall for wall, _ in rounds[False]],
             "with": [wall for wall, _ in rounds[True]],
@@ -167,6 +231,8 @@ def main() -> int:
         "targets": {
             "tier_hit_over_device_hit_max": 1.5,
             "tier_hit_over_cold_max": 0.05,
+            "disk_hit_over_cold_max": 0.25,
+            "redis_hit_over_cold_max": 0.25,
             "zero_hit_throughput_ratio_min": 0.97,
         },
     }

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from kvtier.config.model import SECTIONS, KVTierConfig
+from kvtier.config.model import SECTIONS, TIERS_FIELD, KVTierConfig
 from kvtier.kinds import STORAGE_TIER
 from kvtier.plugins import Registry
 
@@ -52,6 +52,13 @@ def render_config_reference(registry: Registry, *, distribution: str | None = No
             if doc:
                 lines += [" ".join(doc.split("\n\n")[0].split()), ""]
             lines += _fields_table(model.model_fields, f"{section.field}.")
+    lines += [
+        "",
+        f"## `{TIERS_FIELD}`: {STORAGE_TIER.title}s",
+        "",
+        f"{STORAGE_TIER.description} Each entry of the `{TIERS_FIELD}` list picks one with "
+        "`type`; the entries' settings are in [Storage tiers](tiers.md#configuration).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -86,7 +93,10 @@ def _fields_table(fields: dict[str, FieldInfo], prefix: str) -> list[str]:
             continue
         description = (info.description or "").replace("|", "\\|").replace("\n", " ")
         is_section = not prefix and name in _SECTION_FIELDS
-        type_text = "section (below)" if is_section else _type_name(info.annotation)
+        if not prefix and name == TIERS_FIELD:
+            type_text = "list of storage tiers (below)"
+        else:
+            type_text = "section (below)" if is_section else _type_name(info.annotation)
         default_text = _default_text(name, info)
         rows.append(f"| `{prefix}{name}` | {type_text} | {default_text} | {description} |")
     if len(rows) == 2:

@@ -76,7 +76,8 @@ def register_storage_tiers(register: Register[StorageTierFactory]) -> None:
     with rank and world size), and returns a
     :class:`kvtier.tiers.base.StorageTier`, or raises
     :class:`kvtier.tiers.base.TierError` naming why the tier cannot start.
-    kvtier's own ``disk`` and ``redis`` tiers are registered here. Called in
+    kvtier's own ``disk`` and ``redis`` tiers are registered here. The
+    config's ``tiers`` list picks them by name, in lookup order. Called in
     worker processes.
 
     :param register: ``register(name, factory, config_model)``; call it once per tier.

@@ -191,7 +191,7 @@ STORAGE_TIER: Kind[object] = Kind(
     factory=StorageTierFactory,
     description="Storage tiers below the host tier (local disk, remote stores).",
 )
-"""Storage tiers below the host tier; no config section picks them yet."""
+"""Storage tiers below the host tier, in the order the config's ``tiers`` lists them."""
 
 KINDS: tuple[Kind[Any], ...] = (BLOCK_INDEX, COPY_BACKEND, LAYOUT_RESOLVER, STORAGE_TIER)
 """Every kind, in the order hooks are called, sections configured and ``kvtier plugins`` lists."""

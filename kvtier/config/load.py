@@ -20,10 +20,10 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from kvtier.config.errors import ConfigError, Problem
-from kvtier.config.model import SECTIONS, SECTIONS_BY_FIELD, KVTierConfig, Section
+from kvtier.config.model import SECTIONS, SECTIONS_BY_FIELD, TIERS_FIELD, KVTierConfig, Section
 from kvtier.config.schema import config_model
 from kvtier.config.sources import (
     CONFIG_FILE_ENV,
@@ -35,6 +35,7 @@ from kvtier.config.sources import (
     read_env,
     shape_problem,
 )
+from kvtier.kinds import STORAGE_TIER
 
 if TYPE_CHECKING:
     from kvtier.plugins import Registry
@@ -134,13 +135,23 @@ def _problem_from_error(error: Mapping[str, Any], layers: Layers, registry: Regi
         given = layers.values.get(loc[0])
         if isinstance(given, Mapping) and loc[1] == given.get("type"):
             loc = (loc[0], *loc[2:])
-    path = ".".join(str(part) for part in loc) or "(root)"
+    tier = _tier_entry(loc, layers.values)
+    if tier is not None and len(loc) >= 3 and loc[2] == tier.get("type"):
+        loc = (*loc[:2], *loc[3:])
+    path = _dotted(loc)
     source = layers.source_of(loc)
     kind = error["type"]
     message = error["msg"]
     value = error.get("input")
     section = SECTIONS_BY_FIELD.get(str(loc[0])) if loc else None
-    if kind == "union_tag_invalid" and section is not None:
+    in_tiers = len(loc) == 2 and loc[0] == TIERS_FIELD
+    if kind == "union_tag_invalid" and in_tiers:
+        path = f"{path}.type"
+        message = f"unknown {STORAGE_TIER.title} type; installed: {_tier_choices(registry)}"
+        value = error["ctx"]["tag"]
+    elif kind == "union_tag_not_found" and in_tiers:
+        message = f"missing 'type'; installed {STORAGE_TIER.title} types: {_tier_choices(registry)}"
+    elif kind == "union_tag_invalid" and section is not None:
         path = f"{section.field}.type"
         source = layers.source_of((section.field, "type"))
         message = f"unknown {section.kind.title} type; installed: {_choices(registry, section)}"
@@ -161,7 +172,44 @@ def _problem_from_error(error: Mapping[str, Any], layers: Layers, registry: Regi
         return Problem(source, path, message, has_value=False)
     elif message.startswith("Value error, "):
         message = message[len("Value error, ") :]
+    if tier is not None and len(loc) == 3 and _is_secret(registry, tier, loc[2]):
+        value = SECRET_MASK
     return Problem(source, path, message, value)
+
+
+SECRET_MASK = "**********"
+"""What an error line shows instead of a secret setting's value (a Redis URL's password)."""
+
+
+def _is_secret(registry: Registry, tier: Mapping[str, Any], name: Any) -> bool:
+    registration = registry.of_kind(STORAGE_TIER).get(str(tier.get("type")))
+    if registration is None:
+        return False
+    info = registration.config_model.model_fields.get(str(name))
+    return info is not None and info.annotation is SecretStr
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    """``("tiers", 0, "path")`` as ``tiers[0].path``."""
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f"{'.' if path else ''}{part}"
+    return path or "(root)"
+
+
+def _tier_entry(loc: tuple[Any, ...], values: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The raw ``tiers`` entry ``loc`` points into, if it does."""
+    if len(loc) < 2 or loc[0] != TIERS_FIELD or not isinstance(loc[1], int):
+        return None
+    entries = values.get(TIERS_FIELD)
+    if not isinstance(entries, (list, tuple)) or not 0 <= loc[1] < len(entries):
+        return None
+    entry = entries[loc[1]]
+    return entry if isinstance(entry, Mapping) else None
+
+
+def _tier_choices(registry: Registry) -> str:
+    return ", ".join(sorted(registry.of_kind(STORAGE_TIER))) or "none"
 
 
 def _choices(registry: Registry, section: Section) -> str:
@@ -173,6 +221,11 @@ def _allowed_keys(
 ) -> list[str]:
     if not parent:
         return sorted(KVTierConfig.model_fields)
+    tier = _tier_entry(parent, values)
+    if tier is not None and len(parent) == 2:
+        registered = registry.of_kind(STORAGE_TIER)
+        if tier.get("type") in registered:
+            return sorted(registered[tier["type"]].config_model.model_fields)
     section = SECTIONS_BY_FIELD.get(str(parent[0]))
     if len(parent) == 1 and section is not None:
         given = values.get(section.field)

@@ -1,11 +1,11 @@
 """The configuration as plain data: :class:`KVTierConfig`, its top-level settings and sections.
 
 Nothing here loads a plugin or imports an implementation: a pluggable section
-(``index``, ``copy``, ``layout``) holds either a plugin's own config instance or,
-when given as plain data, a :class:`SectionConfig` that keeps its ``type`` and
-settings as they were given. They are checked against the plugin's own model
-where a registry is at hand: :func:`~kvtier.config.load_config` and
-:meth:`Registry.build <kvtier.plugins.Registry.build>`.
+(``index``, ``copy``, ``layout``, and each entry of the ``tiers`` list) holds
+either a plugin's own config instance or, when given as plain data, a
+:class:`SectionConfig` that keeps its ``type`` and settings as they were given.
+They are checked against the plugin's own model where a registry is at hand:
+:func:`~kvtier.config.load_config` and :meth:`Registry.build <kvtier.plugins.Registry.build>`.
 """
 
 from __future__ import annotations
@@ -50,6 +50,15 @@ SECTIONS: tuple[Section, ...] = tuple(
 """The pluggable sections, with the implementation each uses when the config names none."""
 
 SECTIONS_BY_FIELD = {section.field: section for section in SECTIONS}
+
+TIERS_FIELD = "tiers"
+"""The :class:`KVTierConfig` field listing the storage tiers below the host tier, in order."""
+TIERS_DESCRIPTION = (
+    "Storage tiers below the host tier, in lookup order: each entry is one storage-tier "
+    "plugin's settings, picked by its `type` (see `kvtier plugins`). A block evicted from the "
+    "host tier is written to every tier of the list; a lookup searches them in order. "
+    "Empty keeps blocks in host memory only."
+)
 
 
 def section_shorthand(value: Any) -> Any:
@@ -122,6 +131,14 @@ class RootSettings(KVTierModel):
             "stay out of use until every rank reported. Keep it above copy_deadline_s."
         ),
     )
+    namespace: str = Field(
+        "",
+        description=(
+            "Tenant namespace mixed into the key of every record below the host tier, with the "
+            "model, the layout fingerprint and the rank: engines sharing a store see only "
+            "records of their own namespace. A tier's own namespace setting overrides it."
+        ),
+    )
     close_timeout_s: float = Field(
         DEFAULT_CLOSE_TIMEOUT_S,
         ge=0,
@@ -169,6 +186,7 @@ with warnings.catch_warnings():
         index: SerializeAsAny[PluginConfig] = _section_field("index")
         copy: SerializeAsAny[PluginConfig] = _section_field("copy")  # type: ignore[assignment]
         layout: SerializeAsAny[PluginConfig] = _section_field("layout")
+        tiers: tuple[SerializeAsAny[PluginConfig], ...] = Field((), description=TIERS_DESCRIPTION)
 
         _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 
@@ -180,6 +198,16 @@ with warnings.catch_warnings():
                 assert info.field_name is not None
                 default = SECTIONS_BY_FIELD[info.field_name].default
                 return SectionConfig.model_validate({"type": default, **value})
+            return value
+
+        @field_validator("tiers", mode="before")
+        @classmethod
+        def _plain_tiers(cls, value: Any) -> Any:
+            if isinstance(value, (list, tuple)):
+                return tuple(
+                    SectionConfig.model_validate(entry) if isinstance(entry, Mapping) else entry
+                    for entry in value
+                )
             return value
 
         def __eq__(self, other: object) -> bool:
@@ -201,6 +229,11 @@ with warnings.catch_warnings():
                     **given.model_dump(mode="json", exclude_unset=True),
                     "type": given.type,
                 }
+            values[TIERS_FIELD] = [
+                # python mode: a secret (a Redis password) compares by its value, not its mask
+                {**tier.model_dump(exclude_unset=True), "type": tier.type}
+                for tier in self.tiers
+            ]
             return values
 
         def source_of(self, path: str) -> str:

@@ -20,11 +20,14 @@ from pydantic_core import core_schema
 from kvtier.config.model import (
     COPY_SHADOWS,
     SECTIONS,
+    TIERS_DESCRIPTION,
+    TIERS_FIELD,
     KVTierConfig,
     RootSettings,
     Section,
     section_shorthand,
 )
+from kvtier.kinds import STORAGE_TIER
 from kvtier.models import PluginConfig
 
 if TYPE_CHECKING:
@@ -39,7 +42,8 @@ def config_model(registry: Registry | None = None) -> type[RootSettings]:
     It has :class:`~kvtier.config.KVTierConfig`'s fields, each pluggable
     section a discriminated union (on ``type``) of the config models registered
     for its kind; a section's default is its default implementation when that
-    is registered, else the section is required.
+    is registered, else the section is required. Each entry of ``tiers`` is a
+    discriminated union of the registered storage tiers' models.
 
     Args:
         registry: The plugins to validate against; the process's default
@@ -71,6 +75,13 @@ def config_model(registry: Registry | None = None) -> type[RootSettings]:
         else:
             default = Field(description=section.description)
         fields[section.field] = (annotation, default)
+    tier_models = tuple(reg.config_model for reg in registry.of_kind(STORAGE_TIER).values())
+    tier: Any = (
+        Annotated[Union[tier_models], Field(discriminator="type")]  # noqa: UP007
+        if tier_models
+        else Annotated[PluginConfig, AfterValidator(_no_storage_tier)]
+    )
+    fields[TIERS_FIELD] = (tuple[tier, ...], Field((), description=TIERS_DESCRIPTION))
     shorthand = field_validator(*(section.field for section in SECTIONS), mode="before")(_shorthand)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=COPY_SHADOWS, category=UserWarning)
@@ -88,6 +99,13 @@ def config_model(registry: Registry | None = None) -> type[RootSettings]:
 
 def _shorthand(cls: type[RootSettings], value: Any) -> Any:
     return section_shorthand(value)
+
+
+def _no_storage_tier(value: Any) -> Any:
+    raise ValueError(
+        f"no {STORAGE_TIER.title} is installed; install a plugin that provides one, or remove "
+        "the entry"
+    )
 
 
 def _no_implementation(section: Section) -> Callable[[Any], Any]:

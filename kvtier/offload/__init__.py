@@ -10,8 +10,10 @@ from kvtier.offload.manager import (
     StoreMode,
 )
 from kvtier.offload.messages import (
+    Demotion,
     DeviceBlock,
     LazyCandidate,
+    Promotion,
     Transfer,
     TransferPlan,
     WorkerReport,
@@ -20,6 +22,7 @@ from kvtier.offload.worker import BackendFactory, LoadFailures, OffloadWorker
 
 __all__ = [
     "BackendFactory",
+    "Demotion",
     "DeviceBlock",
     "FailureCause",
     "GroupBlockIds",
@@ -30,6 +33,7 @@ __all__ = [
     "OffloadStats",
     "OffloadWorker",
     "Progress",
+    "Promotion",
     "StoreMode",
     "Transfer",
     "TransferPlan",

@@ -9,8 +9,11 @@ order:
 Per request:
 
 1. :meth:`OffloadManager.lookup` — how many tokens past the engine's own
-   prefix hits the tier can supply (whole blocks; never the last token). No
-   side effects, so it may be asked again.
+   prefix hits the tier can supply (whole blocks; never the last token). It
+   may be asked again. With lower tiers, a lookup that misses in the host tier
+   reserves host slots and plans a promotion (workers read the blocks from the
+   lower tiers into them) and answers ``None`` until the workers reported it;
+   the blocks they found are then host hits like any other.
 2. :meth:`OffloadManager.allocated` — the engine allocated device blocks and
    accepted ``num_external_tokens`` from the tier: their host slots are pinned
    and a load is queued into those device blocks. The request must wait until
@@ -38,6 +41,10 @@ Per step:
 
 At any time: :meth:`take_events`, :meth:`stats`, :meth:`take_observations`, :meth:`reset`.
 
+With lower tiers, a block the host tier evicts is demoted: the next plan has
+workers copy it out of its slot, before anything reuses the slot, and write it
+to every lower tier.
+
 Slots are never reused while a copy might still write them: when a worker
 abandons a copy (past its deadline, or after a backend error) or a worker
 never reports a batch, the batch fails at once for the engine, but its host
@@ -59,8 +66,10 @@ from kvtier.keys import KeyNamespace
 from kvtier.kinds import BLOCK_INDEX
 from kvtier.offload.failures import FailureCause, FailureLog
 from kvtier.offload.messages import (
+    Demotion,
     DeviceBlock,
     LazyCandidate,
+    Promotion,
     Transfer,
     TransferPlan,
     WorkerReport,
@@ -113,6 +122,15 @@ class OffloadStats:
     """Worker report entries rejected as impossible (and ignored)."""
     quarantined_slots: int = 0
     """Slots kept out of use because an abandoned or unreported copy may still write them."""
+    promoted_blocks: int = 0
+    """Blocks read from the lower tiers into the host tier on every worker."""
+    demoted_blocks: int = 0
+    """Blocks evicted from the host tier and handed to workers to write to the lower tiers."""
+    expired_promotions: int = 0
+    """Promotions some worker did not report within the report deadline (their lookups missed)."""
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per lower tier, the workers' counters added up (``TierStats`` field names, and
+    ``errors.<cause>`` per fault); empty without lower tiers."""
     failures: Mapping[FailureCause, int] = field(default_factory=dict)
     """Failures the manager detected, by cause (the workers count theirs)."""
 
@@ -172,6 +190,19 @@ class _Batch:
     def copies_running(self, world_size: int) -> int:
         """Workers whose copy of the batch may still be running."""
         return world_size - self.reported + self.abandoned - self.settled
+
+
+@dataclass
+class _PromotionBatch:
+    """A promotion in flight: one request's blocks of one group, read into reserved slots."""
+
+    message: Promotion
+    keys: tuple[BlockKey, ...]
+    request_id: str
+    planned_at: float
+    reported: int = 0
+    found: int = 0
+    expired: bool = False
 
 
 @dataclass(frozen=True)
@@ -238,6 +269,7 @@ class OffloadManager:
         record_observations: bool = False,
         group_windows: Sequence[int | None] | None = None,
         report_deadline_s: float = DEFAULT_REPORT_DEADLINE_S,
+        lower_tiers: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Create a manager over ``index``, the directory of the host tier.
@@ -266,6 +298,9 @@ class OffloadManager:
                 hit only those blocks. ``None`` means full attention everywhere.
             report_deadline_s: Seconds after planning by which every worker must
                 have reported a batch; later, the batch fails (see :meth:`process`).
+            lower_tiers: Workers have storage tiers below the host tier: host
+                misses are looked up there (promotions) and evicted blocks are
+                written there (demotions).
             clock: Monotonic time in seconds (tests pass a manual clock).
 
         Raises:
@@ -325,6 +360,19 @@ class OffloadManager:
         self._abandoned_copies = 0
         self._expired_batches = 0
         self._rejected_reports = 0
+        self.lower_tiers = lower_tiers
+        self._promotions: dict[int, _PromotionBatch] = {}
+        self._promotions_to_plan: list[Promotion] = []
+        # Requests whose lookup waits for promotions (batch ids), or got its answer (empty set).
+        self._promoting: dict[str, set[int]] = {}
+        # Slots of readable blocks, to find an evicted block's bytes (only with lower tiers).
+        self._slots: dict[BlockKey, int] = {}
+        # Evicted blocks to demote in the next plan, with the slot that still holds each.
+        self._demotions: dict[BlockKey, int] = {}
+        self._promoted_blocks = 0
+        self._demoted_blocks = 0
+        self._expired_promotions = 0
+        self._tier_counts: dict[str, dict[str, int]] = {}
 
     @classmethod
     def from_config(
@@ -368,6 +416,7 @@ class OffloadManager:
             record_observations=record_observations,
             group_windows=group_windows,
             report_deadline_s=config.report_deadline_s,
+            lower_tiers=bool(config.tiers),
         )
 
     # ------------------------------------------------------------------ requests
@@ -378,7 +427,7 @@ class OffloadManager:
         block_hashes: Sequence[bytes],
         num_computed_tokens: int,
         num_tokens: int,
-    ) -> int:
+    ) -> int | None:
         """Return how many tokens past ``num_computed_tokens`` the tier can load.
 
         Counts whole blocks readable in every kv-cache group (for a group
@@ -386,7 +435,13 @@ class OffloadManager:
         first block the engine does not hold, and never covers the request's
         last token (the engine must compute at least one). A request whose
         load failed gets no hit until it finished: it recomputes instead of
-        retrying the tier. Changes nothing.
+        retrying the tier.
+
+        With lower tiers, a host miss starts a promotion of the missing blocks
+        (as many as host slots can be reserved for) and the answer is ``None``
+        (ask again later) until every worker reported it; then the blocks
+        found are host hits. One promotion per request: later lookups answer
+        from the host tier. Without lower tiers, it changes nothing.
 
         Args:
             request_id: The request.
@@ -409,8 +464,61 @@ class OffloadManager:
         for group, window in enumerate(self.group_windows):
             if window is not None:
                 hits = self._windowed_hits(wanted, hits, group, window)
+        if self.lower_tiers and hits < len(wanted):
+            waiting = self._promoting.get(request_id)
+            if waiting is None and self._promote(request_id, wanted, hits):
+                return None
+            if waiting:
+                return None
         logger.debug("request %s: %d tier hit blocks after %d", request_id, hits, first)
         return hits * self.block_tokens
+
+    def _promote(self, request_id: str, wanted: Sequence[bytes], hits: int) -> bool:
+        """Reserve host slots for ``wanted[hits:]`` and plan their promotion; whether any was."""
+        self._promoting[request_id] = set()
+        if any(window is not None for window in self.group_windows):
+            return False  # a windowed group's hit needs other blocks than the prefix's
+        missing = wanted[hits:]
+        reserved: list[tuple[int, list[BlockKey], list[int | None]]] = []
+        count = len(missing)
+        for group in range(self.num_groups):
+            keys = self.namespace.keys(missing, group)
+            # blocks of this prefix still in the host tier are not the ones to make room with
+            self.index.touch(keys)
+        for group in range(self.num_groups):
+            keys = self.namespace.keys(missing, group)
+            parent = self.namespace.key(wanted[hits - 1], group) if hits else None
+            slots = self.index.reserve(keys, parent)
+            leading = next((i for i, slot in enumerate(slots) if slot is None), len(slots))
+            count = min(count, leading)
+            reserved.append((group, keys, slots))
+        for _, keys, slots in reserved:
+            # past the shortest leading run, no group's blocks can make a prefix hit
+            extra = [
+                key
+                for key, slot in zip(keys[count:], slots[count:], strict=True)
+                if slot is not None
+            ]
+            if extra:
+                self.index.abort(extra)
+        if count == 0:
+            return False
+        now = self._clock()
+        for group, keys, slots in reserved:
+            message = Promotion(
+                self._new_batch_id(),
+                group,
+                tuple(missing[:count]),
+                tuple(slot for slot in slots[:count] if slot is not None),
+            )
+            self._promotions[message.batch_id] = _PromotionBatch(
+                message, tuple(keys[:count]), request_id, now, found=count
+            )
+            for key in keys[:count]:
+                self._writing[key] = message.batch_id
+            self._promotions_to_plan.append(message)
+            self._promoting[request_id].add(message.batch_id)
+        return True
 
     def allocated(
         self,
@@ -437,6 +545,7 @@ class OffloadManager:
             num_computed_tokens: Tokens the engine held before the tier's hits.
             num_external_tokens: Tokens accepted from :meth:`lookup` (0 for none).
         """
+        self._promoting.pop(request_id, None)
         state = self._state(request_id)
         state.block_hashes = block_hashes
         first = num_computed_tokens // self.block_tokens
@@ -530,6 +639,7 @@ class OffloadManager:
         """
         for request_id in request_ids:
             self._flush = True
+            self._promoting.pop(request_id, None)
             state = self._requests.get(request_id)
             if state is None:
                 continue
@@ -554,6 +664,7 @@ class OffloadManager:
                 eager mode, full blocks not stored yet are stored before release.
         """
         self._load_failed.discard(request_id)
+        self._promoting.pop(request_id, None)
         state = self._requests.get(request_id)
         if state is None:
             return False
@@ -607,6 +718,8 @@ class OffloadManager:
             stores = self._plan_eager_stores(now)
         else:
             stores = self._plan_lazy_stores(lazy_candidates, now)
+        self._drain_index_events()
+        promotions, self._promotions_to_plan = tuple(self._promotions_to_plan), []
         holds: dict[str, tuple[int, ...]] = {}
         for request_id, state in list(self._requests.items()):
             if not state.finished or state.hold_announced:
@@ -621,9 +734,26 @@ class OffloadManager:
             flush=self._flush,
             holds=holds,
             unavailable=unavailable,
+            promotions=promotions,
+            demotions=self._take_demotions(),
         )
         self._flush = False
         return plan
+
+    def _take_demotions(self) -> tuple[Demotion, ...]:
+        """Blocks evicted since the last plan, per group, with the slots that still hold them."""
+        per_group: dict[int, tuple[list[bytes], list[int]]] = {}
+        for key, slot in self._demotions.items():
+            group, block_hash = self.namespace.split(key)
+            hashes, slots = per_group.setdefault(group, ([], []))
+            hashes.append(block_hash)
+            slots.append(slot)
+        self._demoted_blocks += len(self._demotions)
+        self._demotions.clear()
+        return tuple(
+            Demotion(group, tuple(hashes), tuple(slots))
+            for group, (hashes, slots) in sorted(per_group.items())
+        )
 
     def process(self, report: WorkerReport | Iterable[WorkerReport | None] | None) -> Progress:
         """Count worker completions; finish the batches every worker has reported.
@@ -660,6 +790,11 @@ class OffloadManager:
         touched: set[int] = set()
         for one in reports:
             touched |= self._count(one)
+            self._count_promotions(one)
+            for name, counts in one.tier_counts.items():
+                totals = self._tier_counts.setdefault(name, {})
+                for counter, value in counts.items():
+                    totals[counter] = totals.get(counter, 0) + value
         for batch_id in sorted(touched):
             batch = self._batches.get(batch_id)
             if batch is not None:
@@ -668,6 +803,7 @@ class OffloadManager:
             elif batch_id in self._quarantine:
                 self._release_quarantined(self._quarantine[batch_id])
         self._expire(collected)
+        self._expire_promotions()
         self._drain_index_events()
         released, self._released = tuple(self._released), []
         return Progress(
@@ -718,7 +854,10 @@ class OffloadManager:
             skip = max(ready, state.load_end)
             state.store_cursor = [max(cursor, skip) for cursor in state.store_cursor]
         empty = self.index.clear()
+        # A reset forgets blocks; it does not move them down the chain.
+        self._slots.clear()
         self._drain_index_events()
+        self._demotions.clear()
         if empty:
             logger.info("host tier reset: empty")
         else:
@@ -752,6 +891,10 @@ class OffloadManager:
                 {slot for batch in self._quarantine.values() for slot in batch.transfer.host_slots}
             ),
             failures=self._failures.counts,
+            promoted_blocks=self._promoted_blocks,
+            demoted_blocks=self._demoted_blocks,
+            expired_promotions=self._expired_promotions,
+            tiers={name: dict(counts) for name, counts in self._tier_counts.items()},
         )
 
     def take_observations(self) -> Observations:
@@ -764,6 +907,11 @@ class OffloadManager:
     def num_inflight_batches(self) -> int:
         """Batches planned and not yet reported by every worker (nor failed by the deadline)."""
         return len(self._batches)
+
+    @property
+    def has_tier_work(self) -> bool:
+        """Whether demotions or promotions wait for the next plan."""
+        return bool(self._demotions or self._promotions_to_plan)
 
     @property
     def num_quarantined_batches(self) -> int:
@@ -999,6 +1147,8 @@ class OffloadManager:
                 for key in batch.keys:
                     del self._writing[key]
                 self.index.commit(batch.keys)
+                if self.lower_tiers:
+                    self._slots.update(zip(batch.keys, transfer.host_slots, strict=True))
                 self._stored_blocks += len(batch.keys)
             elif not running:
                 self._abort_store(batch)
@@ -1041,6 +1191,76 @@ class OffloadManager:
                     collected.loaded.append(request_id)
             if state.finished and state.hold_announced and not state.batches:
                 self._release(request_id)
+
+    def _count_promotions(self, report: WorkerReport) -> None:
+        """Add one report's promotion answers; commit what every worker found."""
+        for batch_id, (workers, found) in report.promoted.items():
+            promotion = self._promotions.get(batch_id)
+            if (
+                promotion is None
+                or workers <= 0
+                or promotion.reported + workers > self.world_size
+                or not 0 <= found <= len(promotion.keys)
+            ):
+                self._rejected_reports += 1
+                self._failures.failed(
+                    FailureCause.REJECTED_REPORT,
+                    "ignored a worker report for promotion %s (workers=%s, found=%s): it is not "
+                    "in flight or the numbers cannot be right",
+                    batch_id,
+                    workers,
+                    found,
+                )
+                continue
+            promotion.reported += workers
+            promotion.found = min(promotion.found, found)
+            if promotion.reported == self.world_size:
+                self._complete_promotion(promotion)
+
+    def _complete_promotion(self, promotion: _PromotionBatch) -> None:
+        message = promotion.message
+        del self._promotions[message.batch_id]
+        for key in promotion.keys:
+            del self._writing[key]
+        found = promotion.keys[: promotion.found]
+        if found:
+            self.index.commit(found)
+            self._slots.update(zip(found, message.host_slots, strict=False))
+        if promotion.found < len(promotion.keys):
+            self.index.abort(promotion.keys[promotion.found :])
+        self._promoted_blocks += promotion.found
+        self._answer_promotion(promotion)
+        logger.debug(
+            "request %s: %d of %d blocks promoted from the lower tiers",
+            promotion.request_id,
+            promotion.found,
+            len(promotion.keys),
+        )
+
+    def _answer_promotion(self, promotion: _PromotionBatch) -> None:
+        waiting = self._promoting.get(promotion.request_id)
+        if waiting is not None:
+            waiting.discard(promotion.message.batch_id)
+
+    def _expire_promotions(self) -> None:
+        """Answer the lookups of promotions not reported in time; their slots stay reserved."""
+        late = self._clock() - self.report_deadline_s
+        for promotion in self._promotions.values():
+            if promotion.expired or promotion.planned_at > late:
+                continue
+            promotion.expired = True
+            self._expired_promotions += 1
+            self._answer_promotion(promotion)
+            self._failures.failed(
+                FailureCause.REPORT_DEADLINE,
+                "promotion %d of %d blocks was not reported by every worker within "
+                "report_deadline_s=%s; request %s recomputes them, and their host slots stay "
+                "reserved until every worker reported",
+                promotion.message.batch_id,
+                len(promotion.keys),
+                self.report_deadline_s,
+                promotion.request_id,
+            )
 
     def _release_quarantined(self, batch: _Batch) -> None:
         """Free a failed batch's slots once no worker's copy of it may still run."""
@@ -1096,5 +1316,9 @@ class OffloadManager:
         if not events:
             return
         self._evicted_blocks += sum(1 for event in events if event.kind is EventKind.EVICTED)
+        if self.lower_tiers:
+            for event in events:
+                if event.kind is EventKind.EVICTED and event.key in self._slots:
+                    self._demotions[event.key] = self._slots.pop(event.key)
         if self.record_events:
             self._events.extend(events)

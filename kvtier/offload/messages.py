@@ -48,12 +48,45 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class Promotion:
+    """Read blocks from the lower tiers into reserved host slots; keep the longest prefix found.
+
+    Workers search the tiers in order, each from the first block the tiers
+    before it did not have, and report how many leading blocks they wrote into
+    ``host_slots``.
+    """
+
+    batch_id: int
+    """Unique id of this batch (shared with transfers); workers report it in ``promoted``."""
+    group: int
+    """The kv-cache group the blocks belong to."""
+    block_hashes: tuple[bytes, ...]
+    """The engine's hashes of the blocks, in prefix order (each rank namespaces them itself)."""
+    host_slots: tuple[int, ...]
+    """Host tier slots reserved for them, one per block."""
+
+
+@dataclass(frozen=True)
+class Demotion:
+    """Write blocks the host tier just evicted to every lower tier before their slots are reused."""
+
+    group: int
+    """The kv-cache group the blocks belong to."""
+    block_hashes: tuple[bytes, ...]
+    """The engine's hashes of the blocks."""
+    host_slots: tuple[int, ...]
+    """The host tier slots that still hold them."""
+
+
+@dataclass(frozen=True)
 class TransferPlan:
     """What every worker does this step.
 
     Workers execute it in this order: if ``flush``, wait for every copy already
     in flight (requests were preempted and their device blocks are about to be
-    reused); then submit ``stores`` and ``loads``; then report.
+    reused); then copy ``demotions`` out of their slots (the plan's stores and
+    promotions may reuse those slots); then submit ``stores``, ``loads`` and
+    ``promotions``; then report.
     """
 
     stores: tuple[Transfer, ...] = ()
@@ -66,11 +99,23 @@ class TransferPlan:
     """Finished requests whose device blocks the engine keeps until these batches complete."""
     unavailable: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """Per request, device blocks promised as tier hits that cannot be loaded: report as failed."""
+    promotions: tuple[Promotion, ...] = ()
+    """Lower-tier reads into host slots, for requests waiting on their lookup."""
+    demotions: tuple[Demotion, ...] = ()
+    """Blocks evicted from the host tier, to write to the lower tiers."""
 
     @property
     def empty(self) -> bool:
         """Whether the plan asks nothing of the workers."""
-        return not (self.stores or self.loads or self.flush or self.holds or self.unavailable)
+        return not (
+            self.stores
+            or self.loads
+            or self.flush
+            or self.holds
+            or self.unavailable
+            or self.promotions
+            or self.demotions
+        )
 
 
 @dataclass(frozen=True)
@@ -93,14 +138,32 @@ class WorkerReport:
     """Batch id -> number of workers that stopped waiting for its copy, which may still run."""
     settled: Mapping[int, int] = field(default_factory=dict)
     """Batch id -> number of workers on which an abandoned copy of it is now over."""
+    promoted: Mapping[int, tuple[int, int]] = field(default_factory=dict)
+    """Promotion batch id -> (workers that answered it, fewest leading blocks any of them found)."""
+    tier_counts: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    """Lower tier name -> counters that grew since the last report (``TierStats`` field names,
+    ``errors.<cause>`` for faults), added up over workers."""
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Return a report holding both reports' counts."""
+        promoted = dict(self.promoted)
+        for batch_id, (workers, found) in other.promoted.items():
+            had = promoted.get(batch_id)
+            promoted[batch_id] = (
+                (workers, found) if had is None else (had[0] + workers, min(had[1], found))
+            )
+        tier_counts = {name: dict(counts) for name, counts in self.tier_counts.items()}
+        for name, counts in other.tier_counts.items():
+            merged = tier_counts.setdefault(name, {})
+            for counter, value in counts.items():
+                merged[counter] = merged.get(counter, 0) + value
         return WorkerReport(
             _add_counts(self.done, other.done),
             _add_counts(self.failed, other.failed),
             _add_counts(self.abandoned, other.abandoned),
             _add_counts(self.settled, other.settled),
+            promoted,
+            tier_counts,
         )
 
     @classmethod
@@ -115,11 +178,18 @@ class WorkerReport:
     @property
     def empty(self) -> bool:
         """Whether the report holds no batch."""
-        return not (self.done or self.failed or self.abandoned or self.settled)
+        return not (
+            self.done
+            or self.failed
+            or self.abandoned
+            or self.settled
+            or self.promoted
+            or self.tier_counts
+        )
 
     @property
     def batch_ids(self) -> set[int]:
-        """Every batch the report names."""
+        """Every copy batch the report names (promotions are in ``promoted``)."""
         return {*self.done, *self.failed, *self.abandoned, *self.settled}
 
 

@@ -10,8 +10,10 @@ order each step:
 2. :meth:`OffloadWorker.handle_preemptions` — before the engine reuses any
    device block: if the plan asks for a flush, wait for every copy in flight.
 3. (the engine runs its model)
-4. :meth:`OffloadWorker.get_finished` — submits the plan's stores and loads
-   (behind the model's work on the current stream), polls copies in flight,
+4. :meth:`OffloadWorker.get_finished` — hands the plan's demotions to the
+   lower tiers (copies of their slots), submits the plan's stores and loads
+   (behind the model's work on the current stream) and promotions (reads from
+   the lower tiers, on their threads), polls copies and promotions in flight,
    and returns the finished requests whose held blocks may be freed and the
    requests whose loads completed.
 5. :meth:`OffloadWorker.take_load_failures` — what of those loads failed, for
@@ -50,10 +52,12 @@ import torch
 
 from kvtier.config.model import DEFAULT_CLOSE_TIMEOUT_S, DEFAULT_COPY_DEADLINE_S
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
+from kvtier.keys import KeyNamespace
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout, LayoutError
 from kvtier.offload.failures import FailureCause, FailureLog
-from kvtier.offload.messages import Transfer, TransferPlan, WorkerReport
+from kvtier.offload.messages import Promotion, Transfer, TransferPlan, WorkerReport
+from kvtier.tiers.chain import Fetch, TierChain
 from kvtier.tiers.host import HostTier
 
 if TYPE_CHECKING:
@@ -100,6 +104,7 @@ class OffloadWorker:
         *,
         copy_deadline_s: float = DEFAULT_COPY_DEADLINE_S,
         close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
+        chain: TierChain | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -114,6 +119,7 @@ class OffloadWorker:
             copy_deadline_s: Seconds after its submission at which the worker
                 abandons a copy that is still running.
             close_timeout_s: Seconds :meth:`close` waits for copies still running.
+            chain: This rank's tiers below the host tier, if any (closed with the worker).
             clock: Monotonic time in seconds (tests pass a manual clock).
             sleep: Pauses the caller between polls while a flush or close waits.
 
@@ -163,6 +169,10 @@ class OffloadWorker:
         self._holds: dict[str, set[int]] = {}
         self._failed_load_blocks: set[int] = set()
         self._failed_load_requests: set[str] = set()
+        self.chain = chain
+        self._host_bytes = tier.buffer.numpy()
+        self._fetches: dict[int, tuple[Promotion, Fetch]] = {}
+        self._promoted: dict[int, tuple[int, int]] = {}
         self._closed = False
 
     @classmethod
@@ -173,18 +183,23 @@ class OffloadWorker:
         *,
         world_size: int = 1,
         registry: Registry | None = None,
+        rank: int = 0,
+        model: str = "",
     ) -> OffloadWorker:
-        """Build a worker, its host tier and copy backends from a validated config.
+        """Build a worker, its host tier, copy backends and lower tiers from a validated config.
 
         The tier holds :meth:`config.host_slots
         <kvtier.config.KVTierConfig.host_slots>` slots (what
         :meth:`OffloadManager.from_config
         <kvtier.offload.manager.OffloadManager.from_config>` assumes) and is
-        pinned when the layout lives on a CUDA device.
+        pinned when the layout lives on a CUDA device. The tiers of
+        ``config.tiers`` key this rank's records by ``model``, the layout's
+        fingerprint, ``rank`` and ``world_size`` (and the config's namespace).
 
         Raises:
             kvtier.config.ConfigError: The tier does not fit in the memory
                 available (checked before it is allocated) or holds no block.
+            kvtier.tiers.TierError: A lower tier cannot start.
         """
         from kvtier.plugins import default_registry
 
@@ -195,12 +210,19 @@ class OffloadWorker:
         def build_backend(layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
             return registry.build(COPY_BACKEND, config.copy, layout, host_buffer)
 
+        chain = None
+        if config.tiers:
+            keys = KeyNamespace(model, first.fingerprint, rank, world_size)
+            chain = TierChain.from_config(
+                config, record_bytes=first.record_bytes, keys=keys, registry=registry
+            )
         return cls(
             layouts,
             tier,
             build_backend,
             copy_deadline_s=config.copy_deadline_s,
             close_timeout_s=config.close_timeout_s,
+            chain=chain,
         )
 
     def bind(self, plan: TransferPlan) -> None:
@@ -217,6 +239,13 @@ class OffloadWorker:
             )
         for transfer in (*plan.stores, *plan.loads):
             self._check(transfer)
+        for message in (*plan.promotions, *plan.demotions):
+            self._check_slots(message.host_slots, "promotion or demotion")
+        if (plan.promotions or plan.demotions) and self.chain is None:
+            raise ValueError(
+                "the plan moves blocks to or from lower tiers, but this worker has none; build "
+                "the manager and the workers from the same config"
+            )
         self._plan = plan
         self._flush_pending = plan.flush
         for transfer in plan.loads:
@@ -252,12 +281,35 @@ class OffloadWorker:
             self.flush()
         plan, self._plan = self._plan, None
         if plan is not None:
+            self._demote(plan)
             for transfer in (*plan.stores, *plan.loads):
                 self._submit(transfer)
+            for promotion in plan.promotions:
+                assert self.chain is not None
+                fetch = self.chain.fetch(promotion.group, promotion.block_hashes)
+                self._fetches[promotion.batch_id] = (promotion, fetch)
         self._poll()
+        self._poll_fetches()
         loaded = self._pop_settled(self._loads_by_request)
         released = self._pop_settled(self._holds)
         return released, loaded
+
+    def _demote(self, plan: TransferPlan) -> None:
+        """Copy the evicted blocks out of their slots (the plan may reuse them) and queue them."""
+        for demotion in plan.demotions:
+            assert self.chain is not None
+            records = [self._host_bytes[slot].tobytes() for slot in demotion.host_slots]
+            self.chain.store(demotion.group, demotion.block_hashes, records)
+
+    def _poll_fetches(self) -> None:
+        """Write the leading blocks of each finished fetch into its slots and report them."""
+        for batch_id, (promotion, fetch) in list(self._fetches.items()):
+            if not fetch.done:
+                continue
+            del self._fetches[batch_id]
+            for slot, record in zip(promotion.host_slots, fetch.records, strict=False):
+                self._host_bytes[slot] = memoryview(record).cast("B")
+            self._promoted[batch_id] = (1, len(fetch.records))
 
     def _pop_settled(self, waiting: dict[str, set[int]]) -> set[str]:
         """Remove and return the requests in ``waiting`` none of whose batches is in flight."""
@@ -292,10 +344,26 @@ class OffloadWorker:
 
     def take_report(self) -> WorkerReport | None:
         """This worker's completions since the last call, or ``None`` if there are none."""
-        if not (self._done or self._failed or self._abandoned_report or self._settled):
+        tier_counts = self.chain.take_counts() if self.chain is not None else {}
+        if not (
+            self._done
+            or self._failed
+            or self._abandoned_report
+            or self._settled
+            or self._promoted
+            or tier_counts
+        ):
             return None
-        report = WorkerReport(self._done, self._failed, self._abandoned_report, self._settled)
+        report = WorkerReport(
+            self._done,
+            self._failed,
+            self._abandoned_report,
+            self._settled,
+            self._promoted,
+            tier_counts,
+        )
         self._done, self._failed, self._abandoned_report, self._settled = {}, {}, {}, {}
+        self._promoted = {}
         return report
 
     @property
@@ -344,6 +412,10 @@ class OffloadWorker:
             )
         else:
             self.tier.close()
+        if self.chain is not None:
+            # Promotions still reading are abandoned: their slots are never read again.
+            self._fetches.clear()
+            self.chain.close()
         self._closed = True
 
     def _check(self, transfer: Transfer) -> None:
@@ -352,19 +424,22 @@ class OffloadWorker:
                 f"transfer {transfer.batch_id} is for kv-cache group {transfer.group}, but this "
                 f"worker has layouts for {len(self.layouts)} groups"
             )
+        self._check_slots(transfer.host_slots, f"transfer {transfer.batch_id}")
         num_blocks = self.layouts[transfer.group].num_blocks
-        for slot in transfer.host_slots:
-            if not 0 <= slot < self.tier.num_slots:
-                raise ValueError(
-                    f"transfer {transfer.batch_id} names host slot {slot}, but this worker's tier "
-                    f"has {self.tier.num_slots} slots; size the manager and the workers from "
-                    "the same config and record size"
-                )
         for block in transfer.device_blocks:
             if not 0 <= block < num_blocks:
                 raise ValueError(
                     f"transfer {transfer.batch_id} names device block {block}, but group "
                     f"{transfer.group}'s layout has {num_blocks} blocks"
+                )
+
+    def _check_slots(self, slots: Sequence[int], what: str) -> None:
+        for slot in slots:
+            if not 0 <= slot < self.tier.num_slots:
+                raise ValueError(
+                    f"{what} names host slot {slot}, but this worker's tier has "
+                    f"{self.tier.num_slots} slots; size the manager and the workers from the "
+                    "same config and record size"
                 )
 
     def _submit(self, transfer: Transfer) -> None:

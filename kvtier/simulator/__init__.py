@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import logging
 import sys
@@ -31,6 +32,7 @@ from kvtier.simulator.belady import belady_index
 from kvtier.simulator.generate import WORKLOADS, generate_trace
 from kvtier.simulator.replay import REPLAY_NAMESPACE, ReplayResult, replay
 from kvtier.simulator.report import BELADY, format_table, plot_hit_rates, summarize
+from kvtier.simulator.tiers import LowerChain, parse_tiers
 from kvtier.simulator.traces import TraceError, TraceRequest, check_trace_file, load_trace
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--capacities",
         default=DEFAULT_CAPACITIES,
         help=f"comma list of tier sizes in blocks (default: {DEFAULT_CAPACITIES})",
+    )
+    parser.add_argument(
+        "--tiers",
+        help="host tier and tiers below it in blocks, replacing --capacities, e.g. "
+        "host=4000,disk=64000; several sizes of a tier joined by '/' (host=2000/4000) are "
+        "each replayed; the results say which tier each hit came from",
     )
     parser.add_argument(
         "--capacity-bytes",
@@ -258,6 +266,7 @@ def simulate(
     device_blocks: int = 0,
     store_mode: str = "eager",
     show_progress: bool = False,
+    lower_chains: Sequence[LowerChain] = ((),),
 ) -> list[ReplayResult]:
     """Replay ``requests`` once per policy and capacity (plus the Belady bound).
 
@@ -270,21 +279,23 @@ def simulate(
         device_blocks: Size of a device prefix cache in front of the tier; 0 for none.
         store_mode: ``"eager"`` or ``"lazy"`` (see :func:`kvtier.simulator.replay.replay`).
         show_progress: Draw a progress bar on stderr.
+        lower_chains: Tiers below the host tier to replay each capacity over, one
+            chain at a time (see :mod:`kvtier.simulator.tiers`); ``((),)`` for none.
 
     Returns:
-        One result per (capacity, policy), capacities in the given order.
+        One result per (capacity, lower chain, policy), capacities in the given order.
     """
     registry = default_registry()
     names = [*policies, *([BELADY] if belady else [])]
     results = []
     with tqdm(
-        total=len(requests) * len(names) * len(capacities),
+        total=len(requests) * len(names) * len(capacities) * len(lower_chains),
         desc="replay",
         unit="req",
         file=sys.stderr,
         disable=not show_progress,
     ) as bar:
-        for capacity in capacities:
+        for capacity, chain in itertools.product(capacities, lower_chains):
             for name in names:
                 hook = None
                 if name == BELADY:
@@ -300,6 +311,7 @@ def simulate(
                     store_mode=store_mode,  # type: ignore[arg-type]
                     before_request=hook,
                     progress=bar.update,
+                    lower_tiers=chain,
                 )
                 logger.info("%s at %d blocks: hit rate %.4f", name, capacity, result.hit_rate)
                 results.append(result)
@@ -310,6 +322,12 @@ def run(args: argparse.Namespace) -> int:
     """Run ``kvtier simulate`` with parsed ``args``; return the exit status."""
     try:
         capacities = _capacities(args)
+        lower_chains: list[LowerChain] = [()]
+        if args.tiers is not None:
+            try:
+                capacities, lower_chains = parse_tiers(args.tiers)
+            except ValueError as exc:
+                raise UsageError(f"--tiers {exc}") from None
         _check_options(args)
         if not args.trace.startswith(SYNTHETIC_PREFIX):
             check_trace_file(args.trace)
@@ -332,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
         device_blocks=args.device_blocks,
         store_mode=args.store_mode,
         show_progress=sys.stderr.isatty(),
+        lower_chains=lower_chains,
     )
     summary = summarize(args.trace, requests, results)
     if args.json:

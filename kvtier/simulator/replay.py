@@ -24,6 +24,13 @@ request's blocks tail first), the manager is told the device's hits. In
 ``eager`` mode the manager stores every computed block the tier lacks; in
 ``lazy`` mode it is offered, as lazy candidates, the blocks the device cache
 evicts. Hits, stores and evictions are the manager's own counters.
+
+With lower tiers (``lower_tiers``), each is a directory of the given capacity
+(LRU) on the instant worker side: a host miss is looked up down the chain as
+the manager plans it (a promotion; the lookup is asked again once the
+promotion is reported), and every block the host tier evicts is written to
+every lower tier. :attr:`ReplayResult.lower_hits` says how many of the tier
+hits each lower tier supplied.
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from kvtier.index.base import BlockIndex, BlockKey
+from kvtier.index.lru import LRUPolicy
+from kvtier.index.policy import PolicyIndex
 from kvtier.keys import KeyNamespace
 from kvtier.offload.manager import OffloadManager
 from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
@@ -65,6 +74,10 @@ class ReplayResult:
     """Blocks the tier evicted."""
     seconds: float
     """Wall time of the replay."""
+    lower_tiers: tuple[tuple[str, int], ...] = ()
+    """The lower tiers replayed below the host tier: (name, capacity in blocks), in order."""
+    lower_hits: tuple[tuple[str, int], ...] = ()
+    """Of ``tier_hits``, the blocks each lower tier supplied (the rest came from host memory)."""
 
     @property
     def hit_rate(self) -> float:
@@ -120,6 +133,7 @@ def replay(
     world_size: int = 1,
     before_request: Callable[[int], None] | None = None,
     progress: Callable[[int], None] | None = None,
+    lower_tiers: Sequence[tuple[str, int]] = (),
 ) -> ReplayResult:
     """Replay ``requests`` through an offload manager over ``index``; count hits, stores, evictions.
 
@@ -133,6 +147,7 @@ def replay(
         world_size: Ranks that each report every batch, as the manager's workers do.
         before_request: Called with each request's position before it is replayed.
         progress: Called with the number of requests replayed since the last call.
+        lower_tiers: Tiers below the host tier, in lookup order: (name, capacity in blocks).
 
     Returns:
         The replay's counts.
@@ -151,7 +166,9 @@ def replay(
         world_size=world_size,
         store_mode=store_mode,
         namespace=REPLAY_NAMESPACE,
+        lower_tiers=bool(lower_tiers),
     )
+    chain = [_LowerTier(name, capacity) for name, capacity in lower_tiers]
     blocks = device_hits = 0
     started = time.perf_counter()
     for position, request in enumerate(requests):
@@ -165,6 +182,11 @@ def replay(
         device_hits += on_device
         block_ids = [range(num_blocks)]
         hits = manager.lookup(request_id, keys, on_device, num_blocks)
+        if hits is None:
+            # a promotion: the instant workers answer it in the next step
+            _step(manager, (), chain)
+            hits = manager.lookup(request_id, keys, on_device, num_blocks)
+            assert hits is not None, "an instant promotion is answered in one step"
         manager.allocated(request_id, keys, block_ids, on_device, hits)
         manager.scheduled(request_id, num_computed_tokens=num_blocks, new_block_ids=block_ids)
         candidates: list[LazyCandidate] = []
@@ -172,9 +194,9 @@ def replay(
             evicted = device.use(keys)
             if store_mode == "lazy":
                 candidates = [LazyCandidate(key, 0, 0) for key, _ in evicted]
-        _step(manager, candidates)
+        _step(manager, candidates, chain)
         if manager.finished(request_id, num_blocks):
-            _step(manager, ())
+            _step(manager, (), chain)
         if progress is not None:
             progress(1)
     stats = manager.stats()
@@ -188,16 +210,56 @@ def replay(
         stored=stats.stored_blocks,
         evicted=stats.evicted_blocks,
         seconds=time.perf_counter() - started,
+        lower_tiers=tuple(lower_tiers),
+        lower_hits=tuple((tier.name, tier.served) for tier in chain),
     )
 
 
-def _step(manager: OffloadManager, candidates: Sequence[LazyCandidate]) -> None:
+class _LowerTier:
+    """A lower tier's directory on the instant worker side: which keys it holds, LRU."""
+
+    def __init__(self, name: str, capacity: int) -> None:
+        self.name = name
+        self.index = PolicyIndex(capacity, LRUPolicy())
+        self.served = 0
+
+    def holds(self, key: BlockKey) -> bool:
+        if not self.index.lookup([key]):
+            return False
+        self.index.touch([key])
+        return True
+
+    def put(self, key: BlockKey) -> None:
+        if self.index.reserve([key])[0] is not None:
+            self.index.commit([key])
+        self.index.take_events()
+
+
+def _step(
+    manager: OffloadManager, candidates: Sequence[LazyCandidate], chain: Sequence[_LowerTier]
+) -> None:
     """One engine step: plan, and every rank reports every copy done at once."""
     plan = manager.build_plan(candidates)
-    manager.process(_instant_reports(plan, manager.world_size))
+    manager.process(_instant_reports(plan, manager.world_size, chain))
 
 
-def _instant_reports(plan: TransferPlan, world_size: int) -> list[WorkerReport]:
+def _instant_reports(
+    plan: TransferPlan, world_size: int, chain: Sequence[_LowerTier]
+) -> list[WorkerReport]:
     """Each rank's report of ``plan`` on a worker side where every copy completes at once."""
     done = {transfer.batch_id: 1 for transfer in (*plan.stores, *plan.loads)}
-    return [WorkerReport(done=done) for _ in range(world_size)]
+    for demotion in plan.demotions:
+        for block_hash in demotion.block_hashes:
+            for tier in chain:
+                tier.put(REPLAY_NAMESPACE.key(block_hash, demotion.group))
+    promoted = {}
+    for promotion in plan.promotions:
+        keys = REPLAY_NAMESPACE.keys(promotion.block_hashes, promotion.group)
+        found = 0
+        for tier in chain:
+            start = found
+            while found < len(keys) and tier.holds(keys[found]):
+                found += 1
+            tier.served += found - start
+        promoted[promotion.batch_id] = (1, found)
+    return [WorkerReport(done=done, promoted=promoted) for _ in range(world_size)]

@@ -29,11 +29,11 @@ def summarize(
         A JSON-ready dict: the trace's size and one row per result, with
         ``vs_lru`` and ``of_belady`` (``None`` where that reference was not replayed).
     """
-    by_key = {(r.policy, r.capacity_blocks): r.hit_rate for r in results}
+    by_key = {(r.policy, r.capacity_blocks, r.lower_tiers): r.hit_rate for r in results}
     rows = []
     for result in results:
-        lru = by_key.get((BASELINE, result.capacity_blocks))
-        belady = by_key.get((BELADY, result.capacity_blocks))
+        lru = by_key.get((BASELINE, result.capacity_blocks, result.lower_tiers))
+        belady = by_key.get((BELADY, result.capacity_blocks, result.lower_tiers))
         rows.append(
             {
                 **result.as_dict(),
@@ -64,11 +64,26 @@ def format_table(summary: dict[str, Any]) -> str:
         "| seconds |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    tiered = any(row["lower_tiers"] for row in summary["results"])
+    if tiered:
+        lines[2] = (
+            lines[2]
+            .replace("| capacity |", "| capacity | below |")
+            .replace("| loaded |", "| loaded | from |")
+        )
+        lines[3] = "|---:|---|---|---:|---:|---:|---:|---:|---|---:|---:|"
     for row in summary["results"]:
+        below = ", ".join(f"{name}={blocks}" for name, blocks in row["lower_tiers"]) or "-"
+        lower = sum(blocks for _, blocks in row["lower_hits"])
+        sources = ", ".join(
+            [f"host {row['tier_hits'] - lower}"]
+            + [f"{name} {blocks}" for name, blocks in row["lower_hits"]]
+        )
         lines.append(
-            f"| {row['capacity_blocks']} | {row['policy']} | {row['hit_rate']:.4f} "
-            f"| {_ratio(row['vs_lru'])} | {_ratio(row['of_belady'])} | {row['stored']} "
-            f"| {row['tier_hits']} | {row['evicted']} | {row['seconds']:.2f} |"
+            f"| {row['capacity_blocks']} |{f' {below} |' if tiered else ''} {row['policy']} "
+            f"| {row['hit_rate']:.4f} | {_ratio(row['vs_lru'])} | {_ratio(row['of_belady'])} "
+            f"| {row['stored']} | {row['tier_hits']} |{f' {sources} |' if tiered else ''} "
+            f"{row['evicted']} | {row['seconds']:.2f} |"
         )
     return "\n".join(lines)
 

@@ -48,6 +48,7 @@ from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
 from kvtier.offload.protection import LazyStoreGuard
 from kvtier.offload.worker import BackendFactory, OffloadWorker
 from kvtier.testing.contracts_layout import mamba_state_views
+from kvtier.tiers.chain import TierChain
 from kvtier.tiers.host import HostTier
 
 logger = logging.getLogger(__name__)
@@ -433,6 +434,7 @@ class OffloadedEngine:
         close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        chains: Sequence[TierChain] | None = None,
     ) -> None:
         """Build the engines (one per worker), the manager and the workers.
 
@@ -450,6 +452,7 @@ class OffloadedEngine:
             close_timeout_s: How long :meth:`close` lets each worker wait for copies.
             clock: Time for the manager's and the workers' deadlines.
             sleep: How workers pause while they wait for copies.
+            chains: Each worker's tiers below the host tier (one chain per worker).
         """
         self.spec = spec
         self.engines = [SyntheticEngine(spec, resolver) for _ in range(world_size)]
@@ -462,6 +465,7 @@ class OffloadedEngine:
             store_mode=store_mode,
             record_events=record_events,
             report_deadline_s=report_deadline_s,
+            lower_tiers=chains is not None,
             clock=clock,
         )
         self.guard = LazyStoreGuard(self.manager)
@@ -474,10 +478,11 @@ class OffloadedEngine:
                 backend_factory,
                 copy_deadline_s=copy_deadline_s,
                 close_timeout_s=close_timeout_s,
+                chain=None if chains is None else chains[rank],
                 clock=clock,
                 sleep=sleep,
             )
-            for engine in self.engines
+            for rank, engine in enumerate(self.engines)
         ]
         self.late_worker = late_worker
         self._silent_steps = [0] * world_size
@@ -603,6 +608,10 @@ class OffloadedEngine:
             request_id = resumed_id
         computed = engine_hits * spec.block_tokens
         tier_tokens = self.manager.lookup(request_id, keys, computed, len(tokens))
+        if tier_tokens is None:
+            # the lower tiers are being searched: ask again next step, under the same id
+            self._waiting[0] = (tokens, decode_steps, request_id)
+            return False
         tier_hits = tier_tokens // spec.block_tokens
         acquired = [engine.acquire_cached(keys[:engine_hits]) for engine in self.engines]
         allocated = [engine.allocate(total_blocks - engine_hits) for engine in self.engines]

@@ -202,6 +202,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 kv_cache_config,
                 world_size=world_size,
                 record_bytes=record_bytes,
+                model=vllm_config.model_config.model,
             )
 
     @property
@@ -231,7 +232,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is None:
             return 0, False
         hit_tokens = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        return hit_tokens, hit_tokens > 0
+        # None: the lower tiers are being searched; vLLM asks again at a later step.
+        return hit_tokens, hit_tokens is not None and hit_tokens > 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

@@ -159,8 +159,11 @@ class KVTierScheduler:
         """Keep vLLM's block pool: lazy mode reads its free queue and protects blocks in it."""
         self._block_pool = gpu_block_pool
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
-        """Tokens past vLLM's own hit that the tier loads (asynchronously when positive)."""
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
+        """Tokens past vLLM's own hit that the tier loads (asynchronously when positive).
+
+        ``None`` while the lower tiers are searched for the request's blocks.
+        """
         self._lookup_base[request.request_id] = num_computed_tokens
         # The manager leaves the last token to the engine. vLLM recomputes the last token of
         # a fully loaded request itself (it rewinds num_computed_tokens by one after an
@@ -266,8 +269,11 @@ class KVTierScheduler:
         return hold
 
     def has_pending_push_work(self) -> bool:
-        """Whether copies are in flight (a served engine keeps stepping until they report)."""
-        return self.manager.num_inflight_batches > 0
+        """Whether copies are in flight or lower-tier work waits for the next plan.
+
+        A served engine keeps stepping until they are reported (or handed to the workers).
+        """
+        return self.manager.num_inflight_batches > 0 or self.manager.has_tier_work
 
     def reset_cache(self) -> bool:
         """Empty the tier now (:meth:`kvtier.offload.OffloadManager.reset`); always ``True``.
@@ -326,4 +332,5 @@ class KVTierScheduler:
         observations = self.manager.take_observations()
         for name, field in OFFLOAD_HISTOGRAMS.items():
             stats.observe(name, getattr(observations, field))
+        stats.record_tiers(now.tiers, last.tiers)
         return stats

@@ -20,6 +20,11 @@ each worker counts its own failures.
 any request: counters at 0, histograms empty, the usage gauges at 0 and
 ``capacity_bytes`` at the configured size. Only ``capacity_blocks`` waits for
 the first engine step, because the record size is known only in the engine.
+
+Each storage tier below the host tier (the config's ``tiers``) has the
+counters of :data:`TIER_COUNTERS`, labelled ``tier`` with the names
+:func:`~kvtier.tiers.chain.tier_names` gives; they add up every rank's counts
+(keys, not blocks) and are published at 0 from start-up for the configured tiers.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from kvtier.config import load_config
+from kvtier.config import KVTierConfig, load_config
 from kvtier.config.sizes import host_bytes_per_rank
 from kvtier.offload.failures import FailureCause
+from kvtier.tiers.chain import tier_names
 
 PROMETHEUS_PREFIX = "vllm:kvtier_"
 """Prefix of every kvtier metric name in vLLM's Prometheus output."""
@@ -75,6 +81,12 @@ BATCH_BUCKETS_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 HIT_BUCKETS_TOKENS = (0, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 """Upper bounds, in tokens, of the per-request hit histogram's buckets (``le="0"``: no hit)."""
+
+
+def _tier_counter(documentation: str) -> MetricSpec:
+    """A counter of each storage tier below the host tier; its label values come from the
+    config (:func:`startup_tiers`)."""
+    return MetricSpec(MetricKind.COUNTER, documentation, label="tier")
 
 
 METRICS: Mapping[str, MetricSpec] = {
@@ -161,6 +173,37 @@ METRICS: Mapping[str, MetricSpec] = {
         "allocates it.",
         buckets=HIT_BUCKETS_TOKENS,
     ),
+    "promoted_blocks": MetricSpec(
+        MetricKind.COUNTER,
+        "Blocks read from the tiers below the host tier into it, for requests that missed it.",
+    ),
+    "demoted_blocks": MetricSpec(
+        MetricKind.COUNTER, "Blocks evicted from the host tier and written to the tiers below it."
+    ),
+    "expired_promotions": MetricSpec(
+        MetricKind.COUNTER,
+        "Lower-tier lookups some rank did not answer within report_deadline_s (recomputed).",
+    ),
+    "tier_hits": _tier_counter("Records a storage tier returned, all ranks."),
+    "tier_misses": _tier_counter(
+        "Records asked of a storage tier and not returned, whatever the reason."
+    ),
+    "tier_bytes_read": _tier_counter("Payload bytes a storage tier returned, all ranks."),
+    "tier_bytes_written": _tier_counter("Payload bytes written to a storage tier, all ranks."),
+    "tier_stores": _tier_counter("Records written to a storage tier."),
+    "tier_drops": _tier_counter(
+        "Records a storage tier did not store (queue full, failure, refused)."
+    ),
+    "tier_queue_drops": _tier_counter(
+        "Records of requests a storage tier answered at once because its queue was full."
+    ),
+    "tier_deadline_misses": _tier_counter(
+        "Records of reads a storage tier answered as misses at their deadline."
+    ),
+    "tier_errors": _tier_counter(
+        "Records affected by a storage tier's faults: failed checks (checksum, namespace, "
+        "layout), I/O and connection errors, timeouts."
+    ),
 }
 """Every metric the connector reports, by short name."""
 
@@ -176,8 +219,27 @@ OFFLOAD_COUNTERS: Mapping[str, str] = {
     "abandoned_copies": "abandoned_copies",
     "expired_batches": "expired_batches",
     "rejected_reports": "rejected_reports",
+    "promoted_blocks": "promoted_blocks",
+    "demoted_blocks": "demoted_blocks",
+    "expired_promotions": "expired_promotions",
 }
 """Counter metric name -> the cumulative :class:`~kvtier.offload.OffloadStats` field it counts."""
+
+TIER_COUNTERS: Mapping[str, str] = {
+    "tier_hits": "hits",
+    "tier_misses": "misses",
+    "tier_bytes_read": "bytes_read",
+    "tier_bytes_written": "bytes_written",
+    "tier_stores": "stores",
+    "tier_drops": "drops",
+    "tier_queue_drops": "queue_drops",
+    "tier_deadline_misses": "deadline_misses",
+}
+"""Per-tier metric name -> the :class:`~kvtier.tiers.TierStats` counter it counts
+(``tier_errors`` adds up every fault)."""
+
+TIER_ERRORS_PREFIX = "errors."
+"""How a tier's fault counters are named in :attr:`~kvtier.offload.OffloadStats.tiers`."""
 
 OFFLOAD_HISTOGRAMS: Mapping[str, str] = {
     "load_seconds": "load_seconds",
@@ -239,6 +301,24 @@ class KVTierStats(KVConnectorStats):
         if values:
             self.data.setdefault(name, []).extend(values)
 
+    def record_tiers(
+        self, now: Mapping[str, Mapping[str, int]], last: Mapping[str, Mapping[str, int]]
+    ) -> None:
+        """Count what each storage tier's counters gained from ``last`` to ``now``.
+
+        Both map a tier's name to its cumulative counters, as
+        :attr:`~kvtier.offload.OffloadStats.tiers` holds them.
+        """
+        for tier, counts in now.items():
+            before = last.get(tier, {})
+            grown = {name: value - before.get(name, 0) for name, value in counts.items()}
+            for metric, counter in TIER_COUNTERS.items():
+                if grown.get(counter):
+                    self.record(metric, grown[counter], label=tier)
+            errors = sum(v for k, v in grown.items() if k.startswith(TIER_ERRORS_PREFIX))
+            if errors:
+                self.record("tier_errors", errors, label=tier)
+
     def reset(self) -> None:
         self.data = {}
 
@@ -281,19 +361,31 @@ class KVTierStats(KVConnectorStats):
         return not self.data
 
 
+def _kvtier_config(vllm_config: VllmConfig) -> KVTierConfig | None:
+    """The connector's config, or None where vLLM will not run the connector."""
+    transfer_config = vllm_config.kv_transfer_config
+    if not vllm_config.cache_config.enable_prefix_caching or transfer_config is None:
+        return None
+    return load_config(dict(transfer_config.kv_connector_extra_config))
+
+
 def startup_gauges(vllm_config: VllmConfig) -> dict[str, float]:
     """The gauges' values before the engine's first step: an empty tier of the configured size.
 
     ``capacity_blocks`` is not among them: it depends on the record size, which only the
     engine knows.
     """
-    transfer_config = vllm_config.kv_transfer_config
-    enabled = vllm_config.cache_config.enable_prefix_caching and transfer_config is not None
+    config = _kvtier_config(vllm_config)
     capacity = 0
-    if enabled:
-        config = load_config(dict(transfer_config.kv_connector_extra_config))
+    if config is not None:
         capacity = host_bytes_per_rank(config, vllm_config.parallel_config.world_size)
     return {"used_blocks": 0, "quarantined_blocks": 0, "used_bytes": 0, "capacity_bytes": capacity}
+
+
+def startup_tiers(vllm_config: VllmConfig) -> list[str]:
+    """The ``tier`` label values the per-tier counters start with: the configured tiers."""
+    config = _kvtier_config(vllm_config)
+    return [] if config is None else tier_names(config)
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
@@ -336,13 +428,16 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             self._families[name] = family
         self._children: dict[tuple[int, str, str | None], Any] = {}
         gauges = startup_gauges(vllm_config)
+        tiers = tuple(startup_tiers(vllm_config))
         for engine_idx in per_engine_labelvalues:
             for name, spec in METRICS.items():
                 if spec.kind is MetricKind.GAUGE:
                     if name in gauges:
                         self._child(engine_idx, name).set(gauges[name])
                     continue
-                for label in spec.label_values or (None,):
+                if spec.label is None:
+                    self._child(engine_idx, name)
+                for label in spec.label_values or (tiers if spec.label == "tier" else ()):
                     self._child(engine_idx, name, label)
 
     def _child(self, engine_idx: int, name: str, label: str | None = None) -> Any:
@@ -382,5 +477,7 @@ __all__ = [
     "OFFLOAD_COUNTERS",
     "OFFLOAD_HISTOGRAMS",
     "PROMETHEUS_PREFIX",
+    "TIER_COUNTERS",
     "startup_gauges",
+    "startup_tiers",
 ]

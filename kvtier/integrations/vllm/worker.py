@@ -73,8 +73,10 @@ class KVTierWorker:
         *,
         world_size: int,
         record_bytes: int,
+        model: str = "",
     ) -> None:
         self.config = config
+        self.model = model
         self.kv_cache_config = kv_cache_config
         self.world_size = world_size
         self.record_bytes = record_bytes
@@ -109,8 +111,19 @@ class KVTierWorker:
                     "explicitly in kv_connector_extra_config (e.g. block_first)"
                 )
         self.offload = OffloadWorker.from_config(
-            self.config, layouts, world_size=self.world_size, registry=registry
+            self.config,
+            layouts,
+            world_size=self.world_size,
+            registry=registry,
+            rank=self._rank(),
+            model=self.model,
         )
+
+    def _rank(self) -> int:
+        """This worker's rank among the engine's ``world_size`` workers (0 outside a group)."""
+        from vllm.distributed.parallel_state import get_world_group, model_parallel_is_initialized
+
+        return get_world_group().rank_in_group if model_parallel_is_initialized() else 0
 
     def handle_preemptions(self, plan: TransferPlan) -> None:
         """Before vLLM reuses preempted requests' blocks: wait for copies still reading them."""

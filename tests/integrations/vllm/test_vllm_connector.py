@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -265,6 +266,47 @@ def test_start_up_capacity_is_zero_when_prefix_caching_disables_kvtier() -> None
     assert bound.registry.get_sample_value(f"{PROMETHEUS_PREFIX}capacity_bytes", LABELS) == 0
 
 
+def test_start_up_publishes_each_configured_tier_at_zero(tmp_path: Path) -> None:
+    bound = _Registered()
+    tiers = [
+        {"type": "disk", "path": str(tmp_path / "a"), "capacity_bytes": 4 * MIB},
+        {"type": "disk", "path": str(tmp_path / "b"), "capacity_bytes": 4 * MIB},
+    ]
+    config = _vllm_config({"cpu_bytes": 4 * MIB, "tiers": tiers})
+    KVTierPromMetrics(config, bound.types, ["model_name", "engine"], {0: ["m", "0"]})
+    value = bound.registry.get_sample_value
+    for tier in ("disk0", "disk1"):
+        assert value(f"{PROMETHEUS_PREFIX}tier_errors_total", {**LABELS, "tier": tier}) == 0
+    assert value(f"{PROMETHEUS_PREFIX}tier_errors_total", {**LABELS, "tier": "disk"}) is None
+
+
+def test_per_tier_counters_publish_with_a_tier_label() -> None:
+    from vllm.config import DeviceConfig, VllmConfig
+
+    stats = KVTierStats()
+    last = {"disk": {"hits": 2, "errors.checksum": 1}}
+    now = {"disk": {"hits": 5, "bytes_read": 30, "errors.checksum": 2, "errors.io": 1}}
+    stats.record_tiers({**now, "redis": {"queue_drops": 4}}, last)
+    assert stats.data == {
+        "tier_hits": {"disk": 3},
+        "tier_bytes_read": {"disk": 30},
+        "tier_errors": {"disk": 2},
+        "tier_queue_drops": {"redis": 4},
+    }
+    assert stats.reduce()["tier_hits_disk"] == 3
+    with pytest.raises(ValueError, match="takes a 'tier' label"):
+        stats.record("tier_hits", 1)
+    bound = _Registered()
+    config = VllmConfig(device_config=DeviceConfig("cpu"))
+    prom = KVTierPromMetrics(config, bound.types, ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe(stats.data, engine_idx=0)
+    prom.observe({"tier_hits": {"disk": 1}}, engine_idx=0)
+    value = bound.registry.get_sample_value
+    labels = {"model_name": "m", "engine": "0"}
+    assert value(f"{PROMETHEUS_PREFIX}tier_hits_total", {**labels, "tier": "disk"}) == 4
+    assert value(f"{PROMETHEUS_PREFIX}tier_queue_drops_total", {**labels, "tier": "redis"}) == 4
+
+
 def test_docs_list_every_metric() -> None:
     text = DOCS.read_text()
     for name, spec in METRICS.items():
@@ -278,7 +320,7 @@ def test_docs_list_every_metric() -> None:
 
 
 def test_every_offload_counter_and_observation_is_published() -> None:
-    not_counters = {"num_slots", "used_slots", "quarantined_slots", "failures"}
+    not_counters = {"num_slots", "used_slots", "quarantined_slots", "failures", "tiers"}
     counters = {field.name for field in dataclasses.fields(OffloadStats)} - not_counters
     assert set(OFFLOAD_COUNTERS.values()) == counters
     assert all(METRICS[name].kind is MetricKind.COUNTER for name in OFFLOAD_COUNTERS)

@@ -1,0 +1,146 @@
+"""The ``tiers`` list: entries checked against their storage tier's model, one line per error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import jsonschema
+import pytest
+from pydantic import Field
+
+import kvtier
+from kvtier import cli, hookspecs, plugins
+from kvtier.config import ConfigError, KVTierConfig, PluginConfig, config_model, load_config
+from kvtier.config_reference import render_config_reference
+from kvtier.plugins import Registry
+from kvtier.tiers import plugin as tier_plugin
+from kvtier.tiers.configs import DiskTierConfig, RedisTierConfig
+from tests.config.test_config import Sections, make_registry
+
+PASSWORD = "hunter2-secret"
+
+
+class MemoryTierConfig(PluginConfig):
+    """A third-party tier, registered through the same hook as the built-ins."""
+
+    type: Literal["memory"] = "memory"
+    blocks: int = Field(gt=0, description="Records held.")
+
+
+class MemoryTierPlugin:
+    @kvtier.hookimpl
+    def register_storage_tiers(self, register: hookspecs.Register) -> None:
+        register("memory", lambda config, spec: ("memory", config), MemoryTierConfig)
+
+
+@pytest.fixture
+def registry() -> Registry:
+    return make_registry(Sections(), tier_plugin, MemoryTierPlugin())
+
+
+def problems(registry: Registry, values: dict[str, object]) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        load_config(values, env={}, registry=registry)
+    return caught.value.lines
+
+
+def test_each_entry_is_its_plugins_own_config_in_order(registry: Registry, tmp_path: Path) -> None:
+    config = load_config(
+        {
+            "namespace": "tenant-a",
+            "tiers": [
+                {"type": "disk", "path": str(tmp_path), "capacity_bytes": "1GiB"},
+                {"type": "memory", "blocks": 8},
+                {"type": "redis", "url": "redis://cache:6379/0"},
+            ],
+        },
+        env={},
+        registry=registry,
+    )
+    disk, memory, redis = config.tiers
+    assert isinstance(disk, DiskTierConfig) and disk.capacity_bytes == 2**30
+    assert isinstance(memory, MemoryTierConfig) and memory.blocks == 8
+    assert isinstance(redis, RedisTierConfig)
+    assert config.namespace == "tenant-a"
+    assert load_config(env={}, registry=registry).tiers == ()
+    # a plain config keeps each entry as given, to be checked where a registry is at hand
+    plain = KVTierConfig(
+        namespace="tenant-a",
+        tiers=[
+            {"type": "disk", "path": str(tmp_path), "capacity_bytes": "1GiB"},
+            {"type": "memory", "blocks": 8},
+            {"type": "redis", "url": "redis://cache:6379/0"},
+        ],
+    )
+    assert plain.tiers[1].type == "memory"
+
+
+def test_tiers_come_from_an_env_variable(registry: Registry) -> None:
+    env = {"KVTIER_TIERS": json.dumps([{"type": "memory", "blocks": 3}])}
+    config = load_config(env=env, registry=registry)
+    assert config.tiers == (MemoryTierConfig(blocks=3),)
+    assert config.source_of("tiers") == "env KVTIER_TIERS"
+
+
+def test_every_problem_is_one_line_naming_the_entry(registry: Registry) -> None:
+    assert problems(
+        registry,
+        {
+            "tiers": [
+                {"type": "disk", "capacity_bytes": "1GiB"},
+                {"type": "dsk"},
+                {"blocks": 1},
+                {"type": "memory", "blocks": 0, "color": "red"},
+            ]
+        },
+    ) == [
+        "explicit: tiers[0].path: Field required (got nothing)",
+        "explicit: tiers[1].type: unknown storage tier type; installed: disk, memory, redis "
+        "(got 'dsk')",
+        "explicit: tiers[2]: missing 'type'; installed storage tier types: disk, memory, redis "
+        "(got {'blocks': 1})",
+        "explicit: tiers[3].blocks: Input should be greater than 0 (got 0)",
+        "explicit: tiers[3].color: unknown key; valid keys here: blocks, type (got 'red')",
+    ]
+
+
+def test_a_bad_url_is_reported_without_its_password(registry: Registry) -> None:
+    lines = problems(registry, {"tiers": [{"type": "redis", "url": f"http://:{PASSWORD}@h:1"}]})
+    assert lines == [
+        "explicit: tiers[0].url: expected a redis:// or rediss:// URL (got '**********')"
+    ]
+
+
+def test_no_storage_tier_installed(registry: Registry) -> None:
+    bare = make_registry(Sections())
+    assert problems(bare, {"tiers": [{"type": "disk"}]}) == [
+        "explicit: tiers[0]: no storage tier is installed; install a plugin that provides one, "
+        "or remove the entry (got {'type': 'disk'})"
+    ]
+
+
+def test_schema_and_reference_cover_the_tiers(registry: Registry) -> None:
+    schema = config_model(registry).model_json_schema()
+    valid = {"tiers": [{"type": "memory", "blocks": 2}, {"type": "redis", "url": "redis://h/0"}]}
+    jsonschema.validate(valid, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"tiers": [{"type": "memory", "blocks": "two"}]}, schema)
+    reference = render_config_reference(registry)
+    assert "| `tiers` |" in reference and "| `namespace` |" in reference
+
+
+def test_config_show_masks_the_redis_password(
+    registry: Registry,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(plugins, "_default_registry", registry)
+    file = tmp_path / "kvtier.yaml"
+    file.write_text(f'tiers:\n  - {{type: redis, url: "redis://:{PASSWORD}@cache:6379/0"}}\n')
+    for argv in (["config", "show", str(file)], ["config", "show", "--json", str(file)]):
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        assert "redis" in out and PASSWORD not in out

@@ -1,0 +1,200 @@
+"""End to end: real vLLM on CPU with disk and Redis tiers below a host tier too small to hold much.
+
+Engines run one after another in this process (vLLM keeps one worker connector
+per process): each serves the same prompts, and every engine's tokens must
+equal the first engine's, whatever it found in the lower tiers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.integrations.checkpoints import TinyLlamaSpec
+from kvtier.offload import OffloadStats
+from tests.integrations.vllm.test_vllm_e2e import (  # noqa: F401 (fixtures)
+    BLOCK,
+    _engine,
+    _engine_environment,
+    _tier,
+    model_dir,
+)
+
+pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.vllm
+
+RECORD_BYTES = TinyLlamaSpec().kv_bytes_per_token() * BLOCK
+PROMPTS = [[random.Random(seed).randrange(1000) for _ in range(6 * BLOCK + 5)] for seed in range(8)]
+"""Eight prompts of six full blocks: 48 blocks, far more than the host tier holds."""
+HOST_BYTES = 8 * RECORD_BYTES
+DEVICE = {"num_device_blocks": 64, "max_model_len": 512, "max_num_seqs": 4}
+MAX_TOKENS = 3
+
+
+def serve(llm: Any, prompts: list[list[int]]) -> list[list[int]]:  # noqa: ANN401
+    """The prompts' outputs, one at a time so each finds what the ones before it stored."""
+    from kvtier.integrations.vllm.offline import generate, settle
+
+    got = []
+    for prompt in prompts:
+        got.extend(generate(llm, [prompt], max_tokens=MAX_TOKENS))
+        settle(llm)
+    return got
+
+
+def run(
+    model: str, config: dict[str, Any], prompts: list[list[int]]
+) -> tuple[list[list[int]], OffloadStats]:
+    """Serve ``prompts`` on a fresh engine, shut it down; its outputs and its tier's stats."""
+    from kvtier.integrations.vllm.offline import shutdown
+
+    llm = _engine(model, config, **DEVICE)
+    try:
+        got = serve(llm, prompts)
+        stats = _tier(llm).stats()
+    finally:
+        shutdown(llm)
+    return got, stats
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    pytest.importorskip("redis")
+    from kvtier.testing.redis_server import RedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()
+
+
+def redis_tier(server: Any) -> dict[str, Any]:  # noqa: ANN401
+    return {
+        "type": "redis",
+        "url": server.url,
+        "timeout_s": 0.5,
+        "reconnect_backoff_s": 0.05,
+        "reconnect_max_backoff_s": 0.2,
+    }
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("disk-tier")
+
+
+@pytest.fixture(scope="module")
+def chain_config(disk_dir: Path, redis_server: Any) -> dict[str, Any]:  # noqa: ANN401
+    disk = {"type": "disk", "path": str(disk_dir), "capacity_bytes": 256 * RECORD_BYTES}
+    return {"cpu_bytes": HOST_BYTES, "tiers": [disk, redis_tier(redis_server)]}
+
+
+@pytest.fixture(scope="module")
+def first_run(
+    model_dir: str,  # noqa: F811
+    chain_config: dict[str, Any],
+) -> tuple[list[list[int]], OffloadStats]:
+    """Engine A: serves the prompts, demoting what the host tier evicts to disk and Redis."""
+    return run(model_dir, chain_config, PROMPTS)
+
+
+def test_a_restarted_engine_serves_disk_hits_with_identical_tokens(
+    model_dir: str,  # noqa: F811
+    disk_dir: Path,
+    chain_config: dict[str, Any],
+    first_run: tuple[list[list[int]], OffloadStats],
+) -> None:
+    expected, first = first_run
+    assert first.demoted_blocks > 0 and first.promoted_blocks == 0
+    assert first.tiers["disk"]["stores"] == first.tiers["redis"]["stores"] > 0
+    # corrupt one record's payload: a miss, counted, never a wrong token
+    from kvtier.tiers.disk import HEADER_AREA_BYTES, SUPERBLOCK_BYTES
+
+    (file,) = disk_dir.glob("*.kvtier")
+    with open(file, "r+b") as handle:
+        handle.seek(SUPERBLOCK_BYTES + HEADER_AREA_BYTES + 100)
+        byte = handle.read(1)
+        handle.seek(-1, 1)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    got, stats = run(model_dir, chain_config, PROMPTS)
+    assert got == expected
+    assert stats.promoted_blocks > 0
+    assert stats.loaded_blocks >= stats.promoted_blocks
+    disk = stats.tiers["disk"]
+    assert disk["hits"] >= stats.promoted_blocks  # a fetch keeps the leading hits only
+    assert disk["errors.checksum"] == 1
+
+
+def test_another_tenant_on_the_same_stores_gets_no_hits(
+    model_dir: str,  # noqa: F811
+    chain_config: dict[str, Any],
+    first_run: tuple[list[list[int]], OffloadStats],
+) -> None:
+    expected, _ = first_run
+    got, stats = run(model_dir, {**chain_config, "namespace": "tenant-b"}, PROMPTS[:3])
+    assert got == expected[:3]
+    assert stats.promoted_blocks == 0
+    assert stats.tiers["disk"].get("hits", 0) == stats.tiers["redis"].get("hits", 0) == 0
+
+
+def test_an_engine_sharing_the_redis_and_a_redis_that_restarts(
+    model_dir: str,  # noqa: F811
+    redis_server: Any,  # noqa: ANN401
+    first_run: tuple[list[list[int]], OffloadStats],
+) -> None:
+    from kvtier.integrations.vllm.offline import shutdown
+
+    expected, _ = first_run
+    config = {"cpu_bytes": HOST_BYTES, "tiers": [redis_tier(redis_server)]}
+    llm = _engine(model_dir, config, **DEVICE)
+    try:
+        # an engine on another machine would find what engine A demoted
+        assert serve(llm, PROMPTS[:3]) == expected[:3]
+        before = _tier(llm).stats()
+        assert before.promoted_blocks > 0
+        # the server dies: lookups miss and stores drop, counted; tokens stay right
+        redis_server.kill()
+        assert serve(llm, PROMPTS[3:6]) == expected[3:6]
+        down = _tier(llm).stats()
+        assert down.tiers["redis"].get("errors.connection", 0) > 0
+        # it comes back, empty: the tier reconnects and stores again
+        redis_server.start()
+        assert serve(llm, PROMPTS[6:] + PROMPTS[:2]) == expected[6:] + expected[:2]
+        after = _tier(llm).stats()
+        assert after.tiers["redis"]["stores"] > down.tiers["redis"].get("stores", 0)
+    finally:
+        shutdown(llm)
+
+
+def test_a_disk_that_fills_up_drops_stores_and_keeps_tokens_right(
+    model_dir: str,  # noqa: F811
+    tmp_path: Path,
+    first_run: tuple[list[list[int]], OffloadStats],
+) -> None:
+    from kvtier.tiers.disk import HEADER_AREA_BYTES, PAGE_BYTES, SUPERBLOCK_BYTES
+    from tests.tiers.test_tier_disk import mount_tmpfs, unmount
+
+    expected, _ = first_run
+    slot_bytes = HEADER_AREA_BYTES + -(-RECORD_BYTES // PAGE_BYTES) * PAGE_BYTES
+    small = tmp_path / "small"
+    if not mount_tmpfs(small, SUPERBLOCK_BYTES + 4 * slot_bytes):
+        pytest.skip("this process may not mount a tmpfs")
+    try:
+        disk = {
+            "type": "disk",
+            "path": str(small),
+            "capacity_bytes": 256 * RECORD_BYTES,
+            "preallocate": False,
+        }
+        got, stats = run(model_dir, {"cpu_bytes": HOST_BYTES, "tiers": [disk]}, PROMPTS[:4])
+    finally:
+        unmount(small)
+    assert got == expected[:4]
+    counts = stats.tiers["disk"]
+    assert counts["errors.no_space"] > 0 and counts["drops"] >= counts["errors.no_space"]

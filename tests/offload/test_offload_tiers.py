@@ -1,0 +1,209 @@
+"""The tier chain below the host tier: demotion on eviction, promotion on lookup, faults miss."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from kvtier.copy.base import CopyBackend
+from kvtier.index.base import BlockKey
+from kvtier.index.lru import LRUPolicy
+from kvtier.index.policy import PolicyIndex
+from kvtier.keys import KeyNamespace, hash_token_blocks
+from kvtier.kinds import COPY_BACKEND
+from kvtier.layout.base import KVLayout
+from kvtier.offload import OffloadManager, Promotion, TransferPlan, WorkerReport
+from kvtier.plugins import default_registry
+from kvtier.testing.engine import EngineSpec, OffloadedEngine, SyntheticEngine
+from kvtier.testing.tiers import MemoryTier
+from kvtier.tiers import TierSpec
+from kvtier.tiers.chain import TierChain
+
+BLOCK_TOKENS = 4
+PROMPT_BLOCKS = 5
+
+
+def torch_backend(layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
+    return default_registry().build(COPY_BACKEND, COPY_BACKEND_CONFIG, layout, host_buffer)
+
+
+COPY_BACKEND_CONFIG = default_registry().get(COPY_BACKEND, "torch").config_model()
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(PROMPT_BLOCKS * BLOCK_TOKENS + 1)]
+
+
+class Fleet:
+    """Engines that share one store per rank (as engines sharing a Redis would)."""
+
+    def __init__(self, world_size: int = 1, **tier_settings: object) -> None:
+        self.world_size = world_size
+        self.stores: list[dict[BlockKey, bytes]] = [{} for _ in range(world_size)]
+        self.tier_settings = tier_settings
+        self.tiers: list[MemoryTier] = []
+
+    def engine(self, *, namespace: str = "", model: str = "model-a") -> OffloadedEngine:
+        spec = EngineSpec(num_blocks=24, block_tokens=BLOCK_TOKENS)
+        record_bytes = SyntheticEngine(spec).layout.record_bytes
+        chains = []
+        for rank in range(self.world_size):
+            keys = KeyNamespace(model, "layout", rank, self.world_size, namespace)
+            tier = MemoryTier(
+                TierSpec(record_bytes, keys), store=self.stores[rank], **self.tier_settings
+            )
+            self.tiers.append(tier)
+            chains.append(TierChain([("memory", tier)]))
+        # The host tier holds one prompt: a second prompt evicts (demotes) the first.
+        index = PolicyIndex(PROMPT_BLOCKS + 1, LRUPolicy())
+        return OffloadedEngine(
+            spec, index, torch_backend, world_size=self.world_size, chains=chains
+        )
+
+
+def serve(engine: OffloadedEngine, *seeds: int) -> None:
+    for seed in seeds:
+        engine.submit(prompt(seed))
+        # lookups wait for the tiers' threads: step by time, not by a count of steps
+        deadline = time.monotonic() + 10
+        while not engine.idle:
+            assert time.monotonic() < deadline, "the engine did not drain"
+            engine.step()
+            time.sleep(0.001)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_an_evicted_prefix_is_demoted_then_promoted_back_with_its_bytes(world_size: int) -> None:
+    fleet = Fleet(world_size)
+    engine = fleet.engine()
+    serve(engine, 1, 2)  # prompt 2 evicts prompt 1 from the host tier
+    engine.step()  # the step after an eviction hands the evicted blocks to the workers
+    demoted = engine.manager.stats().demoted_blocks
+    assert demoted >= 1
+    assert all(len(store) == demoted for store in fleet.stores)
+    for rank_engine in engine.engines:
+        rank_engine.drop_cache()
+    serve(engine, 1)
+    stats = engine.manager.stats()
+    # what prompt 2 evicted comes back from the lower tier, the rest is still in host memory
+    assert stats.promoted_blocks == demoted
+    assert engine.stats.tier_hit_blocks == PROMPT_BLOCKS
+    assert engine.stats.verified_blocks == PROMPT_BLOCKS
+    assert engine.mismatches == []
+    counts = stats.tiers["memory"]
+    assert counts["hits"] == demoted * world_size
+    assert counts["bytes_read"] == demoted * world_size * engine.workers[0].tier.record_bytes
+    engine.close()
+
+
+def test_a_second_engine_on_the_same_store_gets_the_first_ones_blocks() -> None:
+    fleet = Fleet()
+    first = fleet.engine()
+    serve(first, 1, 2)
+    first.close()
+    second = fleet.engine()
+    serve(second, 1)
+    assert second.stats.tier_hit_blocks == second.manager.stats().promoted_blocks >= 1
+    assert second.mismatches == []
+    second.close()
+
+
+@pytest.mark.parametrize(
+    ("engine_settings", "fault"),
+    [({"namespace": "tenant-b"}, None), ({"model": "model-b"}, None), ({}, "checksum")],
+)
+def test_records_of_another_tenant_or_model_or_corrupted_are_misses(
+    engine_settings: dict[str, str], fault: str | None
+) -> None:
+    fleet = Fleet()
+    first = fleet.engine()
+    serve(first, 1, 2)
+    first.close()
+    if fault is not None:
+        for key, record in fleet.stores[0].items():
+            fleet.stores[0][key] = record[:-1] + bytes([record[-1] ^ 0xFF])
+    second = fleet.engine(**engine_settings)
+    serve(second, 1)
+    assert second.stats.tier_hit_blocks == 0
+    assert second.stats.requests == 1
+    counts = second.manager.stats().tiers["memory"]
+    assert counts["misses"] >= 1
+    if fault is not None:
+        assert counts[f"errors.{fault}"] == len(fleet.stores[0])
+    second.close()
+
+
+def test_a_stalled_tier_drops_stores_and_misses_at_its_deadline_without_blocking() -> None:
+    fleet = Fleet(get_deadline_s=0.05, queue_depth=1)
+    engine = fleet.engine()
+    (tier,) = fleet.tiers
+    tier.gate.clear()
+    serve(engine, 1, 2, 3, 4)
+    counts = engine.manager.stats().tiers["memory"]
+    assert counts["queue_drops"] >= 1
+    assert counts["deadline_misses"] >= 1
+    assert engine.stats.requests == 4 and engine.mismatches == []
+    engine.close()
+
+
+def test_a_promotion_no_worker_reports_answers_the_lookup_at_the_report_deadline() -> None:
+    now = [0.0]
+    index = PolicyIndex(8, LRUPolicy())
+    manager = OffloadManager(
+        index,
+        block_tokens=BLOCK_TOKENS,
+        record_bytes=64,
+        lower_tiers=True,
+        report_deadline_s=5.0,
+        clock=lambda: now[0],
+    )
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    assert manager.lookup("r", hashes, 0, len(prompt(1))) is None
+    plan = manager.build_plan()
+    (promotion,) = plan.promotions
+    assert promotion.block_hashes == tuple(hashes[:PROMPT_BLOCKS])
+    assert manager.lookup("r", hashes, 0, len(prompt(1))) is None
+    now[0] = 6.0
+    manager.process(None)
+    assert manager.lookup("r", hashes, 0, len(prompt(1))) == 0
+    assert manager.stats().expired_promotions == 1
+    # the late answer still makes the blocks it found readable
+    manager.process(WorkerReport(promoted={promotion.batch_id: (1, 2)}))
+    assert index.lookup(manager.namespace.keys(hashes)) == 2
+
+
+def test_impossible_promotion_reports_are_rejected() -> None:
+    manager = OffloadManager(
+        PolicyIndex(8, LRUPolicy()), block_tokens=BLOCK_TOKENS, record_bytes=64, lower_tiers=True
+    )
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.lookup("r", hashes, 0, len(prompt(1)))
+    (promotion,) = manager.build_plan().promotions
+    manager.process(WorkerReport(promoted={promotion.batch_id: (1, 99), 12345: (1, 0)}))
+    assert manager.stats().rejected_reports == 2
+    assert manager.lookup("r", hashes, 0, len(prompt(1))) is None
+
+
+def test_reports_merge_promotions_by_the_fewest_blocks_found() -> None:
+    merged = WorkerReport.merge_all(
+        [
+            WorkerReport(promoted={3: (1, 4)}, tier_counts={"disk": {"hits": 4}}),
+            WorkerReport(promoted={3: (1, 2)}, tier_counts={"disk": {"hits": 2, "misses": 2}}),
+        ]
+    )
+    assert merged.promoted == {3: (2, 2)}
+    assert merged.tier_counts == {"disk": {"hits": 6, "misses": 2}}
+
+
+def test_a_worker_without_tiers_refuses_a_plan_with_promotions() -> None:
+    fleet = Fleet()
+    engine = fleet.engine()
+    worker = engine.workers[0]
+    worker.chain = None
+    with pytest.raises(ValueError, match="lower tiers"):
+        worker.bind(TransferPlan(promotions=(Promotion(0, 0, (b"h",), (0,)),)))
+    engine.close()
