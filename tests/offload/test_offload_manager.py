@@ -480,3 +480,22 @@ def test_an_abandoned_copy_fails_its_batch_and_keeps_its_slots_until_it_settles(
     assert m.build_plan().stores[0].device_blocks == (5,)
     with pytest.raises(ValueError, match="report_deadline_s"):
         manager(report_deadline_s=0)
+
+
+def test_lazy_mode_stores_only_window_blocks_of_a_windowed_group() -> None:
+    """Blocks that left the window before any step ended are never read back: not stored."""
+    m = manager(num_slots=16, num_groups=2, group_windows=[None, 1], store_mode="lazy")
+    m.scheduled(
+        "a",
+        num_computed_tokens=3 * BT,
+        new_block_ids=[[1, 2, 3], [4, 5, 6]],
+        block_hashes=HASHES[:3],
+    )
+    m.finished("a", 3 * BT)
+    candidates = [LazyCandidate(HASHES[i], 0, 1 + i) for i in range(3)]
+    candidates += [LazyCandidate(HASHES[i], 1, 4 + i) for i in range(3)]
+    candidates.append(LazyCandidate(HASHES[9], 1, 5))  # block 5 now holds another prefix
+    plan = m.build_plan(candidates)
+    assert [(t.group, t.device_blocks) for t in plan.stores] == [(0, (1, 2, 3)), (1, (6,))]
+    m.process(done(plan))
+    assert m.lookup("b", HASHES[:3], 0, 99) == 3 * BT
