@@ -76,8 +76,13 @@ LAZY_HEADROOM = 2
 def group_windows_of(kv_cache_config: KVCacheConfig, block_tokens: int) -> list[int | None]:
     """Blocks a prefix hit needs per kv-cache group: all (``None``) or only the last few.
 
-    A sliding-window group needs the blocks its window spans; a Mamba group
-    needs only its last state block.
+    A hit of ``k`` blocks starts computing at token ``k * block_tokens``, or one
+    token earlier when vLLM recomputes the last token of a fully loaded
+    prompt. A sliding-window layer then reads the ``sliding_window`` tokens
+    before it at most: ``ceil(sliding_window / block_tokens)`` whole blocks
+    before the hit point (vLLM itself keeps ``ceil((sliding_window - 1) /
+    block_tokens)`` for its own hits and frees the rest). A Mamba group needs
+    only its last state block.
     """
     from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
@@ -85,7 +90,7 @@ def group_windows_of(kv_cache_config: KVCacheConfig, block_tokens: int) -> list[
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         if isinstance(spec, SlidingWindowSpec):
-            windows.append(-(-spec.sliding_window // block_tokens) + 1)
+            windows.append(-(-spec.sliding_window // block_tokens))
         elif isinstance(spec, MambaSpec):
             windows.append(1)
         else:
