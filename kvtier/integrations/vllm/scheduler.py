@@ -152,8 +152,11 @@ class KVTierScheduler:
         self._lookup_base: dict[str, int] = {}
         # Requests finished while waiting for their load: vLLM frees their blocks itself.
         self._waiting_finished: set[str] = set()
-        self._lazy_target = LAZY_HEADROOM * -(
-            -vllm_config.scheduler_config.max_num_batched_tokens // block_tokens
+        # One step allocates up to a block per group for every block's worth of tokens.
+        self._lazy_target = (
+            LAZY_HEADROOM
+            * num_groups
+            * -(-vllm_config.scheduler_config.max_num_batched_tokens // block_tokens)
         )
         self._reported = OffloadStats()
         logger.info(

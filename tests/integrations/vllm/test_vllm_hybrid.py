@@ -39,11 +39,11 @@ DEVICE: dict[str, object] = {
     "dtype": "float32",
     "num_device_blocks": 28,
     "max_model_len": 256,
-    "max_num_batched_tokens": 256,
+    "max_num_batched_tokens": 512,
     "max_num_seqs": 8,
 }
 """One device cache for every engine of the module: small enough to evict and to preempt
-(about a dozen blocks per group)."""
+(about a dozen blocks per group), and a token budget that prefills REPEAT_PROMPTS in one step."""
 
 REPEAT_PROMPTS = _random_prompts(random.Random(21), 3, 70, 160)
 FILLER_PROMPTS = [_random_prompts(random.Random(22 + i), 2, 180, 220) for i in range(2)]
