@@ -46,7 +46,9 @@ DEVICE: dict[str, object] = {
 (about a dozen blocks per group), and a token budget that prefills REPEAT_PROMPTS in one step."""
 
 REPEAT_PROMPTS = _random_prompts(random.Random(21), 3, 70, 160)
-FILLER_PROMPTS = [_random_prompts(random.Random(22 + i), 2, 180, 220) for i in range(2)]
+FILLER_PROMPTS = [_random_prompts(random.Random(22 + i), 1, 100, 120) for i in range(4)]
+"""One short prompt a step: lazy mode stores a block at vLLM's eviction frontier in the step
+before it is reused, and a step that took the whole device cache at once would leave none."""
 PREEMPT_PROMPTS = _random_prompts(random.Random(24), 6, 90, 180)
 MAX_TOKENS = 6
 PREEMPT_TOKENS = 40
