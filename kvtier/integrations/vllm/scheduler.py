@@ -98,6 +98,17 @@ def group_windows_of(kv_cache_config: KVCacheConfig, block_tokens: int) -> list[
     return windows
 
 
+def lazy_frontier_blocks(num_groups: int, max_num_batched_tokens: int, block_tokens: int) -> int:
+    """How far down vLLM's free block queue lazy mode stores: :data:`LAZY_HEADROOM` steps' worth.
+
+    One step may allocate a block in every kv-cache group for each block's
+    worth of scheduled tokens; a block reused before lazy mode saw it at the
+    frontier is lost to the tier, and in a hybrid model a lost full-attention
+    block cuts every later hit short.
+    """
+    return LAZY_HEADROOM * num_groups * -(-max_num_batched_tokens // block_tokens)
+
+
 class KVTierScheduler:
     """The scheduler-side connector: wraps an :class:`~kvtier.offload.OffloadManager`."""
 
@@ -152,11 +163,8 @@ class KVTierScheduler:
         self._lookup_base: dict[str, int] = {}
         # Requests finished while waiting for their load: vLLM frees their blocks itself.
         self._waiting_finished: set[str] = set()
-        # One step allocates up to a block per group for every block's worth of tokens.
-        self._lazy_target = (
-            LAZY_HEADROOM
-            * num_groups
-            * -(-vllm_config.scheduler_config.max_num_batched_tokens // block_tokens)
+        self._lazy_target = lazy_frontier_blocks(
+            num_groups, vllm_config.scheduler_config.max_num_batched_tokens, block_tokens
         )
         self._reported = OffloadStats()
         logger.info(
