@@ -1,13 +1,14 @@
 """Small random-weight checkpoints written to disk, to run an engine with kvtier without downloads.
 
 The demo (``make demo``), ``benchmarks/vllm_ttft.py`` and the end-to-end tests
-all serve a model written by :func:`write_tiny_llama`: a ``transformers``
+serve a model written by :func:`write_tiny_llama`: a ``transformers``
 Llama built from a :class:`TinyLlamaSpec` and a fixed seed, saved with
 ``save_pretrained``, so any engine that loads Hugging Face checkpoints from a
 directory can serve it. Prompts are token ids (there is no tokenizer), and
 greedy outputs are deterministic, so two runs of the same engine can be
-compared token for token. Writing needs ``transformers``, which vLLM
-depends on.
+compared token for token. :func:`write_tiny_gemma3` writes a hybrid model
+(sliding-window and full attention layers) the same way. Writing needs
+``transformers``, which vLLM depends on.
 
 Example::
 
@@ -75,6 +76,26 @@ class TinyLlamaSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
+@dataclass(frozen=True)
+class TinyGemma3Spec(TinyLlamaSpec):
+    """Shape of a random-weight Gemma3-style hybrid: sliding-window and full attention layers.
+
+    Layers alternate ``sliding_attention`` and ``full_attention``, so vLLM puts
+    them in two kv-cache groups (a ``SlidingWindowSpec`` and a
+    ``FullAttentionSpec``) of equal bytes per block. Weights are float32
+    (serve it with ``dtype="float32"``); untied embeddings and no final logit
+    soft-capping keep greedy outputs from collapsing to one repeated token.
+    """
+
+    num_layers: int = 4
+    sliding_window: int = 64
+    """Tokens a sliding-window layer attends to (the current one included)."""
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """Bytes of K and V for one token across all layers (float32 by default)."""
+        return super().kv_bytes_per_token(dtype_bytes)
+
+
 def write_tiny_llama(directory: str | Path, spec: TinyLlamaSpec | None = None) -> Path:
     """Write a random-weight Llama checkpoint to ``directory`` and return its path.
 
@@ -93,10 +114,8 @@ def write_tiny_llama(directory: str | Path, spec: TinyLlamaSpec | None = None) -
     marker = path / _SPEC_FILE
     if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
         return path
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
@@ -110,13 +129,55 @@ def write_tiny_llama(directory: str | Path, spec: TinyLlamaSpec | None = None) -
         torch_dtype="bfloat16",
         tie_word_embeddings=False,
     )
+    return _save(path, spec, LlamaForCausalLM, config, "bfloat16")
+
+
+def write_tiny_gemma3(directory: str | Path, spec: TinyGemma3Spec | None = None) -> Path:
+    """Write a random-weight Gemma3-style hybrid checkpoint to ``directory``; return its path.
+
+    Like :func:`write_tiny_llama`, writing is skipped when the directory
+    already holds a checkpoint of the same spec.
+    """
+    spec = spec or TinyGemma3Spec()
+    path = Path(directory)
+    marker = path / _SPEC_FILE
+    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+        return path
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        sliding_window=spec.sliding_window,
+        layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)
+        ],
+        tie_word_embeddings=False,
+        final_logit_softcapping=None,
+        torch_dtype="float32",
+    )
+    return _save(path, spec, Gemma3ForCausalLM, config, "float32")
+
+
+def _save(path: Path, spec: TinyLlamaSpec, model_class: type, config: object, dtype: str) -> Path:
+    """Build ``model_class(config)`` from the spec's seed, save it and its spec marker."""
+    import torch
+
+    path.mkdir(parents=True, exist_ok=True)
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model = model_class(config).to(getattr(torch, dtype))
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(path)
-    marker.write_text(json.dumps(asdict(spec)))
-    logger.info("wrote a random-weight Llama (%s) to %s", spec, path)
+    (path / _SPEC_FILE).write_text(json.dumps(asdict(spec)))
+    logger.info("wrote a random-weight %s (%s) to %s", model_class.__name__, spec, path)
     return path

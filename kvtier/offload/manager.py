@@ -294,8 +294,10 @@ class OffloadManager:
             group_windows: Per kv-cache group, ``None`` when a prefix needs all
                 its blocks (full attention), or ``w`` when only its last ``w``
                 blocks matter (sliding window: the blocks the window spans;
-                Mamba state: 1). Such a group stores, loads and requires for a
-                hit only those blocks. ``None`` means full attention everywhere.
+                Mamba state: 1). Such a group loads and requires for a hit only
+                those blocks, and stores, in either mode, only blocks that were
+                among a request's last ``w`` at the end of a step (where a hit
+                can start). ``None`` means full attention everywhere.
             report_deadline_s: Seconds after planning by which every worker must
                 have reported a batch; later, the batch fails (see :meth:`process`).
             lower_tiers: Workers have storage tiers below the host tier: host
@@ -347,6 +349,9 @@ class OffloadManager:
         self._flush = False
         self._released: list[str] = []
         self._unavailable: dict[str, tuple[DeviceBlock, ...]] = {}
+        # Lazy mode, per windowed group: device block -> the key it held while inside the
+        # window at the end of a step (where a later hit may start); other blocks are not stored.
+        self._window_blocks: list[dict[int, BlockKey]] = [{} for _ in range(num_groups)]
         # Requests whose load failed recompute instead: asked again, they get no tier hit.
         self._load_failed: set[str] = set()
         self._events: list[IndexEvent] = []
@@ -629,6 +634,7 @@ class OffloadManager:
                 if ids:
                     state.block_ids[group].extend(ids)
         state.computed_tokens = num_computed_tokens
+        self._note_window_blocks(state)
 
     def preempted(self, request_ids: Iterable[str]) -> None:
         """The engine took these requests' device blocks back.
@@ -672,6 +678,7 @@ class OffloadManager:
         state.unavailable.clear()
         if num_computed_tokens is not None:
             state.computed_tokens = max(state.computed_tokens, num_computed_tokens)
+            self._note_window_blocks(state)
         state.finished = True
         if state.batches or self._has_unstored_blocks(state):
             return True
@@ -946,6 +953,29 @@ class OffloadManager:
             hits = start + readable
         return 0
 
+    def _note_window_blocks(self, state: _Request) -> None:
+        """Lazy mode: remember the windowed groups' blocks a hit at the request's end needs.
+
+        A hit can start where a step left the request (a finished, preempted or
+        repeated request starts from there); a windowed group's block that was
+        never among the last ``window`` blocks at such a point is never read
+        back, so lazy mode does not store it when it reaches the eviction
+        frontier (vLLM frees sliding-window blocks while their request runs).
+        """
+        if self.store_mode != "lazy":
+            return
+        ready = min(len(state.block_hashes), state.computed_tokens // self.block_tokens)
+        for group, window in enumerate(self.group_windows):
+            if window is None:
+                continue
+            group_ids = state.block_ids[group]
+            stop = min(ready, len(group_ids))
+            start = max(0, stop - window)
+            keys = self.namespace.keys(state.block_hashes[start:stop], group)
+            for block_id, key in zip(group_ids[start:stop], keys, strict=True):
+                if block_id != self.null_block_id:
+                    self._window_blocks[group][block_id] = key
+
     def _refuse_reload(self, request_id: str) -> None:
         state = self._requests.get(request_id)
         if state is not None and not state.finished:
@@ -1039,6 +1069,11 @@ class OffloadManager:
                 )
             key = self.namespace.key(candidate.block_hash, candidate.group)
             if key in reserved_now or self._present(key):
+                continue
+            if (
+                self.group_windows[candidate.group] is not None
+                and self._window_blocks[candidate.group].get(candidate.block_id) != key
+            ):
                 continue
             (slot,) = self.index.reserve([key])
             if slot is None:

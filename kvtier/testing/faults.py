@@ -15,12 +15,22 @@ while it hung holds wrong bytes) and raises exceptions that are not
 is a clock for deadlines that moves only when a test (or a wait) moves it.
 :func:`flaky_copy_registry` registers it as copy backend type ``flaky``, for
 code that builds its backend from a config (an engine's connector).
+
+Engines whose workers run in other processes (vLLM's tensor parallel workers
+are spawned) cannot be handed a Python predicate. For them,
+:data:`RANK_FAULTS_PLUGIN` registers copy backend type ``rank-faults``, driven
+and observed through files in one folder: a file ``fail-loads-rank<r>`` makes
+rank ``r``'s loads fail from then on, and every rank keeps its counts in
+``rank<r>.json``. :func:`install_rank_faults` makes the plugin an entry point
+that spawned processes find.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -256,3 +266,117 @@ def flaky_copy_registry(**faults: Any) -> Registry:
     manager = build_plugin_manager()
     manager.register(_FlakyCopyPlugin(faults), name="kvtier-testing-flaky-copy")
     return collect(manager)
+
+
+class RankFaultsConfig(PluginConfig):
+    """The ``torch`` copy backend with per-rank load failures and counts, through files (tests)."""
+
+    type: Literal["rank-faults"] = Field(
+        default="rank-faults",
+        description="Use the torch backend with load failures chosen per rank by files.",
+    )
+    directory: str = Field(
+        description=(
+            "Folder shared by every rank: a file fail-loads-rank<r> in it makes rank r's loads "
+            "fail; rank r writes its counts to rank<r>.json there."
+        )
+    )
+
+
+class RankFaultsBackend(FlakyBackend):
+    """A :class:`FlakyBackend` whose load failures and counts live in files, one set per rank."""
+
+    def __init__(
+        self, inner: CopyBackend, layout: KVLayout, host_buffer: torch.Tensor, directory: Path
+    ) -> None:
+        self.directory = directory
+        self.rank = (
+            torch.distributed.get_rank()
+            if torch.distributed.is_available() and torch.distributed.is_initialized()
+            else 0
+        )
+        self.counts = {
+            "host_slots": host_buffer.shape[0],
+            "host_bytes": host_buffer.numel() * host_buffer.element_size(),
+            "stored_blocks": 0,
+            "loaded_blocks": 0,
+            "failed_load_blocks": 0,
+        }
+        super().__init__(inner, layout, host_buffer, fail=self._fails)
+        self._write_counts()
+
+    def _fails(self, batch: CopyBatch) -> bool:
+        return (
+            batch.direction is Direction.LOAD
+            and (self.directory / f"fail-loads-rank{self.rank}").exists()
+        )
+
+    def submit(self, batch: CopyBatch) -> CopyHandle:
+        """Submit, then count the batch's blocks in this rank's file."""
+        handle = super().submit(batch)
+        if batch.direction is Direction.STORE:
+            self.counts["stored_blocks"] += len(batch)
+        elif self._pending[handle.id].failed:
+            self.counts["failed_load_blocks"] += len(batch)
+        else:
+            self.counts["loaded_blocks"] += len(batch)
+        self._write_counts()
+        return handle
+
+    def _write_counts(self) -> None:
+        path = self.directory / f"rank{self.rank}.json"
+        partial = path.with_suffix(".tmp")
+        partial.write_text(json.dumps(self.counts))
+        partial.replace(path)
+
+
+def read_rank_counts(directory: str | Path) -> dict[int, dict[str, int]]:
+    """The counts every ``rank-faults`` backend wrote to ``directory``, by rank."""
+    return {
+        int(path.stem.removeprefix("rank")): json.loads(path.read_text())
+        for path in Path(directory).glob("rank*.json")
+    }
+
+
+class _RankFaultsPlugin:
+    @kvtier.hookimpl
+    def register_copy_backends(self, register: Callable[..., None]) -> None:
+        def build(
+            config: RankFaultsConfig, layout: KVLayout, host_buffer: torch.Tensor
+        ) -> CopyBackend:
+            from kvtier.plugins import default_registry
+
+            torch_backend = default_registry().get(COPY_BACKEND, "torch")
+            inner = torch_backend.factory(torch_backend.config_model(), layout, host_buffer)
+            return RankFaultsBackend(inner, layout, host_buffer, Path(config.directory))
+
+        register("rank-faults", build, RankFaultsConfig)
+
+
+RANK_FAULTS_PLUGIN = _RankFaultsPlugin()
+"""The plugin registering copy backend type ``rank-faults``."""
+
+RANK_FAULTS_DISTRIBUTION = "kvtier-testing-rank-faults"
+"""The distribution name :func:`install_rank_faults` gives the plugin's entry point."""
+
+
+def install_rank_faults(directory: str | Path) -> Path:
+    """Write a minimal ``.dist-info`` into ``directory`` naming :data:`RANK_FAULTS_PLUGIN`.
+
+    With ``directory`` on ``sys.path`` (spawned processes inherit the parent's),
+    every process that builds its plugin registry afterwards finds the
+    ``rank-faults`` copy backend; a process that already built one must drop it
+    (tests reset ``kvtier.plugins._default_registry``).
+
+    Returns:
+        The ``.dist-info`` folder written.
+    """
+    info = Path(directory) / f"{RANK_FAULTS_DISTRIBUTION.replace('-', '_')}-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {RANK_FAULTS_DISTRIBUTION}\nVersion: 0\n"
+    )
+    (info / "entry_points.txt").write_text(
+        f"[kvtier]\nrank-faults = {__name__}:RANK_FAULTS_PLUGIN\n"
+    )
+    return info

@@ -523,3 +523,22 @@ def test_observations_are_kept_only_when_asked_for() -> None:
     m.allocated("b", HASHES[:2], [[8, 9, 10]], 0, 0)
     m.process(done(store_blocks(m, "a", 2)))
     assert m.take_observations() == Observations()
+
+
+def test_lazy_mode_stores_only_window_blocks_of_a_windowed_group() -> None:
+    """Blocks that left the window before any step ended are never read back: not stored."""
+    m = manager(num_slots=16, num_groups=2, group_windows=[None, 1], store_mode="lazy")
+    m.scheduled(
+        "a",
+        num_computed_tokens=3 * BT,
+        new_block_ids=[[1, 2, 3], [4, 5, 6]],
+        block_hashes=HASHES[:3],
+    )
+    m.finished("a", 3 * BT)
+    candidates = [LazyCandidate(HASHES[i], 0, 1 + i) for i in range(3)]
+    candidates += [LazyCandidate(HASHES[i], 1, 4 + i) for i in range(3)]
+    candidates.append(LazyCandidate(HASHES[9], 1, 5))  # block 5 now holds another prefix
+    plan = m.build_plan(candidates)
+    assert [(t.group, t.device_blocks) for t in plan.stores] == [(0, (1, 2, 3)), (1, (6,))]
+    m.process(done(plan))
+    assert m.lookup("b", HASHES[:3], 0, 99) == 3 * BT

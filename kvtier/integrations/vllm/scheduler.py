@@ -77,8 +77,13 @@ LAZY_HEADROOM = 2
 def group_windows_of(kv_cache_config: KVCacheConfig, block_tokens: int) -> list[int | None]:
     """Blocks a prefix hit needs per kv-cache group: all (``None``) or only the last few.
 
-    A sliding-window group needs the blocks its window spans; a Mamba group
-    needs only its last state block.
+    A hit of ``k`` blocks starts computing at token ``k * block_tokens``, or one
+    token earlier when vLLM recomputes the last token of a fully loaded
+    prompt. A sliding-window layer then reads the ``sliding_window`` tokens
+    before it at most: ``ceil(sliding_window / block_tokens)`` whole blocks
+    before the hit point (vLLM itself keeps ``ceil((sliding_window - 1) /
+    block_tokens)`` for its own hits and frees the rest). A Mamba group needs
+    only its last state block.
     """
     from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
@@ -86,12 +91,23 @@ def group_windows_of(kv_cache_config: KVCacheConfig, block_tokens: int) -> list[
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         if isinstance(spec, SlidingWindowSpec):
-            windows.append(-(-spec.sliding_window // block_tokens) + 1)
+            windows.append(-(-spec.sliding_window // block_tokens))
         elif isinstance(spec, MambaSpec):
             windows.append(1)
         else:
             windows.append(None)
     return windows
+
+
+def lazy_frontier_blocks(num_groups: int, max_num_batched_tokens: int, block_tokens: int) -> int:
+    """How far down vLLM's free block queue lazy mode stores: :data:`LAZY_HEADROOM` steps' worth.
+
+    One step may allocate a block in every kv-cache group for each block's
+    worth of scheduled tokens; a block reused before lazy mode saw it at the
+    frontier is lost to the tier, and in a hybrid model a lost full-attention
+    block cuts every later hit short.
+    """
+    return LAZY_HEADROOM * num_groups * -(-max_num_batched_tokens // block_tokens)
 
 
 class KVTierScheduler:
@@ -149,8 +165,8 @@ class KVTierScheduler:
         self._lookup_base: dict[str, int] = {}
         # Requests finished while waiting for their load: vLLM frees their blocks itself.
         self._waiting_finished: set[str] = set()
-        self._lazy_target = LAZY_HEADROOM * -(
-            -vllm_config.scheduler_config.max_num_batched_tokens // block_tokens
+        self._lazy_target = lazy_frontier_blocks(
+            num_groups, vllm_config.scheduler_config.max_num_batched_tokens, block_tokens
         )
         self._reported = OffloadStats()
         self._capacity_bytes = host_bytes_per_rank(config, world_size)

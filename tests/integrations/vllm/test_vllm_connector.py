@@ -22,6 +22,7 @@ from kvtier.integrations.vllm.adapters import (  # noqa: E402
     VllmAdapter,
     adapter_for,
 )
+from kvtier.integrations.vllm.scheduler import lazy_frontier_blocks  # noqa: E402
 from kvtier.integrations.vllm.stats import (  # noqa: E402
     METRICS,
     OFFLOAD_COUNTERS,
@@ -344,3 +345,9 @@ def test_plan_and_reports_cross_processes() -> None:
     rank1 = KVTierWorkerMetadata(WorkerReport(done={0: 1}, abandoned={1: 1}, settled={1: 1}))
     merged = pickle.loads(pickle.dumps(rank0)).aggregate(rank1)
     assert merged.report == WorkerReport(done={0: 2, 1: 1}, abandoned={1: 1}, settled={1: 1})
+
+
+def test_the_lazy_frontier_covers_two_steps_of_allocation_in_every_group() -> None:
+    assert lazy_frontier_blocks(1, 512, 32) == 2 * 16
+    assert lazy_frontier_blocks(2, 512, 32) == 2 * 2 * 16, "a step allocates in both groups"
+    assert lazy_frontier_blocks(2, 500, 32) == 2 * 2 * 16
