@@ -38,6 +38,42 @@ class EvictionPolicy(ABC):
         """Choose a key to evict among those for which ``evictable`` is true, or ``None``."""
 
 
+class ShadowCache:
+    """A cache of keys alone (no slots, no bytes) ranked by a policy, to count what it would hit.
+
+    A policy that chooses between rules as the workload goes can replay a sample of its keys
+    through a few small shadow caches, one per rule, and follow the one that hits most.
+    """
+
+    def __init__(self, policy: EvictionPolicy, num_keys: int) -> None:
+        if num_keys <= 0:
+            raise ValueError(f"a shadow cache needs room for at least one key, got {num_keys}")
+        self.policy = policy
+        self.num_keys = num_keys
+        self._keys: set[BlockKey] = set()
+
+    def reference(self, key: BlockKey) -> bool:
+        """Replay one use of ``key``; return whether it hit.
+
+        A missed key is stored if the policy admits it, after evicting the policy's victim
+        when the shadow is full.
+        """
+        keys, policy = self._keys, self.policy
+        if key in keys:
+            policy.accessed(key)
+            return True
+        if policy.admit(key, None):
+            if len(keys) >= self.num_keys:
+                victim = policy.victim(keys.__contains__)
+                if victim is None:
+                    raise RuntimeError(f"{type(policy).__name__} chose no victim in a full cache")
+                keys.remove(victim)
+                policy.removed(victim)
+            keys.add(key)
+            policy.inserted(key, None)
+        return False
+
+
 class PolicyIndex(BlockIndex):
     """Slot table with free, writing and readable states, pins, and a policy for victims."""
 

@@ -2,7 +2,7 @@
 
 A KV tier is not a generic cache: a block is only readable through its whole
 prefix (lookup stops at the first missing block), every request walks its chain
-root first, and reuse comes in long gaps. Five changes to ARC (see
+root first, and reuse comes in long gaps. Six changes to ARC (see
 :mod:`kvtier.index.arc`) use that:
 
 - **Tail first.** A request touches its chain root to leaf, so a plain recency
@@ -39,10 +39,21 @@ root first, and reuse comes in long gaps. Five changes to ARC (see
   block's descendants in the same chain are declined too (they could not be
   reached). So the admission filter turns itself on where it pays (small tiers
   against a working set of one-shot blocks) and off where it does not.
+- **Recency when it pays.** ARC's target adapts one ghost hit at a time and
+  starts at an empty recency list, and reuse after a long gap keeps pushing it
+  towards the frequency list; in a large tier on a conversation-like workload
+  that starves the recency list and falls below plain LRU. So victims follow
+  one of two rules: ARC's target, or recency alone (the least recently used
+  block of both lists, chains still ranked leaf first). A third shadow, the
+  same ARC on the same key sample, duels with the shadow that stores every
+  block under LRU; a saturating counter of which one hits more picks the rule.
+  The tier starts on recency and takes ARC's rule once ARC's shadow is ahead,
+  its target then starting from the recency list's current size.
 
-Everything is O(1) amortized per operation: ordered dicts for the lists, each
-chain is re-ranked at most a few times per request, and the shadows see only
-the sampled keys.
+Everything is O(1) amortized per operation: ordered dicts for the lists (their
+values are use stamps, so the least recent of two list heads is one
+comparison), each chain is re-ranked at most a few times per request, and the
+shadows see only the sampled keys.
 """
 
 from __future__ import annotations
@@ -56,7 +67,7 @@ from pydantic import Field
 
 from kvtier.index.arc import adapted_target_t1, arc_victim, first_evictable
 from kvtier.index.base import BlockKey
-from kvtier.index.policy import EvictionPolicy, PolicyIndex
+from kvtier.index.policy import EvictionPolicy, PolicyIndex, ShadowCache
 from kvtier.models import PluginConfig
 
 TAIL_BUCKETS = 4
@@ -73,8 +84,11 @@ MIN_SHADOW_SLOTS = 128
 MAX_MEMORY_FACTOR = 1024.0
 """Largest multiple of the slot count a memory of keys may be configured to hold."""
 DUEL_LIMIT = 256
-"""Bound of the counter of shadow hits, so a change of workload turns the choice within a few
+"""Bound of the counters of shadow hits, so a change of workload turns a choice within a few
 hundred sampled hits."""
+
+Admission = Literal["adaptive", "all"]
+Eviction = Literal["adaptive", "arc", "recency"]
 
 
 class PrefixARCConfig(PluginConfig):
@@ -100,12 +114,20 @@ class PrefixARCConfig(PluginConfig):
             "overall reuse rate is placed first in line for eviction; 0 turns this off."
         ),
     )
-    admission: Literal["adaptive", "all"] = Field(
+    admission: Admission = Field(
         default="adaptive",
         description=(
             "'adaptive': shadow caches on a sample of the keys decide, as the workload goes, "
             "whether a block seen for the first time is stored or only a block seen before; "
             "'all': store every block."
+        ),
+    )
+    eviction: Eviction = Field(
+        default="adaptive",
+        description=(
+            "'adaptive': shadow caches on a sample of the keys decide, as the workload goes, "
+            "whether victims follow ARC's adaptive target or recency alone (the least recently "
+            "used block); 'arc' or 'recency': always that rule."
         ),
     )
     first_sight_memory_factor: float = Field(
@@ -122,8 +144,9 @@ class PrefixARCConfig(PluginConfig):
         gt=0.0,
         le=1.0,
         description=(
-            "Share of the keys the adaptive admission's shadow caches replay; each shadow holds "
-            "this share of the slot count (at least 128 slots: a smaller tier samples more)."
+            "Share of the keys the shadow caches of adaptive admission and eviction replay; each "
+            "shadow holds this share of the slot count (at least 128 slots: a smaller tier "
+            "samples more)."
         ),
     )
 
@@ -136,9 +159,10 @@ class PrefixARCPolicy(EvictionPolicy):
         num_slots: int,
         history_factor: float = 4.0,
         low_value_ratio: float = 0.5,
-        admission: Literal["adaptive", "all"] = "adaptive",
+        admission: Admission = "adaptive",
         first_sight_memory_factor: float = 16.0,
         sample_rate: float = 0.0625,
+        eviction: Eviction = "adaptive",
     ) -> None:
         self.num_slots = num_slots
         self.history_size = int(num_slots * history_factor)
@@ -146,8 +170,11 @@ class PrefixARCPolicy(EvictionPolicy):
         self._parent: dict[BlockKey, BlockKey | None] = {}
         # Cached children of each key: one key, or a set when there are several.
         self._children: dict[BlockKey, BlockKey | set[BlockKey]] = {}
-        self._t1: OrderedDict[BlockKey, None] = OrderedDict()
-        self._t2: OrderedDict[BlockKey, None] = OrderedDict()
+        # Values are use stamps from ``_clock``, increasing along each list; 0 marks a block put
+        # first in line for eviction.
+        self._t1: OrderedDict[BlockKey, int] = OrderedDict()
+        self._t2: OrderedDict[BlockKey, int] = OrderedDict()
+        self._clock = 0
         self._orphans: OrderedDict[BlockKey, None] = OrderedDict()
         self._b1: OrderedDict[BlockKey, None] = OrderedDict()
         self._b2: OrderedDict[BlockKey, None] = OrderedDict()
@@ -183,6 +210,21 @@ class PrefixARCPolicy(EvictionPolicy):
         # Sampled keys that may be in the tier, so that a hit needs no hashing to be sampled.
         self._sampled: set[BlockKey] = set()
         self._duel = 0
+        # Adaptive eviction: the same ARC on the sampled keys, against ``_shadow_all`` (LRU);
+        # the tier starts on recency and follows ARC's target while its shadow is ahead.
+        self.adaptive_eviction = eviction == "adaptive"
+        self.recency = eviction != "arc"
+        self._rule_duel = 0
+        if self.adaptive_eviction:
+            shadow_arc = PrefixARCPolicy(
+                self._shadow_slots,
+                history_factor,
+                low_value_ratio=0.0,
+                admission="all",
+                eviction="arc",
+            )
+            self._shadow_arc = ShadowCache(shadow_arc, self._shadow_slots)
+        self._sampling = self.adaptive or self.adaptive_eviction
 
     # Chain ranking.
 
@@ -191,11 +233,17 @@ class PrefixARCPolicy(EvictionPolicy):
         if self._ranked == len(self._chain):
             return
         t1, t2 = self._t1, self._t2
+        clock = self._clock
         for key in reversed(self._chain):
             if key in t1:
                 t1.move_to_end(key)
+                clock += 1
+                t1[key] = clock
             elif key in t2:
                 t2.move_to_end(key)
+                clock += 1
+                t2[key] = clock
+        self._clock = clock
         self._ranked = len(self._chain)
 
     def _end_chain(self) -> None:
@@ -209,10 +257,13 @@ class PrefixARCPolicy(EvictionPolicy):
             low = self._low_value_classes()
             last = len(chain) - 1
             demoted = []
+            clock = self._clock
             for position in range(last, -1, -1):
                 key = chain[position]
+                clock += 1
                 if key in t1:
                     t1.move_to_end(key)
+                    t1[key] = clock
                     if position >= first:
                         cls = origin + min(last - position, TAIL_BUCKETS - 1)
                         classes[key] = cls
@@ -221,9 +272,12 @@ class PrefixARCPolicy(EvictionPolicy):
                             demoted.append(key)
                 elif key in t2:
                     t2.move_to_end(key)
+                    t2[key] = clock
+            self._clock = clock
             # Root first, so that the chain's deepest low-value block ends up first in line.
             for key in reversed(demoted):
                 t1.move_to_end(key, last=False)
+                t1[key] = 0
             self._count_towards_decay(len(chain) - first)
         chain.clear()
         self._ranked = 0
@@ -243,6 +297,8 @@ class PrefixARCPolicy(EvictionPolicy):
 
     def _low_value_classes(self) -> list[bool]:
         """Per class, whether its reuse rate is under ``low_value_ratio`` of the overall rate."""
+        if not self.low_value_ratio:
+            return [False] * NUM_CLASSES
         stored, reused = self._stored, self._reused
         overall = (sum(reused) + 1.0) / (sum(stored) + 2.0)
         bar = self.low_value_ratio * overall
@@ -267,17 +323,32 @@ class PrefixARCPolicy(EvictionPolicy):
     # Adaptive admission.
 
     def _shadow_reference(self, key: BlockKey) -> None:
-        """Replay a use of sampled ``key`` in both shadow caches; update the choice."""
+        """Replay a use of sampled ``key`` in the shadow caches; update the choices."""
         limit = self._shadow_slots
-        every, second = self._shadow_all, self._shadow_second
-        score = 0
-        if key in every:
+        every = self._shadow_all
+        every_hit = key in every
+        if every_hit:
             every.move_to_end(key)
-            score += 1
         else:
             every[key] = None
             if len(every) > limit:
                 every.popitem(last=False)
+        if self.adaptive:
+            self._admission_reference(key, every_hit)
+        if self.adaptive_eviction and self._shadow_arc.reference(key) != every_hit:
+            self._rule_duel = max(-DUEL_LIMIT, min(DUEL_LIMIT, self._rule_duel + 2 * every_hit - 1))
+            if self.recency and self._rule_duel < 0:
+                # ARC's target starts from the split that recency left.
+                self.recency = False
+                self.target_t1 = float(len(self._t1))
+            elif not self.recency and self._rule_duel > 0:
+                self.recency = True
+
+    def _admission_reference(self, key: BlockKey, every_hit: bool) -> None:
+        """Replay a use of sampled ``key`` in the second-sight shadow; update the admission."""
+        limit = self._shadow_slots
+        second = self._shadow_second
+        score = int(every_hit)
         if key in second:
             second.move_to_end(key)
             score -= 1
@@ -330,9 +401,7 @@ class PrefixARCPolicy(EvictionPolicy):
             # Reuse after a gap longer than the ghost lists remember also argues for a larger t2.
             toward_t2=self._incoming_in_b2 or key in self._history,
         )
-        if not self.adaptive:
-            return True
-        if crc32(key) & SAMPLE_MASK < self._sample_below:
+        if self._sampling and crc32(key) & SAMPLE_MASK < self._sample_below:
             self._shadow_reference(key)
             self._note_sampled(key)
         return not self.second_sight or self._admit_on_second_sight(key, parent)
@@ -356,10 +425,12 @@ class PrefixARCPolicy(EvictionPolicy):
         elif key in self._history:
             del self._history[key]
         else:
-            self._t1[key] = None
+            self._clock += 1
+            self._t1[key] = self._clock
             return
         self._credit_reuse(key)
-        self._t2[key] = None
+        self._clock += 1
+        self._t2[key] = self._clock
 
     def accessed(self, key: BlockKey) -> None:
         # No move here: the chain is ranked, leaf first, before the next victim is chosen.
@@ -381,7 +452,8 @@ class PrefixARCPolicy(EvictionPolicy):
             parent = self._parent[key]
             if parent is not None:
                 self._add_child(parent, key)
-        self._t2[key] = None
+        self._clock += 1
+        self._t2[key] = self._clock
 
     def removed(self, key: BlockKey) -> None:
         parent = self._parent.pop(key)
@@ -428,7 +500,22 @@ class PrefixARCPolicy(EvictionPolicy):
             if key is not None:
                 return key
         self._rank_chain()
+        if self.recency:
+            return _least_recent(self._t1, self._t2, evictable)
         return arc_victim(self._t1, self._t2, self.target_t1, self._incoming_in_b2, evictable)
+
+
+def _least_recent(
+    t1: OrderedDict[BlockKey, int],
+    t2: OrderedDict[BlockKey, int],
+    evictable: Callable[[BlockKey], bool],
+) -> BlockKey | None:
+    """The evictable key of either list with the oldest use stamp, else ``None``."""
+    first = first_evictable(t1, evictable)
+    second = first_evictable(t2, evictable)
+    if first is None or second is not None and t2[second] < t1[first]:
+        return second
+    return first
 
 
 def _remember(seen: OrderedDict[BlockKey, None], key: BlockKey, size: int) -> None:
@@ -458,5 +545,6 @@ def build(config: PrefixARCConfig, num_slots: int) -> PolicyIndex:
             config.admission,
             config.first_sight_memory_factor,
             config.sample_rate,
+            config.eviction,
         ),
     )

@@ -15,7 +15,7 @@ from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.keys import hash_token_blocks
 from kvtier.simulator import add_arguments, run, simulate
-from kvtier.simulator.generate import generate_records, generate_trace
+from kvtier.simulator.generate import WORKLOADS, generate_records, generate_trace
 from kvtier.simulator.replay import replay
 from kvtier.simulator.traces import TraceError, TraceRequest, load_trace, mooncake_key
 from tests.conftest import REPO_ROOT
@@ -112,7 +112,7 @@ def test_belady_bounds_every_policy() -> None:
 
 
 def test_generated_traces_are_deterministic_and_prefix_consistent() -> None:
-    for workload in ("chat", "rag"):
+    for workload in WORKLOADS:
         records = generate_records(workload, 200, seed=5)
         assert records == generate_records(workload, 200, seed=5)
         assert records != generate_records(workload, 200, seed=6)
@@ -120,6 +120,28 @@ def test_generated_traces_are_deterministic_and_prefix_consistent() -> None:
         for record in records:
             for parent, block in zip([None, *record["hash_ids"]], record["hash_ids"], strict=False):
                 assert parents.setdefault(block, parent) == parent
+
+
+def test_agent_trace_grows_long_contexts_on_shared_prompts_with_branches() -> None:
+    chains = [record["hash_ids"] for record in generate_records("agent", 400, seed=0)]
+    # Tasks share long system prompts: many requests start with the same 16 blocks.
+    heads = [tuple(chain[:16]) for chain in chains]
+    assert max(heads.count(head) for head in set(heads)) > 40
+    # A step resends its task's context: most requests extend an earlier request's chain.
+    seen: set[tuple[int, ...]] = set()
+    extends = 0
+    for chain in chains:
+        extends += any(tuple(chain[:end]) in seen for end in range(17, len(chain)))
+        seen.add(tuple(chain))
+    assert extends > len(chains) // 2
+    assert max(len(chain) for chain in chains) > 100
+    # Retries branch inside a task: past any system prompt and task description (at most 68
+    # blocks), some block is followed by two different blocks.
+    children: dict[int, set[int]] = {}
+    for chain in chains:
+        for parent, child in zip(chain[68:], chain[69:], strict=False):
+            children.setdefault(parent, set()).add(child)
+    assert any(len(kids) > 1 for kids in children.values())
 
 
 def parse(*argv: str) -> argparse.Namespace:
