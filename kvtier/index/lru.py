@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from kvtier.index.base import BlockKey
@@ -28,6 +28,11 @@ class LRUPolicy(EvictionPolicy):
 
     def accessed(self, key: BlockKey) -> None:
         self._order.move_to_end(key)
+
+    def accessed_all(self, keys: Sequence[BlockKey]) -> None:
+        move_to_end = self._order.move_to_end
+        for key in keys:
+            move_to_end(key)
 
     def removed(self, key: BlockKey) -> None:
         del self._order[key]

@@ -29,6 +29,14 @@ class EvictionPolicy(ABC):
     def accessed(self, key: BlockKey) -> None:
         """``key`` was hit."""
 
+    def accessed_all(self, keys: Sequence[BlockKey]) -> None:
+        """Each of ``keys`` was hit, in this order (one pin or touch: a chain, root first).
+
+        Calls :meth:`accessed` per key; a policy may do the same work in one pass.
+        """
+        for key in keys:
+            self.accessed(key)
+
     @abstractmethod
     def removed(self, key: BlockKey) -> None:
         """``key`` left the tier."""
@@ -36,42 +44,6 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
         """Choose a key to evict among those for which ``evictable`` is true, or ``None``."""
-
-
-class ShadowCache:
-    """A cache of keys alone (no slots, no bytes) ranked by a policy, to count what it would hit.
-
-    A policy that chooses between rules as the workload goes can replay a sample of its keys
-    through a few small shadow caches, one per rule, and follow the one that hits most.
-    """
-
-    def __init__(self, policy: EvictionPolicy, num_keys: int) -> None:
-        if num_keys <= 0:
-            raise ValueError(f"a shadow cache needs room for at least one key, got {num_keys}")
-        self.policy = policy
-        self.num_keys = num_keys
-        self._keys: set[BlockKey] = set()
-
-    def reference(self, key: BlockKey) -> bool:
-        """Replay one use of ``key``; return whether it hit.
-
-        A missed key is stored if the policy admits it, after evicting the policy's victim
-        when the shadow is full.
-        """
-        keys, policy = self._keys, self.policy
-        if key in keys:
-            policy.accessed(key)
-            return True
-        if policy.admit(key, None):
-            if len(keys) >= self.num_keys:
-                victim = policy.victim(keys.__contains__)
-                if victim is None:
-                    raise RuntimeError(f"{type(policy).__name__} chose no victim in a full cache")
-                keys.remove(victim)
-                policy.removed(victim)
-            keys.add(key)
-            policy.inserted(key, None)
-        return False
 
 
 class PolicyIndex(BlockIndex):
@@ -120,9 +92,8 @@ class PolicyIndex(BlockIndex):
         return hits
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        for key in keys:
-            if key in self._readable:
-                self.policy.accessed(key)
+        readable = self._readable
+        self.policy.accessed_all([key for key in keys if key in readable])
 
     def pin(self, keys: Sequence[BlockKey]) -> list[int]:
         for key in keys:
@@ -134,8 +105,8 @@ class PolicyIndex(BlockIndex):
             if self._pins[slot] == 0:
                 self._pinned += 1
             self._pins[slot] += 1
-            self.policy.accessed(key)
             slots.append(slot)
+        self.policy.accessed_all(keys)
         return slots
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:

@@ -59,15 +59,15 @@ shadows see only the sampled keys.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 from zlib import crc32
 
 from pydantic import Field
 
-from kvtier.index.arc import adapted_target_t1, arc_victim, first_evictable
+from kvtier.index.arc import ARCShadow, adapted_target_t1, arc_victim, first_evictable
 from kvtier.index.base import BlockKey
-from kvtier.index.policy import EvictionPolicy, PolicyIndex, ShadowCache
+from kvtier.index.policy import EvictionPolicy, PolicyIndex
 from kvtier.models import PluginConfig
 
 TAIL_BUCKETS = 4
@@ -167,9 +167,8 @@ class PrefixARCPolicy(EvictionPolicy):
         self.num_slots = num_slots
         self.history_size = int(num_slots * history_factor)
         self.target_t1 = 0.0
-        self._parent: dict[BlockKey, BlockKey | None] = {}
-        # Cached children of each key: one key, or a set when there are several.
-        self._children: dict[BlockKey, BlockKey | set[BlockKey]] = {}
+        # Per held key, ``[parent, cached children]``: no child (``None``), one key, or a set.
+        self._links: dict[BlockKey, list[Any]] = {}
         # Values are use stamps from ``_clock``, increasing along each list; 0 marks a block put
         # first in line for eviction.
         self._t1: OrderedDict[BlockKey, int] = OrderedDict()
@@ -216,14 +215,8 @@ class PrefixARCPolicy(EvictionPolicy):
         self.recency = eviction != "arc"
         self._rule_duel = 0
         if self.adaptive_eviction:
-            shadow_arc = PrefixARCPolicy(
-                self._shadow_slots,
-                history_factor,
-                low_value_ratio=0.0,
-                admission="all",
-                eviction="arc",
-            )
-            self._shadow_arc = ShadowCache(shadow_arc, self._shadow_slots)
+            shadow_history = int(self._shadow_slots * history_factor)
+            self._shadow_arc = ARCShadow(self._shadow_slots, shadow_history)
         self._sampling = self.adaptive or self.adaptive_eviction
 
     # Chain ranking.
@@ -234,15 +227,16 @@ class PrefixARCPolicy(EvictionPolicy):
             return
         t1, t2 = self._t1, self._t2
         clock = self._clock
+        # Mostly hits, already moved to the frequency list.
         for key in reversed(self._chain):
-            if key in t1:
-                t1.move_to_end(key)
-                clock += 1
-                t1[key] = clock
-            elif key in t2:
+            if key in t2:
                 t2.move_to_end(key)
                 clock += 1
                 t2[key] = clock
+            elif key in t1:
+                t1.move_to_end(key)
+                clock += 1
+                t1[key] = clock
         self._clock = clock
         self._ranked = len(self._chain)
 
@@ -253,7 +247,8 @@ class PrefixARCPolicy(EvictionPolicy):
             self._rank_chain()
         else:
             t1, t2, classes, stored = self._t1, self._t2, self._class, self._stored
-            origin = 0 if first == 0 or self._parent.get(chain[first]) is None else TAIL_BUCKETS
+            link = self._links.get(chain[first])
+            origin = 0 if first == 0 or link is None or link[0] is None else TAIL_BUCKETS
             low = self._low_value_classes()
             last = len(chain) - 1
             demoted = []
@@ -284,21 +279,23 @@ class PrefixARCPolicy(EvictionPolicy):
         self._first_new = None
 
     def _add_child(self, parent: BlockKey, child: BlockKey) -> None:
+        """Record ``child`` as a cached child of ``parent``, if this tier holds ``parent``."""
+        link = self._links.get(parent)
+        if link is None:
+            return
         # Most blocks have one cached child: store it bare and make a set only for a second one.
-        siblings = self._children.get(parent)
+        siblings = link[1]
         if siblings is None:
-            self._children[parent] = child
+            link[1] = child
         elif isinstance(siblings, set):
             siblings.add(child)
         elif siblings != child:
-            self._children[parent] = {siblings, child}
+            link[1] = {siblings, child}
 
     # Reuse learning.
 
     def _low_value_classes(self) -> list[bool]:
         """Per class, whether its reuse rate is under ``low_value_ratio`` of the overall rate."""
-        if not self.low_value_ratio:
-            return [False] * NUM_CLASSES
         stored, reused = self._stored, self._reused
         overall = (sum(reused) + 1.0) / (sum(stored) + 2.0)
         bar = self.low_value_ratio * overall
@@ -334,7 +331,21 @@ class PrefixARCPolicy(EvictionPolicy):
             if len(every) > limit:
                 every.popitem(last=False)
         if self.adaptive:
-            self._admission_reference(key, every_hit)
+            # The second-sight shadow stores a key only when its memory of keys seen once
+            # remembers it.
+            second = self._shadow_second
+            if key in second:
+                second.move_to_end(key)
+                score = every_hit - 1
+            else:
+                score = int(every_hit)
+                if _seen_before(self._shadow_seen, key, self._shadow_seen_size):
+                    second[key] = None
+                    if len(second) > limit:
+                        second.popitem(last=False)
+            if score:
+                self._duel = max(-DUEL_LIMIT, min(DUEL_LIMIT, self._duel + score))
+                self.second_sight = self._duel < 0
         if self.adaptive_eviction and self._shadow_arc.reference(key) != every_hit:
             self._rule_duel = max(-DUEL_LIMIT, min(DUEL_LIMIT, self._rule_duel + 2 * every_hit - 1))
             if self.recency and self._rule_duel < 0:
@@ -344,22 +355,6 @@ class PrefixARCPolicy(EvictionPolicy):
             elif not self.recency and self._rule_duel > 0:
                 self.recency = True
 
-    def _admission_reference(self, key: BlockKey, every_hit: bool) -> None:
-        """Replay a use of sampled ``key`` in the second-sight shadow; update the admission."""
-        limit = self._shadow_slots
-        second = self._shadow_second
-        score = int(every_hit)
-        if key in second:
-            second.move_to_end(key)
-            score -= 1
-        elif _seen_before(self._shadow_seen, key, self._shadow_seen_size):
-            second[key] = None
-            if len(second) > limit:
-                second.popitem(last=False)
-        if score:
-            self._duel = max(-DUEL_LIMIT, min(DUEL_LIMIT, self._duel + score))
-            self.second_sight = self._duel < 0
-
     def _note_sampled(self, key: BlockKey) -> None:
         """Remember that ``key``, about to be stored, is sampled (its hits go to the shadows)."""
         sampled = self._sampled
@@ -367,7 +362,7 @@ class PrefixARCPolicy(EvictionPolicy):
         # Keys that left the tier (or were never stored: no free slot, an aborted store) are
         # dropped in a sweep once there are twice as many as slots: O(1) amortized per key.
         if len(sampled) > 2 * self.num_slots:
-            sampled.intersection_update(self._parent)
+            sampled.intersection_update(self._links)
 
     def _admit_on_second_sight(self, key: BlockKey, parent: BlockKey | None) -> bool:
         """Whether ``key`` was seen before (and its parent was not just declined)."""
@@ -388,30 +383,33 @@ class PrefixARCPolicy(EvictionPolicy):
 
     def admit(self, key: BlockKey, parent: BlockKey | None) -> bool:
         # A store that starts a new chain ends the previous one before any victim is chosen.
-        if self._chain and parent != self._chain[-1]:
+        chain = self._chain
+        if chain and parent != chain[-1]:
             self._end_chain()
-        # As in ARC, a ghost hit moves the target before the victim for ``key`` is chosen.
-        self._incoming_in_b2 = key in self._b2
-        self.target_t1 = adapted_target_t1(
-            self.target_t1,
-            self.num_slots,
-            len(self._b1),
-            len(self._b2),
-            in_b1=key in self._b1,
-            # Reuse after a gap longer than the ghost lists remember also argues for a larger t2.
-            toward_t2=self._incoming_in_b2 or key in self._history,
-        )
+        # As in ARC, a ghost hit moves the target before the victim for ``key`` is chosen; reuse
+        # after a gap longer than the ghost lists remember also argues for a larger t2.
+        b1, b2 = self._b1, self._b2
+        in_b2 = self._incoming_in_b2 = key in b2
+        if in_b2 or key in b1 or key in self._history:
+            self.target_t1 = adapted_target_t1(
+                self.target_t1,
+                self.num_slots,
+                len(b1),
+                len(b2),
+                in_b1=key in b1,
+                toward_t2=in_b2 or key in self._history,
+            )
         if self._sampling and crc32(key) & SAMPLE_MASK < self._sample_below:
             self._shadow_reference(key)
             self._note_sampled(key)
         return not self.second_sight or self._admit_on_second_sight(key, parent)
 
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
-        parents, chain = self._parent, self._chain
-        parents[key] = parent
+        chain = self._chain
+        self._links[key] = [parent, None]
         # A parent this tier does not hold may sit in a faster tier (a lazy store writes a
         # chain leaf first, as the engine evicts it): only a parent evicted from here orphans.
-        if parent is not None and parent in parents:
+        if parent is not None:
             self._add_child(parent, key)
         if chain and parent != chain[-1]:
             self._end_chain()
@@ -433,65 +431,72 @@ class PrefixARCPolicy(EvictionPolicy):
         self._t2[key] = self._clock
 
     def accessed(self, key: BlockKey) -> None:
-        # No move here: the chain is ranked, leaf first, before the next victim is chosen.
-        chain = self._chain
-        if chain and self._parent[key] != chain[-1]:
-            self._end_chain()
-        chain.append(key)
-        if key in self._sampled:
-            self._shadow_reference(key)
-        if key in self._class:
-            self._credit_reuse(key)
-        if key in self._t2:
+        self.accessed_all((key,))
+
+    def accessed_all(self, keys: Sequence[BlockKey]) -> None:
+        if not keys:
             return
-        if key in self._t1:
-            del self._t1[key]
-        else:
-            # A hit on an orphan means its parent was stored again: it is reachable once more.
-            del self._orphans[key]
-            parent = self._parent[key]
-            if parent is not None:
-                self._add_child(parent, key)
-        self._clock += 1
-        self._t2[key] = self._clock
+        # One pin or touch is one request's chain, or the next part of it.
+        chain, links = self._chain, self._links
+        if chain and links[keys[0]][0] != chain[-1]:
+            self._end_chain()
+        chain.extend(keys)
+        # Hits go to the frequency list leaf first, so that a chain of hits alone is ranked.
+        sampled, classes, t1, t2 = self._sampled, self._class, self._t1, self._t2
+        clock = self._clock
+        for key in reversed(keys):
+            if key in sampled:
+                self._shadow_reference(key)
+            clock += 1
+            if key in t2:
+                t2.move_to_end(key)
+            else:
+                # A first hit: the block's class was reused (only blocks never hit have one).
+                cls = classes.pop(key, None)
+                if cls is not None:
+                    self._reused[cls] += 1.0
+                if t1.pop(key, None) is None:
+                    # A hit on an orphan means its parent was stored again: it is reachable again.
+                    del self._orphans[key]
+                    parent = links[key][0]
+                    if parent is not None:
+                        self._add_child(parent, key)
+            t2[key] = clock
+        self._clock = clock
+        if len(chain) == len(keys):
+            self._ranked = len(chain)
 
     def removed(self, key: BlockKey) -> None:
-        parent = self._parent.pop(key)
-        children = self._children
+        links = self._links
+        parent, orphaned = links.pop(key)
         if parent is not None:
-            siblings = children.get(parent)
-            if siblings == key:
-                del children[parent]
-            elif isinstance(siblings, set):
-                siblings.discard(key)
-        orphaned = children.pop(key, None)
+            link = links.get(parent)
+            if link is not None:
+                siblings = link[1]
+                if siblings == key:
+                    link[1] = None
+                elif isinstance(siblings, set):
+                    siblings.discard(key)
         if orphaned is not None:
             for child in orphaned if isinstance(orphaned, set) else (orphaned,):
                 self._t1.pop(child, None)
                 self._t2.pop(child, None)
                 self._orphans[child] = None
-        t1, b1 = self._t1, self._b1
-        if key in t1:
-            del t1[key]
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        if t1.pop(key, None) is not None:
             b1[key] = None
-        elif key in self._t2:
-            del self._t2[key]
-            self._b2[key] = None
+        elif t2.pop(key, None) is not None:
+            b2[key] = None
         else:
             del self._orphans[key]
             self._class.pop(key, None)
-        if len(t1) + len(b1) > self.num_slots and b1:
-            self._remember(b1.popitem(last=False)[0])
-        if len(t1) + len(self._t2) + len(b1) + len(self._b2) > 2 * self.num_slots and self._b2:
-            self._remember(self._b2.popitem(last=False)[0])
-
-    def _remember(self, key: BlockKey) -> None:
-        history = self._history
-        if self.history_size == 0:
-            self._class.pop(key, None)
-            return
-        history[key] = None
-        if len(history) > self.history_size:
+        # Keys the ghost lists forget move to the long history, which forgets its oldest.
+        num_slots, history = self.num_slots, self._history
+        if len(t1) + len(b1) > num_slots and b1:
+            history[b1.popitem(last=False)[0]] = None
+        if len(t1) + len(t2) + len(b1) + len(b2) > 2 * num_slots and b2:
+            history[b2.popitem(last=False)[0]] = None
+        while len(history) > self.history_size:
             self._class.pop(history.popitem(last=False)[0], None)
 
     def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
@@ -499,23 +504,18 @@ class PrefixARCPolicy(EvictionPolicy):
             key = first_evictable(self._orphans, evictable)
             if key is not None:
                 return key
-        self._rank_chain()
+        if self._ranked != len(self._chain):
+            self._rank_chain()
         if self.recency:
-            return _least_recent(self._t1, self._t2, evictable)
+            # The list whose first key was used less recently gives the victim, else the other.
+            t1, t2 = self._t1, self._t2
+            if t1 and (not t2 or t1[next(iter(t1))] <= t2[next(iter(t2))]):
+                first, second = t1, t2
+            else:
+                first, second = t2, t1
+            key = first_evictable(first, evictable)
+            return key if key is not None else first_evictable(second, evictable)
         return arc_victim(self._t1, self._t2, self.target_t1, self._incoming_in_b2, evictable)
-
-
-def _least_recent(
-    t1: OrderedDict[BlockKey, int],
-    t2: OrderedDict[BlockKey, int],
-    evictable: Callable[[BlockKey], bool],
-) -> BlockKey | None:
-    """The evictable key of either list with the oldest use stamp, else ``None``."""
-    first = first_evictable(t1, evictable)
-    second = first_evictable(t2, evictable)
-    if first is None or second is not None and t2[second] < t1[first]:
-        return second
-    return first
 
 
 def _remember(seen: OrderedDict[BlockKey, None], key: BlockKey, size: int) -> None:
@@ -531,7 +531,9 @@ def _seen_before(seen: OrderedDict[BlockKey, None], key: BlockKey, size: int) ->
     if key in seen:
         del seen[key]
         return True
-    _remember(seen, key, size)
+    seen[key] = None
+    if len(seen) > size:
+        seen.popitem(last=False)
     return False
 
 

@@ -7,10 +7,10 @@ from typing import Literal
 import pytest
 from pydantic import ValidationError
 
-from kvtier.index.arc import ARCPolicy
+from kvtier.index.arc import ARCPolicy, ARCShadow
 from kvtier.index.base import BlockKey, EventKind
 from kvtier.index.lru import LRUPolicy
-from kvtier.index.policy import EvictionPolicy, PolicyIndex, ShadowCache
+from kvtier.index.policy import EvictionPolicy, PolicyIndex
 from kvtier.index.prefix_arc import PrefixARCConfig, PrefixARCPolicy
 from kvtier.index.s3fifo import S3FIFOConfig, S3FIFOPolicy
 from kvtier.kinds import BLOCK_INDEX
@@ -235,10 +235,36 @@ def test_prefix_arc_keeps_storing_first_sight_blocks_that_come_back_soon() -> No
     assert None not in index.reserve([b"new0", b"new1"])
 
 
-def test_shadow_cache_counts_what_its_policy_would_hit() -> None:
-    shadow = ShadowCache(LRUPolicy(), 2)
-    hits = [shadow.reference(key) for key in [b"a", b"b", b"a", b"c", b"a", b"b"]]
-    assert hits == [False, False, True, False, True, False]
+def test_arc_shadow_hits_what_the_arc_index_hits() -> None:
+    shadow = ARCShadow(8)
+    index = PolicyIndex(8, ARCPolicy(8))
+    # Hot keys, a loop slightly larger than the cache and one-time keys, interleaved.
+    uses = [
+        f"{kind}{n % size}".encode() for n in range(400) for kind, size in ((b"h", 3), (b"l", 9))
+    ]
+    uses += [f"once{n}".encode() for n in range(20)] + uses[:100]
+    for key in uses:
+        hit_in_index = index.lookup([key]) == 1
+        if hit_in_index:
+            hit(index, [key])
+        else:
+            store(index, [key])
+        assert shadow.reference(key) == hit_in_index
+
+
+def test_arc_shadow_remembers_reuse_beyond_the_ghost_lists() -> None:
+    def survives(history_size: int) -> bool:
+        shadow = ARCShadow(4, history_size)
+        shadow.reference(b"doc")
+        for key in new_keys("first", 12):
+            shadow.reference(key)
+        shadow.reference(b"doc")
+        for key in new_keys("second", 6):
+            shadow.reference(key)
+        return shadow.reference(b"doc")
+
+    assert survives(history_size=16)
+    assert not survives(history_size=0)
 
 
 def test_prefix_arc_recency_rule_evicts_the_least_recent_block_of_both_lists() -> None:
