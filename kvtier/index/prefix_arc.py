@@ -179,9 +179,12 @@ class PrefixARCPolicy(EvictionPolicy):
         self._b2: OrderedDict[BlockKey, None] = OrderedDict()
         self._history: OrderedDict[BlockKey, None] = OrderedDict()
         self._incoming_in_b2 = False
-        # The chain being touched (root first) and how much of it is already ranked leaf first.
+        # The chain being touched (root first), how much of it is already ranked leaf first, and
+        # how much of it is in a list (new blocks join the recency list when their chain is
+        # ranked, so that they go in leaf first).
         self._chain: list[BlockKey] = []
         self._ranked = 0
+        self._placed = 0
         self._first_new: int | None = None
         # Reuse learning: the class of each stored key not yet reused (while the tier or its
         # memory still knows it), and per class how many keys were stored and reused.
@@ -225,20 +228,21 @@ class PrefixARCPolicy(EvictionPolicy):
         """Rank the chain touched so far leaf first: its deepest block becomes the oldest."""
         if self._ranked == len(self._chain):
             return
-        t1, t2 = self._t1, self._t2
+        chain, placed, t1, t2 = self._chain, self._placed, self._t1, self._t2
         clock = self._clock
-        # Mostly hits, already moved to the frequency list.
-        for key in reversed(self._chain):
+        for position in range(len(chain) - 1, -1, -1):
+            key = chain[position]
+            clock += 1
             if key in t2:
                 t2.move_to_end(key)
-                clock += 1
                 t2[key] = clock
+            elif position >= placed:
+                t1[key] = clock
             elif key in t1:
                 t1.move_to_end(key)
-                clock += 1
                 t1[key] = clock
         self._clock = clock
-        self._ranked = len(self._chain)
+        self._ranked = self._placed = len(chain)
 
     def _end_chain(self) -> None:
         """Rank the finished chain leaf first, and class the blocks it stored (one pass)."""
@@ -251,23 +255,30 @@ class PrefixARCPolicy(EvictionPolicy):
             origin = 0 if first == 0 or link is None or link[0] is None else TAIL_BUCKETS
             low = self._low_value_classes()
             last = len(chain) - 1
+            placed = self._placed
             demoted = []
             clock = self._clock
             for position in range(last, -1, -1):
                 key = chain[position]
                 clock += 1
-                if key in t1:
-                    t1.move_to_end(key)
-                    t1[key] = clock
-                    if position >= first:
-                        cls = origin + min(last - position, TAIL_BUCKETS - 1)
-                        classes[key] = cls
-                        stored[cls] += 1.0
-                        if low[cls]:
-                            demoted.append(key)
-                elif key in t2:
+                if key in t2:
                     t2.move_to_end(key)
                     t2[key] = clock
+                    continue
+                if position >= placed:
+                    t1[key] = clock
+                elif key in t1:
+                    t1.move_to_end(key)
+                    t1[key] = clock
+                else:
+                    continue
+                if position >= first:
+                    distance = last - position
+                    cls = origin + (distance if distance < TAIL_BUCKETS else TAIL_BUCKETS - 1)
+                    classes[key] = cls
+                    stored[cls] += 1.0
+                    if low[cls]:
+                        demoted.append(key)
             self._clock = clock
             # Root first, so that the chain's deepest low-value block ends up first in line.
             for key in reversed(demoted):
@@ -275,7 +286,7 @@ class PrefixARCPolicy(EvictionPolicy):
                 t1[key] = 0
             self._count_towards_decay(len(chain) - first)
         chain.clear()
-        self._ranked = 0
+        self._ranked = self._placed = 0
         self._first_new = None
 
     def _add_child(self, parent: BlockKey, child: BlockKey) -> None:
@@ -423,8 +434,7 @@ class PrefixARCPolicy(EvictionPolicy):
         elif key in self._history:
             del self._history[key]
         else:
-            self._clock += 1
-            self._t1[key] = self._clock
+            # A new block joins the recency list when its chain is ranked (leaf first).
             return
         self._credit_reuse(key)
         self._clock += 1
@@ -440,6 +450,8 @@ class PrefixARCPolicy(EvictionPolicy):
         chain, links = self._chain, self._links
         if chain and links[keys[0]][0] != chain[-1]:
             self._end_chain()
+        elif self._placed != len(chain):
+            self._rank_chain()
         chain.extend(keys)
         # Hits go to the frequency list leaf first, so that a chain of hits alone is ranked.
         sampled, classes, t1, t2 = self._sampled, self._class, self._t1, self._t2
@@ -463,10 +475,13 @@ class PrefixARCPolicy(EvictionPolicy):
                         self._add_child(parent, key)
             t2[key] = clock
         self._clock = clock
+        self._placed = len(chain)
         if len(chain) == len(keys):
             self._ranked = len(chain)
 
     def removed(self, key: BlockKey) -> None:
+        if self._ranked != len(self._chain):
+            self._rank_chain()
         links = self._links
         parent, orphaned = links.pop(key)
         if parent is not None:
