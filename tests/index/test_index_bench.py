@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -14,13 +13,12 @@ import pytest
 from kvtier.index.base import BlockKey
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO_ROOT
 
 
 def _load_script() -> ModuleType:
     spec = importlib.util.spec_from_file_location(
-        "index_bench", ROOT / "benchmarks" / "index_bench.py"
+        "index_bench", REPO_ROOT / "benchmarks" / "index_bench.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
