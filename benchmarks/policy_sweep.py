@@ -4,10 +4,11 @@ Replays every trace (a Mooncake or kvtier JSON Lines file, or
 ``synthetic:WORKLOAD:SEED``) at every capacity through ``lru`` and the named
 policies, built through the plugin registry as ``kvtier simulate`` builds them
 (``NAME`` or ``NAME:KEY=VALUE[:KEY=VALUE...]``), with no device cache and eager
-stores. Prints a Markdown table, one row per trace and policy, one column per
-capacity, each cell the policy's hit rate divided by ``lru``'s, then one summary
-row per policy: the smallest ratio, the geometric mean and the cells below
-``lru``.
+stores. Prints JSON: the constants set, one row per trace, policy and capacity
+(hit rate, ratio to ``lru``, seconds) and one summary per policy (the smallest
+ratio, the geometric mean and the cells below ``lru``). ``--table`` prints a
+Markdown table instead, one row per trace and policy, one column per capacity.
+Each row is also logged to stderr as it is measured, so a long sweep shows progress.
 
 ``--set MODULE.NAME=VALUE`` replaces a module constant (an int or a float)
 before the replays, to measure a policy's sensitivity to it, for example
@@ -18,7 +19,7 @@ Usage::
     python benchmarks/policy_sweep.py --policies arc,prefix_arc \\
         --traces ../shared/traces/mooncake_synthetic_trace.jsonl,synthetic:chat:0
     python benchmarks/policy_sweep.py --policies prefix_arc --seeds 0,1,2,3,4 \\
-        --json sweep.json --plot ratios.png
+        --plot ratios.png > sweep.json
 """
 
 from __future__ import annotations
@@ -87,16 +88,16 @@ def sweep(
             results = simulate(trace, [BASELINE, *policies], [capacity], belady=False)
             lru = results[0].hit_rate
             for result in results:
-                rows.append(
-                    {
-                        "trace": name,
-                        "policy": result.policy,
-                        "capacity_blocks": capacity,
-                        "hit_rate": result.hit_rate,
-                        "vs_lru": result.hit_rate / lru if lru else None,
-                        "seconds": result.seconds,
-                    }
-                )
+                row = {
+                    "trace": name,
+                    "policy": result.policy,
+                    "capacity_blocks": capacity,
+                    "hit_rate": result.hit_rate,
+                    "vs_lru": result.hit_rate / lru if lru else None,
+                    "seconds": result.seconds,
+                }
+                print(json.dumps(row), file=sys.stderr, flush=True)
+                rows.append(row)
     return rows
 
 
@@ -181,7 +182,7 @@ def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the sweep and print the table (and write JSON or a plot if asked)."""
+    """Run the sweep and print JSON (or a Markdown table), and write a plot if asked."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default="prefix_arc", help="comma list of policy specs")
     parser.add_argument("--capacities", default=DEFAULT_CAPACITIES, help="comma list, blocks")
@@ -197,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--set", action="append", default=[], metavar="MODULE.NAME=VALUE", dest="constants"
     )
-    parser.add_argument("--json", metavar="FILE", help="also write every row as JSON to FILE")
+    parser.add_argument(
+        "--table", action="store_true", help="print a Markdown table instead of JSON"
+    )
     parser.add_argument("--plot", metavar="FILE.png", help="also plot the ratios to FILE.png")
     args = parser.parse_args(argv)
     for assignment in args.constants:
@@ -206,11 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     rows = sweep(trace_names(args.traces, seeds), policies, capacities, args.synthetic_requests)
-    print(format_table(rows, capacities))
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps({"constants": args.constants, "rows": rows}, indent=1)
-        )
+    if args.table:
+        print(format_table(rows, capacities))
+    else:
+        report = {"constants": args.constants, "rows": rows, "summary": summarize(rows)}
+        print(json.dumps(report, indent=1))
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from kvtier.index.base import BlockKey
-from kvtier.index.policy import EvictionPolicy, PolicyIndex
+from kvtier.index.policy import EvictionPolicy
 from kvtier.models import PluginConfig
 
 
@@ -220,5 +220,6 @@ def _always(key: BlockKey) -> bool:
     return True
 
 
-def build(config: ARCConfig, num_slots: int) -> PolicyIndex:
-    return PolicyIndex(num_slots, ARCPolicy(num_slots))
+def build(config: ARCConfig, num_slots: int) -> ARCPolicy:
+    """The ``arc`` policy's factory."""
+    return ARCPolicy(num_slots)

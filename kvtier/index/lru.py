@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 from kvtier.index.base import BlockKey
-from kvtier.index.policy import EvictionPolicy, PolicyIndex
+from kvtier.index.policy import EvictionPolicy
 from kvtier.models import PluginConfig
 
 
@@ -44,5 +44,6 @@ class LRUPolicy(EvictionPolicy):
         return None
 
 
-def build(config: LRUConfig, num_slots: int) -> PolicyIndex:
-    return PolicyIndex(num_slots, LRUPolicy())
+def build(config: LRUConfig, num_slots: int) -> LRUPolicy:
+    """The ``lru`` policy's factory."""
+    return LRUPolicy()

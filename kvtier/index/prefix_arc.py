@@ -67,7 +67,7 @@ from pydantic import Field
 
 from kvtier.index.arc import ARCShadow, adapted_target_t1, arc_victim, first_evictable
 from kvtier.index.base import BlockKey
-from kvtier.index.policy import EvictionPolicy, PolicyIndex
+from kvtier.index.policy import EvictionPolicy
 from kvtier.models import PluginConfig
 
 TAIL_BUCKETS = 4
@@ -552,16 +552,14 @@ def _seen_before(seen: OrderedDict[BlockKey, None], key: BlockKey, size: int) ->
     return False
 
 
-def build(config: PrefixARCConfig, num_slots: int) -> PolicyIndex:
-    return PolicyIndex(
+def build(config: PrefixARCConfig, num_slots: int) -> PrefixARCPolicy:
+    """The ``prefix_arc`` policy's factory."""
+    return PrefixARCPolicy(
         num_slots,
-        PrefixARCPolicy(
-            num_slots,
-            config.history_factor,
-            config.low_value_ratio,
-            config.admission,
-            config.first_sight_memory_factor,
-            config.sample_rate,
-            config.eviction,
-        ),
+        config.history_factor,
+        config.low_value_ratio,
+        config.admission,
+        config.first_sight_memory_factor,
+        config.sample_rate,
+        config.eviction,
     )

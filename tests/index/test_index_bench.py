@@ -55,12 +55,12 @@ class SecondSightLRU(LRUPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self.offered: set[BlockKey] = set()
+        self.seen: set[BlockKey] = set()
 
     def admit(self, key: BlockKey, parent: BlockKey | None) -> bool:
-        if key in self.offered:
+        if key in self.seen:
             return True
-        self.offered.add(key)
+        self.seen.add(key)
         return False
 
 
