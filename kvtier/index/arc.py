@@ -98,6 +98,15 @@ class ARCPolicy(EvictionPolicy):
         self._b2: OrderedDict[BlockKey, None] = OrderedDict()
         self._incoming_in_b2 = False
 
+    def state(self) -> dict[str, float]:
+        return {
+            "target_t1": self.target_t1,
+            "t1": len(self._t1),
+            "t2": len(self._t2),
+            "b1": len(self._b1),
+            "b2": len(self._b2),
+        }
+
     def admit(self, key: BlockKey, parent: BlockKey | None) -> bool:
         # ARC adapts on the miss, before choosing the victim that makes room for ``key``.
         self._incoming_in_b2 = key in self._b2

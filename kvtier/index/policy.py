@@ -91,6 +91,14 @@ class EvictionPolicy(ABC):
     def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
         """Choose a key to evict among those for which ``evictable`` is true, or ``None``."""
 
+    def state(self) -> dict[str, float]:
+        """The policy's own counters now (list sizes, adaptive targets), by name.
+
+        ``kvtier simulate --trace-state`` records them over a replay. The base
+        implementation has none; keep it cheap, it is called every few requests.
+        """
+        return {}
+
 
 class PolicyIndex(BlockIndex):
     """Slot table with free, writing and readable states, pins, and a policy for victims."""

@@ -222,6 +222,24 @@ class PrefixARCPolicy(EvictionPolicy):
             self._shadow_arc = ARCShadow(self._shadow_slots, shadow_history)
         self._sampling = self.adaptive or self.adaptive_eviction
 
+    def state(self) -> dict[str, float]:
+        """ARC's target and lists, and the two duels: ``second_sight`` (admission on second
+        sight only) and ``recency`` (victims by recency alone) are 1 while chosen."""
+        counters = {
+            "target_t1": self.target_t1,
+            "t1": len(self._t1),
+            "t2": len(self._t2),
+            "orphans": len(self._orphans),
+            "history": len(self._history),
+            "second_sight": float(self.second_sight),
+            "admission_duel": self._duel,
+            "recency": float(self.recency),
+            "eviction_duel": self._rule_duel,
+        }
+        if self.adaptive_eviction:
+            counters["shadow_arc_target_t1"] = self._shadow_arc.target_t1
+        return counters
+
     # Chain ranking.
 
     def _rank_chain(self) -> None:

@@ -46,6 +46,9 @@ class S3FIFOPolicy(EvictionPolicy):
         self._main: OrderedDict[BlockKey, int] = OrderedDict()
         self._ghost: OrderedDict[BlockKey, None] = OrderedDict()
 
+    def state(self) -> dict[str, float]:
+        return {"small": len(self._small), "main": len(self._main), "ghost": len(self._ghost)}
+
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
         if key in self._ghost:
             del self._ghost[key]

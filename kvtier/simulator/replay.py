@@ -65,6 +65,9 @@ class ReplayResult:
     """Blocks the tier evicted."""
     seconds: float
     """Wall time of the replay."""
+    state: tuple[dict[str, float], ...] = ()
+    """The policy's own counters over the replay (``--trace-state``): each sample is
+    ``{"request": position, counter: value, ...}``, taken before that request."""
 
     @property
     def hit_rate(self) -> float:
