@@ -145,37 +145,57 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def workload_of(trace: str) -> str:
+    """``synthetic:chat:3`` -> ``chat``; a trace file -> its stem."""
+    return trace.split(":")[1] if trace.startswith("synthetic:") else Path(trace).stem
+
+
 def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
-    """Plot each policy's ratio to ``lru`` against capacity, one panel per policy."""
+    """Plot each policy's ratio to ``lru`` against capacity, one panel per workload.
+
+    Each line is one trace (a seed of a generated workload) and one policy.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    workloads = list(dict.fromkeys(workload_of(r["trace"]) for r in rows))
     policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != BASELINE))
     figure, axes_list = plt.subplots(
-        1, len(policies), figsize=(4.8 * len(policies), 4.0), dpi=100, squeeze=False
+        1, len(workloads), figsize=(4.2 * len(workloads), 3.8), dpi=100, squeeze=False
     )
-    colors: dict[str, str] = {}
-    for axes, policy in zip(axes_list[0], policies, strict=True):
-        series: dict[str, list[tuple[int, float]]] = {}
+    for axes, workload in zip(axes_list[0], workloads, strict=True):
+        series: dict[tuple[str, str], list[tuple[int, float]]] = {}
         for row in rows:
-            if row["policy"] == policy and row["vs_lru"] is not None:
-                series.setdefault(row["trace"], []).append((row["capacity_blocks"], row["vs_lru"]))
-        for trace, points in series.items():
+            if (
+                row["policy"] != BASELINE
+                and row["vs_lru"] is not None
+                and workload_of(row["trace"]) == workload
+            ):
+                key = (row["policy"], row["trace"])
+                series.setdefault(key, []).append((row["capacity_blocks"], row["vs_lru"]))
+        for (policy, trace), points in series.items():
             points.sort()
-            kind = trace.split(":")[1] if trace.startswith("synthetic:") else Path(trace).stem
-            color = colors.setdefault(kind, f"C{len(colors)}")
-            label = kind if kind not in {line.get_label() for line in axes.lines} else None
+            label = policy if trace == next(t for p, t in series if p == policy) else None
             capacities, ratios = zip(*points, strict=True)
-            axes.plot(capacities, ratios, marker="o", markersize=3, color=color, label=label)
+            axes.plot(
+                capacities,
+                ratios,
+                marker="o",
+                markersize=3,
+                linewidth=1,
+                color=f"C{policies.index(policy)}",
+                label=label,
+            )
         axes.axhline(1.0, color="black", linewidth=0.8)
         axes.set_xscale("log")
         axes.set_xlabel("tier capacity (blocks)")
         axes.set_ylabel("hit rate / lru")
-        axes.set_title(policy, fontsize=10)
+        traces = len({trace for _, trace in series})
+        axes.set_title(f"{workload} ({traces} trace{'s' if traces != 1 else ''})", fontsize=10)
         axes.grid(True, which="both", alpha=0.3)
-        axes.legend(fontsize=8)
+        axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)
@@ -202,13 +222,25 @@ def main(argv: list[str] | None = None) -> int:
         "--table", action="store_true", help="print a Markdown table instead of JSON"
     )
     parser.add_argument("--plot", metavar="FILE.png", help="also plot the ratios to FILE.png")
+    parser.add_argument(
+        "--from",
+        dest="saved",
+        nargs="+",
+        metavar="FILE",
+        help="replay nothing: merge the rows of earlier runs' JSON output and report those",
+    )
     args = parser.parse_args(argv)
     for assignment in args.constants:
         set_constant(assignment)
-    capacities = [int(c) for c in args.capacities.split(",")]
-    seeds = [int(s) for s in args.seeds.split(",")]
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    rows = sweep(trace_names(args.traces, seeds), policies, capacities, args.synthetic_requests)
+    if args.saved:
+        rows = [row for saved in args.saved for row in json.loads(Path(saved).read_text())["rows"]]
+        capacities = sorted({row["capacity_blocks"] for row in rows})
+    else:
+        capacities = [int(c) for c in args.capacities.split(",")]
+        seeds = [int(s) for s in args.seeds.split(",")]
+        policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+        traces = trace_names(args.traces, seeds)
+        rows = sweep(traces, policies, capacities, args.synthetic_requests)
     if args.table:
         print(format_table(rows, capacities))
     else:
