@@ -272,8 +272,8 @@ def test_default_policy_never_below_lru_on_the_mooncake_trace() -> None:
     rates = {(r.policy, r.capacity_blocks): r.hit_rate for r in results}
     for capacity in (500, 1000, 4000, 32000):
         assert rates[("prefix_arc", capacity)] >= rates[("lru", capacity)]
-    assert rates[("prefix_arc", 1000)] >= 1.08 * rates[("lru", 1000)]
-    assert rates[("prefix_arc", 4000)] >= 1.12 * rates[("lru", 4000)]
+    assert rates[("prefix_arc", 1000)] >= 1.15 * rates[("lru", 1000)]
+    assert rates[("prefix_arc", 4000)] >= 1.15 * rates[("lru", 4000)]
     assert max(r.seconds for r in results) < 10.0
 
 
