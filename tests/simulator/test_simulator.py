@@ -220,8 +220,7 @@ def test_command_capacity_in_bytes(capsys: pytest.CaptureFixture[str]) -> None:
     [
         (
             ["synthetic:chat", "--policies", "nope"],
-            "kvtier simulate: --policies 'nope': index.type: unknown block index type; "
-            "installed: ",
+            "kvtier simulate: --policies 'nope': index.type: unknown block index type; installed: ",
         ),
         (["synthetic:chat", "--policies", "lru:x"], "settings are KEY=VALUE, got 'x'"),
         (
