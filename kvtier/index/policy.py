@@ -187,10 +187,10 @@ class PolicyIndex(BlockIndex):
             else:
                 self._discarded[key] = slot
 
-    def request_started(self, request_id: str) -> None:  # noqa: B027 (a notification; the default ignores it)
+    def request_started(self, request_id: str) -> None:
         self.policy.request_started(request_id)
 
-    def request_finished(self, request_id: str) -> None:  # noqa: B027 (a notification; the default ignores it)
+    def request_finished(self, request_id: str) -> None:
         self.policy.request_finished(request_id)
 
     def reserve(
