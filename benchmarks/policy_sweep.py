@@ -17,7 +17,7 @@ before the replays, to measure a policy's sensitivity to it, for example
 Usage::
 
     python benchmarks/policy_sweep.py --policies arc,prefix_arc \\
-        --traces ../shared/traces/mooncake_synthetic_trace.jsonl,synthetic:chat:0
+        --traces mooncake_synthetic_trace.jsonl,synthetic:chat:0
     python benchmarks/policy_sweep.py --policies prefix_arc --seeds 0,1,2,3,4 \\
         --plot ratios.png > sweep.json
 """
