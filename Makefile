@@ -50,7 +50,7 @@ lint: $(STAMP)
 
 # The example plugin must be found through its entry point, not through the source tree.
 plugin-check: $(STAMP)
-	$(BIN)/kvtier plugins | grep -E '^block index +fifo +kvtier-example '
+	$(BIN)/kvtier plugins | grep -E '^eviction policy +fifo +kvtier-example '
 
 # pytest's own exit status is kept: 5 ("no tests collected") fails the build like any other.
 # The redis tier's tests run real redis-server processes; as root, install it when missing.

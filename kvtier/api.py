@@ -5,15 +5,17 @@ A plugin module writes ``from kvtier.api import ...`` and nothing else from kvti
 - :data:`hookimpl` marks the registration hooks (:mod:`kvtier.hookspecs`);
   each receives a :class:`Register` callable;
 - :class:`PluginConfig` is the base of an implementation's config model;
-- the contracts an implementation fulfils: :class:`BlockIndex` (or an
-  :class:`EvictionPolicy` for :class:`PolicyIndex`), :class:`CopyBackend`,
+- the contracts an implementation fulfils: :class:`EvictionPolicy` (kvtier
+  puts it in a :class:`PolicyIndex`) or a whole :class:`BlockIndex`, :class:`CopyBackend`,
   :class:`LayoutResolver`, with the types they exchange;
 - the factory signatures, one :class:`~typing.Protocol` per kind
   (:class:`BlockIndexFactory`, :class:`CopyBackendFactory`,
-  :class:`LayoutResolverFactory`, :class:`StorageTierFactory`), and
+  :class:`EvictionPolicyFactory`, :class:`LayoutResolverFactory`,
+  :class:`StorageTierFactory`), and
   :class:`LazyFactory` to import a heavy implementation only when it is chosen;
-- the kinds (:data:`BLOCK_INDEX`, :data:`COPY_BACKEND`, :data:`LAYOUT_RESOLVER`,
-  :data:`STORAGE_TIER`) for ``registry.get(BLOCK_INDEX, "fifo")`` in a plugin's tests.
+- the kinds (:data:`BLOCK_INDEX`, :data:`COPY_BACKEND`, :data:`EVICTION_POLICY`,
+  :data:`LAYOUT_RESOLVER`, :data:`STORAGE_TIER`) for
+  ``registry.get(EVICTION_POLICY, "fifo")`` in a plugin's tests.
 """
 
 from kvtier import hookimpl
@@ -23,10 +25,12 @@ from kvtier.index.policy import EvictionPolicy, PolicyIndex
 from kvtier.kinds import (
     BLOCK_INDEX,
     COPY_BACKEND,
+    EVICTION_POLICY,
     LAYOUT_RESOLVER,
     STORAGE_TIER,
     BlockIndexFactory,
     CopyBackendFactory,
+    EvictionPolicyFactory,
     Kind,
     LayoutResolverFactory,
     LazyFactory,
@@ -39,6 +43,7 @@ from kvtier.models import PluginConfig
 __all__ = [
     "BLOCK_INDEX",
     "COPY_BACKEND",
+    "EVICTION_POLICY",
     "LAYOUT_RESOLVER",
     "STORAGE_TIER",
     "BlockIndex",
@@ -53,6 +58,7 @@ __all__ = [
     "Direction",
     "EventKind",
     "EvictionPolicy",
+    "EvictionPolicyFactory",
     "IndexEvent",
     "IndexStats",
     "KVCaches",

@@ -19,6 +19,7 @@ import pluggy
 from kvtier.kinds import (
     BlockIndexFactory,
     CopyBackendFactory,
+    EvictionPolicyFactory,
     LayoutResolverFactory,
     Register,
     StorageTierFactory,
@@ -50,6 +51,24 @@ def register_copy_backends(register: Register[CopyBackendFactory]) -> None:
     :class:`kvtier.copy.CopyBackend`. Called in worker processes.
 
     :param register: ``register(name, factory, config_model)``; call it once per backend.
+    :return: Nothing; a return value is ignored.
+    """
+
+
+@hookspec
+def register_eviction_policies(register: Register[EvictionPolicyFactory]) -> None:
+    """Register eviction policies: what a tier evicts when it is full, and what it declines.
+
+    The factory is called as ``factory(config, num_slots)`` with the validated
+    config model and the tier's slot count, and returns a
+    :class:`kvtier.index.EvictionPolicy`. kvtier puts it in a
+    :class:`kvtier.index.PolicyIndex`, which keeps the slots, their states and
+    the pins, and offers it as a block index of the same name, so ``index.type``
+    picks it; a name may not be both a block index and a policy. kvtier's own
+    ``lru``, ``arc``, ``s3fifo`` and ``prefix_arc`` are registered here. Called
+    in the scheduler process.
+
+    :param register: ``register(name, factory, config_model)``; call it once per policy.
     :return: Nothing; a return value is ignored.
     """
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from kvtier.copy.base import CopyBackend
 from kvtier.index.base import BlockIndex
+from kvtier.index.policy import EvictionPolicy, PolicyIndex
 from kvtier.layout.base import KVLayout, LayoutResolver
 from kvtier.models import PluginConfig
 
@@ -40,6 +41,30 @@ class BlockIndexFactory(Protocol):
     """
 
     def __call__(self, config: Any, num_slots: int, /) -> BlockIndex: ...
+
+
+class EvictionPolicyFactory(Protocol):
+    """``factory(config, num_slots)``: an eviction policy for one tier; called in the scheduler.
+
+    ``config`` is the validated instance of the registered config model and
+    ``num_slots`` the tier's slot count. kvtier puts the policy in a
+    :class:`~kvtier.index.policy.PolicyIndex` (which keeps the slots, their
+    states and the pins), so every eviction policy is also a block index of
+    the same name and config model (see :class:`PolicyIndexFactory`).
+    """
+
+    def __call__(self, config: Any, num_slots: int, /) -> EvictionPolicy: ...
+
+
+@dataclass(frozen=True)
+class PolicyIndexFactory:
+    """The block-index factory of a registered eviction policy: its policy in a ``PolicyIndex``."""
+
+    policy: Callable[..., EvictionPolicy]
+    """The eviction policy's registered factory."""
+
+    def __call__(self, config: Any, num_slots: int) -> PolicyIndex:
+        return PolicyIndex(num_slots, self.policy(config, num_slots))
 
 
 class CopyBackendFactory(Protocol):
@@ -172,6 +197,19 @@ COPY_BACKEND: Kind[CopyBackend] = Kind(
     default="torch",
 )
 """Copy backends, picked by the ``copy`` section; built in worker processes."""
+EVICTION_POLICY: Kind[EvictionPolicy] = Kind(
+    name="eviction_policies",
+    hook="register_eviction_policies",
+    title="eviction policy",
+    builds=EvictionPolicy,
+    factory=EvictionPolicyFactory,
+    description=(
+        "Eviction policy of a tier: ranks its readable blocks and may decline to store some; "
+        "picked by the index section as a block index of the same name."
+    ),
+)
+"""Eviction policies; each is also offered as a block index (:class:`PolicyIndexFactory`),
+so the ``index`` section picks one by name. Built in the scheduler process."""
 LAYOUT_RESOLVER: Kind[LayoutResolver] = Kind(
     name="layout_resolvers",
     hook="register_layout_resolvers",
@@ -193,5 +231,11 @@ STORAGE_TIER: Kind[object] = Kind(
 )
 """Storage tiers below the host tier, in the order the config's ``tiers`` lists them."""
 
-KINDS: tuple[Kind[Any], ...] = (BLOCK_INDEX, COPY_BACKEND, LAYOUT_RESOLVER, STORAGE_TIER)
+KINDS: tuple[Kind[Any], ...] = (
+    BLOCK_INDEX,
+    COPY_BACKEND,
+    EVICTION_POLICY,
+    LAYOUT_RESOLVER,
+    STORAGE_TIER,
+)
 """Every kind, in the order hooks are called, sections configured and ``kvtier plugins`` lists."""

@@ -22,7 +22,7 @@ from typing import Any, Generic
 import pluggy
 
 from kvtier import __version__, hookspecs
-from kvtier.kinds import KINDS, BuiltT, Kind
+from kvtier.kinds import BLOCK_INDEX, EVICTION_POLICY, KINDS, BuiltT, Kind, PolicyIndexFactory
 from kvtier.models import PluginConfig
 
 logger = logging.getLogger(__name__)
@@ -279,7 +279,32 @@ def collect(pm: pluggy.PluginManager) -> Registry:
                 raise PluginError(
                     f"{owner} failed in {kind.hook}: {type(exc).__name__}: {exc}"
                 ) from exc
+    _offer_policies_as_indexes(found[EVICTION_POLICY], found[BLOCK_INDEX])
     return Registry(found)
+
+
+def _offer_policies_as_indexes(
+    policies: Mapping[str, Registration[Any]], indexes: dict[str, Registration[Any]]
+) -> None:
+    """Add a block index per eviction policy: the policy in a ``PolicyIndex``, same name."""
+    for name, policy in policies.items():
+        if name in indexes:
+            first = indexes[name]
+            raise PluginError(
+                f"{BLOCK_INDEX.title} {name!r} is registered twice: as a block index by plugin "
+                f"{first.plugin!r} ({first.distribution} {first.version}) and as an eviction "
+                f"policy by plugin {policy.plugin!r} ({policy.distribution} {policy.version}); "
+                "rename one of them"
+            )
+        indexes[name] = Registration(
+            BLOCK_INDEX,
+            name,
+            PolicyIndexFactory(policy.factory),
+            policy.config_model,
+            policy.plugin,
+            policy.distribution,
+            policy.version,
+        )
 
 
 _default_registry: Registry | None = None

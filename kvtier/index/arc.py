@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from kvtier.index.base import BlockKey
-from kvtier.index.policy import EvictionPolicy, PolicyIndex
+from kvtier.index.policy import EvictionPolicy
 from kvtier.models import PluginConfig
 
 
@@ -98,17 +98,27 @@ class ARCPolicy(EvictionPolicy):
         self._b2: OrderedDict[BlockKey, None] = OrderedDict()
         self._incoming_in_b2 = False
 
+    def state(self) -> dict[str, float]:
+        return {
+            "target_t1": self.target_t1,
+            "t1": len(self._t1),
+            "t2": len(self._t2),
+            "b1": len(self._b1),
+            "b2": len(self._b2),
+        }
+
     def admit(self, key: BlockKey, parent: BlockKey | None) -> bool:
         # ARC adapts on the miss, before choosing the victim that makes room for ``key``.
         self._incoming_in_b2 = key in self._b2
-        self.target_t1 = adapted_target_t1(
-            self.target_t1,
-            self.num_slots,
-            len(self._b1),
-            len(self._b2),
-            in_b1=key in self._b1,
-            toward_t2=self._incoming_in_b2,
-        )
+        if self._incoming_in_b2 or key in self._b1:
+            self.target_t1 = adapted_target_t1(
+                self.target_t1,
+                self.num_slots,
+                len(self._b1),
+                len(self._b2),
+                in_b1=key in self._b1,
+                toward_t2=self._incoming_in_b2,
+            )
         return True
 
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
@@ -145,5 +155,80 @@ class ARCPolicy(EvictionPolicy):
         return arc_victim(self._t1, self._t2, self.target_t1, self._incoming_in_b2, evictable)
 
 
-def build(config: ARCConfig, num_slots: int) -> PolicyIndex:
-    return PolicyIndex(num_slots, ARCPolicy(num_slots))
+class ARCShadow:
+    """ARC over keys alone, without slots, to count what ARC would hit on a sample of keys.
+
+    The lists, target and ghost rules of :class:`ARCPolicy`, replayed in one call per use (a
+    policy comparing rules on a sample of its keys calls it often). With ``history_size`` above
+    0, keys that fall off the ghost lists are remembered that much longer, and one used again
+    while remembered goes to ``t2`` and moves the target as a hit in ``b2`` does (the long
+    memory of :mod:`kvtier.index.prefix_arc`).
+    """
+
+    def __init__(self, num_keys: int, history_size: int = 0) -> None:
+        if num_keys <= 0:
+            raise ValueError(f"an ARC shadow needs room for at least one key, got {num_keys}")
+        self.num_keys = num_keys
+        self.history_size = history_size
+        self.target_t1 = 0.0
+        self._t1: OrderedDict[BlockKey, None] = OrderedDict()
+        self._t2: OrderedDict[BlockKey, None] = OrderedDict()
+        self._b1: OrderedDict[BlockKey, None] = OrderedDict()
+        self._b2: OrderedDict[BlockKey, None] = OrderedDict()
+        self._history: OrderedDict[BlockKey, None] = OrderedDict()
+
+    def reference(self, key: BlockKey) -> bool:
+        """Replay one use of ``key``; return whether ARC holding ``num_keys`` keys hit it."""
+        t1, t2 = self._t1, self._t2
+        if key in t2:
+            t2.move_to_end(key)
+            return True
+        if key in t1:
+            del t1[key]
+            t2[key] = None
+            return True
+        b1, b2, history, num_keys = self._b1, self._b2, self._history, self.num_keys
+        in_b2 = key in b2
+        if in_b2 or key in b1 or key in history:
+            self.target_t1 = adapted_target_t1(
+                self.target_t1,
+                num_keys,
+                len(b1),
+                len(b2),
+                in_b1=key in b1,
+                toward_t2=in_b2 or key in history,
+            )
+        if len(t1) + len(t2) >= num_keys:
+            victim = arc_victim(t1, t2, self.target_t1, in_b2, _always)
+            if victim in t1:
+                del t1[victim]
+                b1[victim] = None
+            else:
+                del t2[victim]
+                b2[victim] = None
+            if len(t1) + len(b1) > num_keys and b1:
+                history[b1.popitem(last=False)[0]] = None
+            if len(t1) + len(t2) + len(b1) + len(b2) > 2 * num_keys and b2:
+                history[b2.popitem(last=False)[0]] = None
+            while len(history) > self.history_size:
+                history.popitem(last=False)
+        if key in b1:
+            del b1[key]
+        elif key in b2:
+            del b2[key]
+        elif key in history:
+            del history[key]
+        else:
+            t1[key] = None
+            return False
+        t2[key] = None
+        return False
+
+
+def _always(key: BlockKey) -> bool:
+    return True
+
+
+def build(config: ARCConfig, num_slots: int) -> ARCPolicy:
+    """The ``arc`` policy's factory."""
+    return ARCPolicy(num_slots)

@@ -80,13 +80,24 @@ class BlockIndex(ABC):
     def unpin(self, keys: Sequence[BlockKey]) -> None:
         """Release one pin on each of ``keys``."""
 
+    def request_started(self, request_id: str) -> None:  # noqa: B027 (a notification; the default ignores it)
+        """The engine scheduled request ``request_id``; an index without per-request state
+        ignores it (the base implementation does)."""
+
+    def request_finished(self, request_id: str) -> None:  # noqa: B027 (a notification; the default ignores it)
+        """The engine finished request ``request_id``; ignored by the base implementation."""
+
     @abstractmethod
-    def reserve(self, keys: Sequence[BlockKey], parent: BlockKey | None = None) -> list[int | None]:
+    def reserve(
+        self, keys: Sequence[BlockKey], parent: BlockKey | None = None, *, lazy: bool = False
+    ) -> list[int | None]:
         """Reserve write slots for a chain of keys; ``keys[0]``'s prefix parent is ``parent``.
 
-        Returns one entry per key: the reserved slot, or ``None`` when the key is
-        already present (readable or being written), the policy declined to
-        admit it, or no slot could be freed (every remaining key then gets ``None``).
+        ``lazy`` says the engine offers blocks it is about to evict (lazy store
+        mode) rather than newly computed ones. Returns one entry per key: the
+        reserved slot, or ``None`` when the key is already present (readable or
+        being written), the policy declined to admit it, or no slot could be
+        freed (every remaining key then gets ``None``).
         """
 
     @abstractmethod

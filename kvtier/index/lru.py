@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 from kvtier.index.base import BlockKey
-from kvtier.index.policy import EvictionPolicy, PolicyIndex
+from kvtier.index.policy import EvictionPolicy
 from kvtier.models import PluginConfig
 
 
@@ -29,6 +29,11 @@ class LRUPolicy(EvictionPolicy):
     def accessed(self, key: BlockKey) -> None:
         self._order.move_to_end(key)
 
+    def accessed_all(self, keys: Sequence[BlockKey]) -> None:
+        move_to_end = self._order.move_to_end
+        for key in keys:
+            move_to_end(key)
+
     def removed(self, key: BlockKey) -> None:
         del self._order[key]
 
@@ -39,5 +44,6 @@ class LRUPolicy(EvictionPolicy):
         return None
 
 
-def build(config: LRUConfig, num_slots: int) -> PolicyIndex:
-    return PolicyIndex(num_slots, LRUPolicy())
+def build(config: LRUConfig, num_slots: int) -> LRUPolicy:
+    """The ``lru`` policy's factory."""
+    return LRUPolicy()

@@ -4,6 +4,24 @@ The index owns slot states and pins; the policy only ranks keys. A policy sees
 every readable key (``inserted``), every hit (``accessed``), every removal
 (``removed``), and is asked for a victim among the keys the index says are
 evictable (readable and unpinned). A policy may also refuse to admit a key.
+
+The calls a policy receives, in order, for one request (see the sequence
+diagram in the eviction-policies page of the docs):
+
+1. :meth:`~EvictionPolicy.request_started` when the engine schedules it.
+2. :meth:`~EvictionPolicy.accessed_all` for the chain it hits (a pin for a
+   load, or a touch for blocks the engine itself still holds), root first.
+3. Per store (a ``reserve`` of a chain), for each key in chain order:
+   :meth:`~EvictionPolicy.offered` (every key, already stored ones included,
+   with whether the store is eager or lazy); for a key not stored yet
+   :meth:`~EvictionPolicy.admit`; and if it is admitted and no slot is free,
+   :meth:`~EvictionPolicy.victim` then :meth:`~EvictionPolicy.removed` for the
+   key evicted to make room, before the next key of the chain is offered.
+4. When the copy ends: :meth:`~EvictionPolicy.inserted` (committed: readable
+   from now on) or :meth:`~EvictionPolicy.aborted` (never readable).
+5. :meth:`~EvictionPolicy.request_finished` when the engine is done with it.
+
+``removed`` also follows a discard (a load of the key failed) and a clear.
 """
 
 from __future__ import annotations
@@ -15,11 +33,39 @@ from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent, Index
 
 
 class EvictionPolicy(ABC):
-    """Ranks a tier's readable keys for eviction."""
+    """Ranks a tier's readable keys for eviction.
+
+    Subclasses implement the abstract methods; the others are notifications
+    whose base implementation ignores them (and ``admit`` admits everything),
+    so a policy overrides only the events it ranks by.
+    """
+
+    def request_started(self, request_id: str) -> None:  # noqa: B027 (a notification; the default ignores it)
+        """The engine scheduled request ``request_id``; its hits and stores follow."""
+
+    def request_finished(self, request_id: str) -> None:  # noqa: B027 (a notification; the default ignores it)
+        """The engine finished request ``request_id``; stores of its blocks may still complete."""
+
+    def offered(  # noqa: B027 (a notification; the default ignores it)
+        self, key: BlockKey, parent: BlockKey | None, *, present: bool, lazy: bool
+    ) -> None:
+        """A store offers ``key`` (prefix parent ``parent``), before :meth:`admit` is asked.
+
+        Args:
+            key: The block offered.
+            parent: Its prefix parent, ``None`` for a chain's root.
+            present: ``key`` is already readable or being written: no slot is
+                reserved and :meth:`admit` is not asked.
+            lazy: The engine offers a block it is about to evict (lazy store mode),
+                which it may have hit itself; ``False`` for a newly computed block.
+        """
 
     def admit(self, key: BlockKey, parent: BlockKey | None) -> bool:
         """Return whether ``key`` (whose prefix parent is ``parent``) is worth a slot."""
         return True
+
+    def aborted(self, key: BlockKey) -> None:  # noqa: B027 (a notification; the default ignores it)
+        """The store of admitted ``key`` failed or was cancelled; it never became readable."""
 
     @abstractmethod
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
@@ -29,6 +75,14 @@ class EvictionPolicy(ABC):
     def accessed(self, key: BlockKey) -> None:
         """``key`` was hit."""
 
+    def accessed_all(self, keys: Sequence[BlockKey]) -> None:
+        """Each of ``keys`` was hit, in this order (one pin or touch: a chain, root first).
+
+        Calls :meth:`accessed` per key; a policy may do the same work in one pass.
+        """
+        for key in keys:
+            self.accessed(key)
+
     @abstractmethod
     def removed(self, key: BlockKey) -> None:
         """``key`` left the tier."""
@@ -36,6 +90,14 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
         """Choose a key to evict among those for which ``evictable`` is true, or ``None``."""
+
+    def state(self) -> dict[str, float]:
+        """The policy's own counters now (list sizes, adaptive targets), by name.
+
+        ``kvtier simulate --trace-state`` records them over a replay. The base
+        implementation has none; keep it cheap, it is called every few requests.
+        """
+        return {}
 
 
 class PolicyIndex(BlockIndex):
@@ -84,9 +146,8 @@ class PolicyIndex(BlockIndex):
         return hits
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        for key in keys:
-            if key in self._readable:
-                self.policy.accessed(key)
+        readable = self._readable
+        self.policy.accessed_all([key for key in keys if key in readable])
 
     def pin(self, keys: Sequence[BlockKey]) -> list[int]:
         for key in keys:
@@ -98,8 +159,8 @@ class PolicyIndex(BlockIndex):
             if self._pins[slot] == 0:
                 self._pinned += 1
             self._pins[slot] += 1
-            self.policy.accessed(key)
             slots.append(slot)
+        self.policy.accessed_all(keys)
         return slots
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
@@ -126,15 +187,21 @@ class PolicyIndex(BlockIndex):
             else:
                 self._discarded[key] = slot
 
-    def reserve(self, keys: Sequence[BlockKey], parent: BlockKey | None = None) -> list[int | None]:
+    def request_started(self, request_id: str) -> None:
+        self.policy.request_started(request_id)
+
+    def request_finished(self, request_id: str) -> None:
+        self.policy.request_finished(request_id)
+
+    def reserve(
+        self, keys: Sequence[BlockKey], parent: BlockKey | None = None, *, lazy: bool = False
+    ) -> list[int | None]:
         slots: list[int | None] = []
+        policy = self.policy
         for position, key in enumerate(keys):
-            if (
-                key in self._readable
-                or key in self._writing
-                or key in self._discarded
-                or not self.policy.admit(key, parent)
-            ):
+            present = key in self._readable or key in self._writing or key in self._discarded
+            policy.offered(key, parent, present=present, lazy=lazy)
+            if present or not policy.admit(key, parent):
                 slots.append(None)
             else:
                 slot = self._take_slot()
@@ -163,6 +230,7 @@ class PolicyIndex(BlockIndex):
         for key in keys:
             slot, _ = self._writing.pop(key)
             self._free.append(slot)
+            self.policy.aborted(key)
 
     def clear(self) -> bool:
         for key in [key for key in self._readable if self._evictable(key)]:

@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import Field
 
 from kvtier.index.base import BlockKey
-from kvtier.index.policy import EvictionPolicy, PolicyIndex
+from kvtier.index.policy import EvictionPolicy
 from kvtier.models import PluginConfig
 
 MAX_HITS = 3
@@ -45,6 +45,9 @@ class S3FIFOPolicy(EvictionPolicy):
         self._small: OrderedDict[BlockKey, int] = OrderedDict()
         self._main: OrderedDict[BlockKey, int] = OrderedDict()
         self._ghost: OrderedDict[BlockKey, None] = OrderedDict()
+
+    def state(self) -> dict[str, float]:
+        return {"small": len(self._small), "main": len(self._main), "ghost": len(self._ghost)}
 
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
         if key in self._ghost:
@@ -99,5 +102,6 @@ class S3FIFOPolicy(EvictionPolicy):
         return None
 
 
-def build(config: S3FIFOConfig, num_slots: int) -> PolicyIndex:
-    return PolicyIndex(num_slots, S3FIFOPolicy(num_slots, config.small_fraction))
+def build(config: S3FIFOConfig, num_slots: int) -> S3FIFOPolicy:
+    """The ``s3fifo`` policy's factory."""
+    return S3FIFOPolicy(num_slots, config.small_fraction)

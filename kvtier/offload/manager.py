@@ -674,6 +674,7 @@ class OffloadManager:
         state = self._requests.get(request_id)
         if state is None:
             return False
+        self.index.request_finished(request_id)
         self._cancel_pending_loads(state)
         state.unavailable.clear()
         if num_computed_tokens is not None:
@@ -937,6 +938,7 @@ class OffloadManager:
         if state is None:
             state = _Request(request_id, self.num_groups)
             self._requests[request_id] = state
+            self.index.request_started(request_id)
         elif state.finished:
             raise ValueError(f"request {request_id} already finished; request ids must be unique")
         return state
@@ -1075,7 +1077,7 @@ class OffloadManager:
                 and self._window_blocks[candidate.group].get(candidate.block_id) != key
             ):
                 continue
-            (slot,) = self.index.reserve([key])
+            (slot,) = self.index.reserve([key], lazy=True)
             if slot is None:
                 if self._no_space():
                     break

@@ -5,26 +5,38 @@ manager builds it, and replayed through an :class:`~kvtier.offload.manager.Offlo
 at each capacity (see :mod:`kvtier.simulator.replay`); the Belady (farthest next
 use) bound is replayed alongside. The result is the prefix hit rate of each
 policy at each capacity with the blocks stored, loaded and evicted, as a table,
-as JSON (``--json``) or as a plot (``--plot FILE.png``).
+as JSON (``--json``) or as a plot (``--plot FILE.png``). With ``--trace-state
+N`` each policy's own counters (:meth:`~kvtier.index.EvictionPolicy.state`) are
+sampled every N requests and written to the JSON and the plot.
+
+Policies come from ``--policies`` (``NAME`` or ``NAME:KEY=VALUE[:KEY=VALUE...]``,
+quoting a value that holds ``,``, ``:`` or ``=``) and ``--policy-file`` (JSON
+or YAML). Their settings are checked as the config checker checks the
+``index`` section, with the same one-line errors.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import itertools
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from pydantic import ValidationError
 from tqdm import tqdm
 
 from kvtier.cli import check_output_file
+from kvtier.config import ConfigError, load_config
 from kvtier.config.sizes import parse_bytes
+from kvtier.config.sources import MAX_CONFIG_FILE_BYTES, read_config_file
 from kvtier.index.base import BlockIndex
+from kvtier.index.policy import PolicyIndex
 from kvtier.kinds import BLOCK_INDEX
 from kvtier.models import PluginConfig
 from kvtier.plugins import default_registry
@@ -56,9 +68,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--policies",
-        help="comma list of registered block indexes to replay (default: all registered); "
-        "NAME:KEY=VALUE[:KEY=VALUE...] replays one with settings changed from its defaults, "
-        "e.g. prefix_arc:admission=all",
+        help="comma list of registered block indexes to replay (default: all registered, "
+        "unless --policy-file names some); NAME:KEY=VALUE[:KEY=VALUE...] replays one with "
+        "settings changed from its defaults, e.g. prefix_arc:admission=all; quote a value "
+        "holding ',', ':' or '=' (NAME:KEY=\"a,b\")",
+    )
+    parser.add_argument(
+        "--policy-file",
+        metavar="FILE",
+        help="JSON or YAML file whose 'policies' list names more policies to replay: each a "
+        "NAME, or a mapping with 'type' and settings, like the index config section",
+    )
+    parser.add_argument(
+        "--trace-state",
+        metavar="N",
+        type=int,
+        help="record each policy's own counters (list sizes, adaptive targets) every N "
+        "requests, into the JSON and the plot",
     )
     parser.add_argument(
         "--capacities",
@@ -174,6 +200,8 @@ def _check_options(args: argparse.Namespace) -> None:
     ):
         if value is not None and value <= 0:
             raise UsageError(f"{option} must be at least 1, got {value}")
+    if args.trace_state is not None and args.trace_state <= 0:
+        raise UsageError(f"--trace-state must be at least 1 request, got {args.trace_state}")
     if args.device_blocks < 0:
         raise UsageError("--device-blocks must not be negative")
     if args.store_mode == "lazy" and args.device_blocks <= 0:
@@ -196,50 +224,158 @@ def _check_options(args: argparse.Namespace) -> None:
             )
 
 
-def _policies(args: argparse.Namespace) -> list[str]:
-    registered = default_registry().of_kind(BLOCK_INDEX)
-    if args.policies is None:
-        return list(registered)
-    specs = _parse_list(args.policies, "--policies")
-    unknown = [spec for spec in specs if spec.split(":", 1)[0] not in registered]
-    if unknown:
-        raise UsageError(
-            f"no block index named {', '.join(repr(spec.split(':', 1)[0]) for spec in unknown)}; "
-            f"registered: {', '.join(sorted(registered))}"
-        )
-    for spec in specs:
-        policy_config(spec)
-    return specs
+@dataclass(frozen=True)
+class PolicySpec:
+    """A policy to replay: its label in the results and its validated config."""
+
+    label: str
+    config: PluginConfig
 
 
-def policy_config(spec: str) -> PluginConfig:
-    """The config of a policy spec: ``NAME`` or ``NAME:KEY=VALUE[:KEY=VALUE...]``.
+QUOTES = "'\""
 
-    Args:
-        spec: A registered block-index name, optionally followed by settings that
-            replace the defaults of its config model.
 
-    Returns:
-        The validated config.
+def split_unquoted(text: str, separator: str, what: str) -> list[str]:
+    """Split ``text`` at each ``separator`` outside single or double quotes; quotes are kept.
 
     Raises:
-        UsageError: A setting is malformed or its config model rejects it.
+        UsageError: A quote is not closed; ``what`` names the text in the message.
     """
-    name, *settings = spec.split(":")
-    values = {}
+    parts, current, quote = [], [], ""
+    for char in text:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in QUOTES:
+            quote = char
+        elif char == separator:
+            parts.append("".join(current))
+            current = []
+            continue
+        current.append(char)
+    if quote:
+        raise UsageError(
+            f"{what}: the quote {quote} is not closed; close it, or give the value in --policy-file"
+        )
+    parts.append("".join(current))
+    return parts
+
+
+def _unquote(value: str) -> str:
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in QUOTES:
+        return value[1:-1]
+    return value
+
+
+def _quote(value: Any) -> str:
+    text = str(value)
+    if not any(char in text for char in ",:=" + QUOTES):
+        return text
+    return f"'{text}'" if "'" not in text else f'"{text}"'
+
+
+def validate_policy(name: str, settings: Mapping[str, Any], source: str) -> PluginConfig:
+    """Validate a policy's settings as the config checker validates the ``index`` section.
+
+    Args:
+        name: A registered block index (or eviction policy).
+        settings: Settings that replace its defaults.
+        source: Where they came from, in place of the config checker's source in errors.
+
+    Raises:
+        UsageError: One config-checker line per problem (``source: index.KEY: ... (got ...)``).
+    """
+    try:
+        config = load_config({"index": {**settings, "type": name}}, env={})
+    except ConfigError as exc:
+        problems = [dataclasses.replace(problem, source=source) for problem in exc.problems]
+        raise UsageError("\n".join(str(problem) for problem in problems)) from None
+    return config.index
+
+
+def parse_policy(spec: str) -> PolicySpec:
+    """A ``--policies`` entry: ``NAME`` or ``NAME:KEY=VALUE[:KEY=VALUE...]``.
+
+    A value in single or double quotes may hold any character but its quote.
+
+    Raises:
+        UsageError: A setting is malformed or the policy's config model rejects it.
+    """
+    name, *settings = split_unquoted(spec, ":", f"policy {spec!r}")
+    values: dict[str, str] = {}
     for setting in settings:
         key, equals, value = setting.partition("=")
         if not equals or not key:
             raise UsageError(f"policy {spec!r}: settings are KEY=VALUE, got {setting!r}")
-        values[key] = value
-    model = default_registry().get(BLOCK_INDEX, name).config_model
+        values[key] = _unquote(value)
+    return PolicySpec(spec, validate_policy(name, values, f"--policies {spec!r}"))
+
+
+def read_policy_file(path: str) -> list[PolicySpec]:
+    """The policies of a JSON (``.json``) or YAML (``.yaml``, ``.yml``) file.
+
+    The file holds ``{"policies": [...]}``; each entry is a policy name, or a
+    mapping with ``type`` and settings, like the ``index`` config section. An
+    entry is labelled ``NAME:KEY=VALUE...`` in the results.
+
+    Raises:
+        UsageError: The file cannot be read or parsed, or an entry is invalid.
+    """
     try:
-        return model.model_validate(values)  # type: ignore[no-any-return]
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, error['loc']))}: {error['msg']}" for error in exc.errors()
+        if Path(path).suffix.lower() == ".json":
+            text = _read_bounded(path)
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise UsageError(f"--policy-file {path}: not JSON: {exc}") from None
+        else:
+            data = read_config_file(path, f"--policy-file {path}")
+    except ConfigError as exc:
+        raise UsageError("\n".join(exc.lines)) from None
+    entries = data.get("policies") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise UsageError(
+            f"--policy-file {path}: expected a mapping with a non-empty 'policies' list, "
+            'e.g. {"policies": ["lru", {"type": "prefix_arc", "history_factor": 8}]}'
         )
-        raise UsageError(f"policy {spec!r}: {problems}") from exc
+    specs = []
+    for position, entry in enumerate(entries):
+        source = f"--policy-file {path} policies[{position}]"
+        if isinstance(entry, str):
+            specs.append(PolicySpec(entry, validate_policy(entry, {}, source)))
+            continue
+        if not isinstance(entry, dict) or not isinstance(entry.get("type"), str):
+            raise UsageError(f"{source}: expected a policy name or a mapping with 'type'")
+        settings = {key: value for key, value in entry.items() if key != "type"}
+        label = ":".join(
+            [entry["type"], *(f"{key}={_quote(value)}" for key, value in settings.items())]
+        )
+        specs.append(PolicySpec(label, validate_policy(entry["type"], settings, source)))
+    return specs
+
+
+def _read_bounded(path: str) -> str:
+    with open(path, "rb") as file:
+        data = file.read(MAX_CONFIG_FILE_BYTES + 1)
+    if len(data) > MAX_CONFIG_FILE_BYTES:
+        raise UsageError(f"--policy-file {path}: larger than {MAX_CONFIG_FILE_BYTES} bytes")
+    try:
+        return data.decode()
+    except UnicodeDecodeError:
+        raise UsageError(f"--policy-file {path}: not UTF-8 text") from None
+
+
+def _policies(args: argparse.Namespace) -> list[PolicySpec]:
+    specs = []
+    if args.policies is not None:
+        entries = [entry.strip() for entry in split_unquoted(args.policies, ",", "--policies")]
+        if not any(entries):
+            raise UsageError("--policies needs at least one value")
+        specs = [parse_policy(entry) for entry in entries if entry]
+    if args.policy_file is not None:
+        specs += read_policy_file(args.policy_file)
+    if not specs:
+        specs = [parse_policy(name) for name in default_registry().of_kind(BLOCK_INDEX)]
+    return specs
 
 
 def _trace(args: argparse.Namespace) -> list[TraceRequest]:
@@ -259,7 +395,7 @@ def _trace(args: argparse.Namespace) -> list[TraceRequest]:
 
 def simulate(
     requests: Sequence[TraceRequest],
-    policies: Sequence[str],
+    policies: Sequence[str | PolicySpec],
     capacities: Sequence[int],
     *,
     belady: bool = True,
@@ -267,13 +403,15 @@ def simulate(
     store_mode: str = "eager",
     show_progress: bool = False,
     lower_chains: Sequence[LowerChain] = ((),),
+    state_every: int = 0,
 ) -> list[ReplayResult]:
     """Replay ``requests`` once per policy and capacity (plus the Belady bound).
 
     Args:
         requests: The trace.
-        policies: Registered block-index names, each built from its default config, or
-            ``NAME:KEY=VALUE`` specs with settings changed (see :func:`policy_config`).
+        policies: Registered block-index names, each built from its default config,
+            ``NAME:KEY=VALUE`` specs with settings changed (see :func:`parse_policy`),
+            or :class:`PolicySpec` objects (e.g. from :func:`read_policy_file`).
         capacities: Tier sizes in blocks.
         belady: Whether to replay the Belady bound too (named ``"belady"`` in the results).
         device_blocks: Size of a device prefix cache in front of the tier; 0 for none.
@@ -281,12 +419,15 @@ def simulate(
         show_progress: Draw a progress bar on stderr.
         lower_chains: Tiers below the host tier to replay each capacity over, one
             chain at a time (see :mod:`kvtier.simulator.tiers`); ``((),)`` for none.
+        state_every: Sample each policy's :meth:`~kvtier.index.EvictionPolicy.state`
+            every this many requests into :attr:`ReplayResult.state`; 0 for never.
 
     Returns:
         One result per (capacity, lower chain, policy), capacities in the given order.
     """
     registry = default_registry()
-    names = [*policies, *([BELADY] if belady else [])]
+    specs = [parse_policy(p) if isinstance(p, str) else p for p in policies]
+    names: list[PolicySpec | None] = [*specs, *([None] if belady else [])]
     results = []
     with tqdm(
         total=len(requests) * len(names) * len(capacities) * len(lower_chains),
@@ -296,26 +437,46 @@ def simulate(
         disable=not show_progress,
     ) as bar:
         for capacity, chain in itertools.product(capacities, lower_chains):
-            for name in names:
-                hook = None
-                if name == BELADY:
+            for spec in names:
+                hook: Callable[[int], None] | None = None
+                samples: list[dict[str, float]] = []
+                tracked: PolicyIndex | None = None
+                if spec is None:
                     index: BlockIndex
                     index, hook = belady_index(requests, capacity, REPLAY_NAMESPACE)
+                    label = BELADY
                 else:
-                    index = registry.build(BLOCK_INDEX, policy_config(name), capacity)
+                    index = registry.build(BLOCK_INDEX, spec.config, capacity)
+                    label = spec.label
+                    if state_every and isinstance(index, PolicyIndex):
+                        tracked = index
+                        hook = _state_sampler(index, state_every, samples)
                 result = replay(
                     requests,
                     index,
-                    policy_name=name,
+                    policy_name=label,
                     device_blocks=device_blocks,
                     store_mode=store_mode,  # type: ignore[arg-type]
                     before_request=hook,
                     progress=bar.update,
                     lower_tiers=chain,
                 )
-                logger.info("%s at %d blocks: hit rate %.4f", name, capacity, result.hit_rate)
+                if tracked is not None:
+                    samples.append({"request": len(requests), **tracked.policy.state()})
+                    result = dataclasses.replace(result, state=tuple(samples))
+                logger.info("%s at %d blocks: hit rate %.4f", label, capacity, result.hit_rate)
                 results.append(result)
     return results
+
+
+def _state_sampler(
+    index: PolicyIndex, every: int, samples: list[dict[str, float]]
+) -> Callable[[int], None]:
+    def sample(position: int) -> None:
+        if position % every == 0:
+            samples.append({"request": position, **index.policy.state()})
+
+    return sample
 
 
 def run(args: argparse.Namespace) -> int:
@@ -351,6 +512,7 @@ def run(args: argparse.Namespace) -> int:
         store_mode=args.store_mode,
         show_progress=sys.stderr.isatty(),
         lower_chains=lower_chains,
+        state_every=args.trace_state or 0,
     )
     summary = summarize(args.trace, requests, results)
     if args.json:
@@ -363,6 +525,5 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"kvtier simulate: cannot write {args.plot}: {exc.strerror}", file=sys.stderr)
             return 1
-        if not args.json:
-            print(f"plot written to {args.plot}")
+        print(f"kvtier simulate: plot written to {args.plot}", file=sys.stderr)
     return 0

@@ -9,6 +9,12 @@ Two workloads, each a function of its seed only:
 - ``rag``: retrieval-augmented and few-shot requests: a Zipf-popular few-shot
   template, then a Zipf-popular document from a large pool, then a short unique
   question. Reuse is of shared prefixes of varying depth, at long gaps.
+- ``agent``: tool-calling agents. Each task starts from one of a few long
+  shared system prompts (tens of blocks, Zipf-popular) and a task description,
+  then loops: every step resends the whole context plus the last tool call and
+  its result (sometimes a large one), so contexts grow to hundreds of blocks.
+  A step sometimes retries from an earlier point of its own context (a branch),
+  and several tasks run at once with short gaps between their steps.
 
 Block ids are assigned through a prefix trie, so equal ids mean equal
 prefixes, as in the Mooncake traces (512 tokens per id).
@@ -23,8 +29,8 @@ from typing import Any, Literal
 
 from kvtier.simulator.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, mooncake_request
 
-Workload = Literal["chat", "rag"]
-WORKLOADS: tuple[Workload, ...] = ("chat", "rag")
+Workload = Literal["chat", "rag", "agent"]
+WORKLOADS: tuple[Workload, ...] = ("chat", "rag", "agent")
 
 
 class _PrefixIds:
@@ -99,6 +105,49 @@ def _rag(rng: random.Random, num_requests: int) -> list[dict[str, Any]]:
     return records
 
 
+def _agent(rng: random.Random, num_requests: int) -> list[dict[str, Any]]:
+    ids = _PrefixIds()
+    system_prompts = [rng.randint(16, 64) for _ in range(12)]
+    system_weights = _zipf_weights(len(system_prompts), 1.1)
+    task_ids = itertools.count()
+    active: list[dict[str, Any]] = []
+    paused: list[dict[str, Any]] = []
+    records = []
+    clock_ms = 0.0
+    for _ in range(num_requests):
+        clock_ms += rng.expovariate(1 / 100)
+        if not active or len(active) < 64 and rng.random() < 0.3:
+            if paused and rng.random() < 0.2:
+                # A finished task resumed later (the user comes back to it): its context returns.
+                resumed = paused.pop(rng.randrange(len(paused)))
+                resumed["steps"] = rng.randint(1, 10)
+                active.append(resumed)
+            else:
+                system = rng.choices(range(len(system_prompts)), cum_weights=system_weights)[0]
+                task = next(task_ids)
+                labels = [("system", system, block) for block in range(system_prompts[system])]
+                labels += [("task", task, block) for block in range(rng.randint(1, 4))]
+                active.append(
+                    {"id": task, "labels": labels, "base": len(labels), "steps": rng.randint(4, 40)}
+                )
+        agent = rng.choice(active)
+        labels = agent["labels"]
+        if len(labels) > agent["base"] + 1 and rng.random() < 0.1:
+            # A retry from an earlier step: the context is cut back and grows a new branch.
+            labels = labels[: rng.randint(agent["base"], len(labels) - 1)]
+        # A tool call and its result; one result in eight is large (a file, a web page).
+        size = rng.randint(8, 32) if rng.random() < 0.125 else rng.randint(1, 4)
+        step = len(records)
+        agent["labels"] = labels = labels + [("step", step, block) for block in range(size)]
+        records.append(_record(clock_ms, ids.chain(labels), rng))
+        agent["steps"] -= 1
+        if agent["steps"] == 0:
+            active.remove(agent)
+            if rng.random() < 0.3:
+                paused.append(agent)
+    return records
+
+
 def _record(clock_ms: float, hash_ids: list[int], rng: random.Random) -> dict[str, Any]:
     return {
         "timestamp": int(clock_ms),
@@ -112,7 +161,7 @@ def generate_records(workload: Workload, num_requests: int, seed: int) -> list[d
     """Generate a synthetic trace as Mooncake-format records (one JSON object per request).
 
     Args:
-        workload: ``"chat"`` or ``"rag"`` (see the module docstring).
+        workload: ``"chat"``, ``"rag"`` or ``"agent"`` (see the module docstring).
         num_requests: How many requests to generate.
         seed: The seed; equal arguments give an equal trace.
 
@@ -124,7 +173,8 @@ def generate_records(workload: Workload, num_requests: int, seed: int) -> list[d
     if num_requests <= 0:
         raise ValueError(f"num_requests must be positive, got {num_requests}")
     rng = random.Random(f"{workload}:{seed}")
-    return _chat(rng, num_requests) if workload == "chat" else _rag(rng, num_requests)
+    generators = {"chat": _chat, "rag": _rag, "agent": _agent}
+    return generators[workload](rng, num_requests)
 
 
 def generate_trace(workload: Workload, num_requests: int, seed: int) -> list[TraceRequest]:

@@ -78,6 +78,9 @@ class ReplayResult:
     """The lower tiers replayed below the host tier: (name, capacity in blocks), in order."""
     lower_hits: tuple[tuple[str, int], ...] = ()
     """Of ``tier_hits``, the blocks each lower tier supplied (the rest came from host memory)."""
+    state: tuple[dict[str, float], ...] = ()
+    """The policy's own counters over the replay (``--trace-state``): each sample is
+    ``{"request": position, counter: value, ...}``, taken before that request."""
 
     @property
     def hit_rate(self) -> float:

@@ -89,7 +89,12 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def plot_hit_rates(summary: dict[str, Any], path: str) -> None:
-    """Plot hit rate against capacity (log scale), one line per policy, to a PNG file."""
+    """Plot hit rate against capacity (log scale), one line per policy, to a PNG file.
+
+    Rows that carry a policy's counters over time (``--trace-state``) add one
+    panel per counter below, against requests replayed, one line per policy
+    and capacity.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -98,7 +103,34 @@ def plot_hit_rates(summary: dict[str, Any], path: str) -> None:
     series: dict[str, list[tuple[int, float]]] = {}
     for row in summary["results"]:
         series.setdefault(row["policy"], []).append((row["capacity_blocks"], row["hit_rate"]))
-    figure, axes = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    counters = list(
+        dict.fromkeys(
+            name
+            for row in summary["results"]
+            for sample in row.get("state", ())
+            for name in sample
+            if name != "request"
+        )
+    )
+    figure, panels = plt.subplots(
+        1 + len(counters),
+        1,
+        figsize=(6.4, 4.0 + 2.2 * len(counters)),
+        dpi=100,
+        squeeze=False,
+        gridspec_kw={"height_ratios": [1.8] + [1.0] * len(counters)},
+    )
+    axes = panels[0][0]
+    for counter, (state_axes,) in zip(counters, panels[1:], strict=True):
+        for row in summary["results"]:
+            points = [(s["request"], s[counter]) for s in row.get("state", ()) if counter in s]
+            if points:
+                label = f"{row['policy']} @ {row['capacity_blocks']}"
+                state_axes.plot(*zip(*points, strict=True), label=label, linewidth=1)
+        state_axes.set_ylabel(counter, fontsize=8)
+        state_axes.set_xlabel("requests replayed", fontsize=8)
+        state_axes.grid(True, alpha=0.3)
+        state_axes.legend(fontsize=6)
     for policy, points in series.items():
         points.sort()
         style = {"linestyle": "--", "color": "black"} if policy == BELADY else {"marker": "o"}

@@ -21,6 +21,18 @@ invariants after every step (no slot leaks, a pinned or writing slot is never
 evicted or reused, a key is never readable before its commit, capacity is
 never exceeded). Indexes whose policy may decline to admit a key set
 ``admits_all = False``; the tests that need a particular key admitted then skip.
+
+An eviction-policy author subclasses :class:`EvictionPolicyContract` instead
+and provides ``make_policy``, a callable that builds the policy for a tier of a
+given number of slots: the whole block-index contract then runs on the policy
+inside a :class:`~kvtier.index.PolicyIndex`, plus the rules a policy keeps on
+its own (victims are evictable keys it was told about, notifications are
+accepted in any request order)::
+
+    class TestMyPolicy(EvictionPolicyContract):
+        @pytest.fixture
+        def make_policy(self):
+            return lambda num_slots: MyPolicy()
 """
 
 from __future__ import annotations
@@ -40,9 +52,12 @@ from hypothesis.stateful import (
 )
 
 from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent
+from kvtier.index.policy import EvictionPolicy, PolicyIndex
 
 IndexFactory = Callable[[int], BlockIndex]
 """Builds an empty index with the given number of slots."""
+PolicyFactory = Callable[[int], EvictionPolicy]
+"""Builds an eviction policy for a tier of the given number of slots."""
 
 
 def chain(prefix: str, length: int) -> list[BlockKey]:
@@ -433,3 +448,45 @@ def _index_machine(make_index: IndexFactory, num_slots: int) -> type[RuleBasedSt
                 assert self.index.lookup([key]) == 0
 
     return IndexMachine
+
+
+class EvictionPolicyContract(BlockIndexContract):
+    """Behaviour every :class:`~kvtier.index.EvictionPolicy` must have; subclass it in a test.
+
+    Subclasses provide the fixture ``make_policy() -> PolicyFactory``; every
+    :class:`BlockIndexContract` test runs on the policy in a ``PolicyIndex``.
+    """
+
+    @pytest.fixture
+    def make_index(self, make_policy: PolicyFactory) -> IndexFactory:
+        return lambda num_slots: PolicyIndex(num_slots, make_policy(num_slots))
+
+    def test_victim_is_an_inserted_evictable_key_or_none(self, make_policy: PolicyFactory) -> None:
+        policy = make_policy(8)
+        keys = chain("v", 4)
+        parent = None
+        for key in keys:
+            policy.inserted(key, parent)
+            parent = key
+        assert policy.victim(lambda key: False) is None
+        assert policy.victim(lambda key: key == keys[2]) == keys[2]
+        policy.removed(keys[2])
+        assert policy.victim(lambda key: key == keys[2]) is None
+        assert policy.victim(lambda key: True) in keys
+
+    def test_notifications_reach_the_policy_in_request_order(
+        self, make_policy: PolicyFactory
+    ) -> None:
+        index = PolicyIndex(2, make_policy(2))
+        index.request_started("r1")
+        index.request_started("r2")
+        first = chain("n", 3)
+        slots = index.reserve(first, lazy=True)
+        index.abort([key for key, slot in zip(first, slots, strict=True) if slot is not None])
+        self._need_admission()
+        index.request_finished("r1")
+        stored = store(index, chain("m", 2))
+        assert stored == [0, 1] or stored == [1, 0]
+        assert index.reserve(chain("m", 2)) == [None, None]  # present: offered, not admitted
+        index.request_finished("r2")
+        assert index.stats().readable == 2 and index.stats().free == 0

@@ -18,13 +18,15 @@ from kvtier import api, hookspecs, plugins
 from kvtier.api import (
     BLOCK_INDEX,
     COPY_BACKEND,
+    EVICTION_POLICY,
     LAYOUT_RESOLVER,
     STORAGE_TIER,
     Kind,
     LazyFactory,
     PluginConfig,
+    PolicyIndex,
 )
-from kvtier.index.lru import LRUConfig
+from kvtier.index.lru import LRUConfig, LRUPolicy
 from kvtier.kinds import KINDS
 from kvtier.plugins import LOAD_PLUGINS_ENV, PluginError, build_plugin_manager, collect
 
@@ -46,6 +48,12 @@ class EchoBackend:
 
 
 class SecondLRU:
+    @kvtier.hookimpl
+    def register_eviction_policies(self, register: hookspecs.Register) -> None:
+        register("lru", lambda config, num_slots: None, LRUConfig)
+
+
+class LRUIndex:
     @kvtier.hookimpl
     def register_block_indexes(self, register: hookspecs.Register) -> None:
         register("lru", lambda config, num_slots: None, LRUConfig)
@@ -141,9 +149,33 @@ def test_duplicate_name_names_both_owners(installed: list[Any]) -> None:
     with pytest.raises(PluginError) as caught:
         collect(build_plugin_manager(env={}))
     assert str(caught.value) == (
-        f"block index 'lru' is registered twice: by plugin 'kvtier.index.plugin' "
+        f"eviction policy 'lru' is registered twice: by plugin 'kvtier.index.plugin' "
         f"(kvtier {kvtier.__version__}) and by plugin 'second' (kvtier-lru 0.3)"
     )
+
+
+def test_a_block_index_may_not_take_an_eviction_policys_name(installed: list[Any]) -> None:
+    installed.append(entry_point("mine", LRUIndex(), dist="kvtier-mine", version="0.3"))
+    with pytest.raises(PluginError) as caught:
+        collect(build_plugin_manager(env={}))
+    assert str(caught.value) == (
+        "block index 'lru' is registered twice: as a block index by plugin 'mine' "
+        "(kvtier-mine 0.3) and as an eviction policy by plugin 'kvtier.index.plugin' "
+        f"(kvtier {kvtier.__version__}); rename one of them"
+    )
+
+
+def test_an_eviction_policy_is_a_block_index_of_the_same_name() -> None:
+    registry = collect(build_plugin_manager(env={LOAD_PLUGINS_ENV: ""}))
+    policy = registry.get(EVICTION_POLICY, "lru")
+    index_registration = registry.get(BLOCK_INDEX, "lru")
+    assert (index_registration.config_model, index_registration.plugin) == (
+        policy.config_model,
+        policy.plugin,
+    )
+    index = registry.build(BLOCK_INDEX, LRUConfig(), 4)
+    assert isinstance(index, PolicyIndex) and isinstance(index.policy, LRUPolicy)
+    assert index.num_slots == 4
 
 
 def test_two_distributions_with_one_plugin_name_are_rejected(installed: list[Any]) -> None:
@@ -289,9 +321,9 @@ def test_registration_hooks_are_called_through_pluggy(installed: list[Any]) -> N
     )
     collect(pm)
     assert calls == [
-        ("register_block_indexes", ["kvtier.index.plugin"]),
         ("register_copy_backends", ["kvtier.copy.plugin"]),
         ("register_copy_backends", ["echo"]),
+        ("register_eviction_policies", ["kvtier.index.plugin"]),
         ("register_layout_resolvers", ["kvtier.layout.plugin"]),
         ("register_storage_tiers", ["kvtier.tiers.plugin"]),
     ]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 from pydantic import ValidationError
 
-from kvtier.index.arc import ARCPolicy
+from kvtier.index.arc import ARCPolicy, ARCShadow
 from kvtier.index.base import BlockKey, EventKind
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import EvictionPolicy, PolicyIndex
@@ -61,7 +63,9 @@ def scan_survivor(policy: EvictionPolicy) -> bool:
 
 
 @pytest.mark.parametrize(
-    "policy", [ARCPolicy(4), S3FIFOPolicy(4), PrefixARCPolicy(4)], ids=["arc", "s3fifo", "prefix"]
+    "policy",
+    [ARCPolicy(4), S3FIFOPolicy(4), PrefixARCPolicy(4, eviction="arc")],
+    ids=["arc", "s3fifo", "prefix"],
 )
 def test_reused_key_survives_a_scan(policy: EvictionPolicy) -> None:
     assert scan_survivor(policy)
@@ -96,7 +100,7 @@ def test_prefix_arc_evicts_orphans_first() -> None:
 
 def test_prefix_arc_remembers_reuse_beyond_the_ghost_lists() -> None:
     def survives(history_factor: float) -> bool:
-        index = PolicyIndex(4, PrefixARCPolicy(4, history_factor))
+        index = PolicyIndex(4, PrefixARCPolicy(4, history_factor, eviction="arc"))
         store(index, [b"doc"])
         for key in new_keys("first", 12):
             store(index, [key])
@@ -144,7 +148,7 @@ def test_no_victim_while_everything_is_pinned(policy: EvictionPolicy) -> None:
 
 def test_prefix_arc_learns_which_stored_blocks_are_rarely_reused() -> None:
     def first_victim_after_training(low_value_ratio: float) -> list[BlockKey]:
-        index = PolicyIndex(8, PrefixARCPolicy(8, 4.0, low_value_ratio))
+        index = PolicyIndex(8, PrefixARCPolicy(8, 4.0, low_value_ratio, eviction="arc"))
         for round_ in range(30):
             head, middle, tail = (f"{part}{round_}".encode() for part in "abc")
             store(index, [head, middle, tail])
@@ -160,7 +164,7 @@ def test_prefix_arc_learns_which_stored_blocks_are_rarely_reused() -> None:
 
 
 def test_prefix_arc_reuse_from_the_long_history_shrinks_the_recency_target() -> None:
-    policy = PrefixARCPolicy(4)
+    policy = PrefixARCPolicy(4, eviction="arc")
     index = PolicyIndex(4, policy)
     store(index, [b"hot"])
     hit(index, [b"hot"])
@@ -229,3 +233,78 @@ def test_prefix_arc_keeps_storing_first_sight_blocks_that_come_back_soon() -> No
         serve(index, chain)
     assert not policy.second_sight
     assert None not in index.reserve([b"new0", b"new1"])
+
+
+def test_arc_shadow_hits_what_the_arc_index_hits() -> None:
+    shadow = ARCShadow(8)
+    index = PolicyIndex(8, ARCPolicy(8))
+    # Hot keys, a loop slightly larger than the cache and one-time keys, interleaved.
+    uses = [
+        f"{kind}{n % size}".encode() for n in range(400) for kind, size in ((b"h", 3), (b"l", 9))
+    ]
+    uses += [f"once{n}".encode() for n in range(20)] + uses[:100]
+    for key in uses:
+        hit_in_index = index.lookup([key]) == 1
+        if hit_in_index:
+            hit(index, [key])
+        else:
+            store(index, [key])
+        assert shadow.reference(key) == hit_in_index
+
+
+def test_arc_shadow_remembers_reuse_beyond_the_ghost_lists() -> None:
+    def survives(history_size: int) -> bool:
+        shadow = ARCShadow(4, history_size)
+        shadow.reference(b"doc")
+        for key in new_keys("first", 12):
+            shadow.reference(key)
+        shadow.reference(b"doc")
+        for key in new_keys("second", 6):
+            shadow.reference(key)
+        return shadow.reference(b"doc")
+
+    assert survives(history_size=16)
+    assert not survives(history_size=0)
+
+
+def test_prefix_arc_recency_rule_evicts_the_least_recent_block_of_both_lists() -> None:
+    def first_victim(eviction: Literal["arc", "recency"]) -> list[BlockKey]:
+        index = PolicyIndex(2, PrefixARCPolicy(2, eviction=eviction))
+        store(index, [b"old"])
+        hit(index, [b"old"])  # in the frequency list, last used before ``new`` was stored
+        store(index, [b"new"])
+        store(index, [b"next"])
+        return evicted(index)
+
+    assert first_victim("recency") == [b"old"]
+    assert first_victim("arc") == [b"new"]
+
+
+def reuse_soon_and_after_long_gaps(index: PolicyIndex, steps: int = 200) -> None:
+    """Each key is used three times: when new, two steps later and twenty steps later."""
+    for step in range(steps):
+        for back in (0, 2, 20):
+            if step >= back:
+                serve(index, [f"w{step - back}".encode()])
+
+
+def test_prefix_arc_follows_the_rule_whose_shadow_hits_more() -> None:
+    policy = PrefixARCPolicy(8)
+    assert policy.recency
+    # Hot keys between one-shot scans: ARC keeps them in its frequency list, LRU does not.
+    index = one_shot_scan_with_hot_keys(policy)
+    assert not policy.recency
+    # Keys reused soon, then once after a long gap: ARC's target pushes the soon-reused keys
+    # out of its recency list, LRU keeps them.
+    reuse_soon_and_after_long_gaps(index)
+    assert policy.recency
+
+
+def test_prefix_arc_eviction_rule_can_be_fixed() -> None:
+    # Each workload turns the adaptive rule away from the fixed one (see the test above).
+    arc = PrefixARCPolicy(8, eviction="arc")
+    reuse_soon_and_after_long_gaps(PolicyIndex(8, arc))
+    assert not arc.recency
+    recency = PrefixARCPolicy(8, eviction="recency")
+    one_shot_scan_with_hot_keys(recency)
+    assert recency.recency

@@ -542,3 +542,46 @@ def test_lazy_mode_stores_only_window_blocks_of_a_windowed_group() -> None:
     assert [(t.group, t.device_blocks) for t in plan.stores] == [(0, (1, 2, 3)), (1, (6,))]
     m.process(done(plan))
     assert m.lookup("b", HASHES[:3], 0, 99) == 3 * BT
+
+
+class RecordingPolicy(LRUPolicy):
+    """LRU that records the notifications the manager's index passes on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[object, ...]] = []
+
+    def request_started(self, request_id: str) -> None:
+        self.calls.append(("started", request_id))
+
+    def request_finished(self, request_id: str) -> None:
+        self.calls.append(("finished", request_id))
+
+    def offered(self, key: bytes, parent: bytes | None, *, present: bool, lazy: bool) -> None:
+        self.calls.append(("offered", present, lazy))
+
+    def aborted(self, key: bytes) -> None:
+        self.calls.append(("aborted",))
+
+
+def test_the_policy_sees_request_boundaries_eager_and_lazy_offers_and_aborts() -> None:
+    eager_policy = RecordingPolicy()
+    m = OffloadManager(PolicyIndex(8, eager_policy), block_tokens=BT, record_bytes=100)
+    (store,) = store_blocks(m, "a", 2).stores
+    m.process(WorkerReport(failed={store.batch_id: 1}))
+    m.finished("a")
+    assert eager_policy.calls == [
+        ("started", "a"),
+        ("offered", False, False),
+        ("offered", False, False),
+        ("aborted",),
+        ("aborted",),
+        ("finished", "a"),
+    ]
+    lazy_policy = RecordingPolicy()
+    m = OffloadManager(
+        PolicyIndex(8, lazy_policy), block_tokens=BT, record_bytes=100, store_mode="lazy"
+    )
+    m.process(done(m.build_plan([LazyCandidate(HASHES[0], 0, 4)])))
+    m.build_plan([LazyCandidate(HASHES[1], 0, 5)])
+    assert lazy_policy.calls == [("offered", False, True), ("offered", False, True)]

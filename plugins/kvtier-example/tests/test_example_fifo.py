@@ -1,25 +1,30 @@
-"""Tests of the ``fifo`` block index and its registration through the ``kvtier`` entry point."""
+"""Tests of the ``fifo`` eviction policy and its registration through the ``kvtier`` entry point."""
 
 from __future__ import annotations
 
 from importlib.metadata import entry_points
 
 import pytest
-from kvtier_example import FIFOConfig, build_fifo_index
+from kvtier_example import FIFOConfig, build_fifo_policy
 
-from kvtier.api import BLOCK_INDEX
+from kvtier.api import BLOCK_INDEX, EVICTION_POLICY, PolicyIndex
 from kvtier.config import ConfigError, load_config
 from kvtier.plugins import build_plugin_manager, collect
-from kvtier.testing.contracts_index import BlockIndexContract, IndexFactory
+from kvtier.testing.contracts_index import EvictionPolicyContract, PolicyFactory
 
 
-class TestFIFOContract(BlockIndexContract):
-    """kvtier's block-index contract suite, run on both variants of the index."""
+class TestFIFOContract(EvictionPolicyContract):
+    """kvtier's eviction-policy contract suite, run on both variants of the policy."""
 
     @pytest.fixture(params=[False, True], ids=["plain", "second-chance"])
-    def make_index(self, request: pytest.FixtureRequest) -> IndexFactory:
+    def make_policy(self, request: pytest.FixtureRequest) -> PolicyFactory:
         config = FIFOConfig(second_chance=request.param)
-        return lambda num_slots: build_fifo_index(config, num_slots)
+        return lambda num_slots: build_fifo_policy(config, num_slots)
+
+
+def build_fifo_index(config: FIFOConfig, num_slots: int) -> PolicyIndex:
+    """The ``fifo`` policy in the index kvtier puts it in."""
+    return PolicyIndex(num_slots, build_fifo_policy(config, num_slots))
 
 
 def keys(*names: str) -> list[bytes]:
@@ -80,8 +85,12 @@ def test_entry_point_registers_fifo_with_its_distribution() -> None:
     names = {ep.value for ep in entry_points(group="kvtier")}
     assert "kvtier_example.plugin" in names
     registry = collect(build_plugin_manager(env={"KVTIER_LOAD_PLUGINS": "kvtier-example"}))
-    registration = registry.get(BLOCK_INDEX, "fifo")
-    assert (registration.distribution, registration.config_model) == ("kvtier-example", FIFOConfig)
+    for kind in (EVICTION_POLICY, BLOCK_INDEX):  # a policy is also a block index of its name
+        registration = registry.get(kind, "fifo")
+        assert (registration.distribution, registration.config_model) == (
+            "kvtier-example",
+            FIFOConfig,
+        )
 
 
 def test_config_selects_and_validates_fifo() -> None:

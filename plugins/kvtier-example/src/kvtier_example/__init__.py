@@ -1,5 +1,5 @@
-"""kvtier-example: a kvtier plugin package that adds the ``fifo`` block index."""
+"""kvtier-example: a kvtier plugin package that adds the ``fifo`` eviction policy."""
 
-from kvtier_example.fifo import FIFOConfig, FIFOPolicy, build_fifo_index
+from kvtier_example.fifo import FIFOConfig, FIFOPolicy, build_fifo_policy
 
-__all__ = ["FIFOConfig", "FIFOPolicy", "build_fifo_index"]
+__all__ = ["FIFOConfig", "FIFOPolicy", "build_fifo_policy"]

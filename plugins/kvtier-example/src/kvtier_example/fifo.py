@@ -3,9 +3,9 @@
 Plain FIFO ignores hits, so its bookkeeping is one ordered dict and a hit costs
 nothing. With ``second_chance`` it becomes CLOCK: a hit marks the block, and
 when a marked block reaches the front of the queue it is unmarked and sent to
-the back instead of being evicted. Both plug into kvtier's
-:class:`~kvtier.api.PolicyIndex`, which owns the slots and the pins; this
-module only ranks keys.
+the back instead of being evicted. It is an eviction policy: kvtier puts it in
+a :class:`~kvtier.api.PolicyIndex`, which owns the slots, their states and the
+pins; this module only ranks keys.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvtier.api import BlockKey, EvictionPolicy, PluginConfig, PolicyIndex
+from kvtier.api import BlockKey, EvictionPolicy, PluginConfig
 
 
 class FIFOConfig(PluginConfig):
@@ -63,14 +63,14 @@ class FIFOPolicy(EvictionPolicy):
         return None
 
 
-def build_fifo_index(config: FIFOConfig, num_slots: int) -> PolicyIndex:
-    """Build a ``fifo`` block index of ``num_slots`` slots (the registered factory).
+def build_fifo_policy(config: FIFOConfig, num_slots: int) -> FIFOPolicy:
+    """Build the ``fifo`` policy for a tier of ``num_slots`` slots (the registered factory).
 
     Args:
         config: The validated ``index`` section.
-        num_slots: How many blocks the tier holds.
+        num_slots: How many blocks the tier holds (FIFO needs no size).
 
     Returns:
-        A :class:`~kvtier.api.PolicyIndex` ranked by :class:`FIFOPolicy`.
+        The policy; kvtier puts it in a :class:`~kvtier.api.PolicyIndex`.
     """
-    return PolicyIndex(num_slots, FIFOPolicy(second_chance=config.second_chance))
+    return FIFOPolicy(second_chance=config.second_chance)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kvtier.api import BlockIndexFactory, Register, hookimpl
-from kvtier_example.fifo import FIFOConfig, build_fifo_index
+from kvtier.api import EvictionPolicyFactory, Register, hookimpl
+from kvtier_example.fifo import FIFOConfig, build_fifo_policy
 
 
 @hookimpl
-def register_block_indexes(register: Register[BlockIndexFactory]) -> None:
-    """Register the ``fifo`` block index with its config model."""
-    register("fifo", build_fifo_index, FIFOConfig)
+def register_eviction_policies(register: Register[EvictionPolicyFactory]) -> None:
+    """Register the ``fifo`` eviction policy with its config model."""
+    register("fifo", build_fifo_policy, FIFOConfig)
