@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.index.base import BlockIndex, BlockKey, EventKind
+from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
 from kvtier.tiers.base import Cause, QueuedTier, TierError, TierSpec
 from kvtier.tiers.configs import DiskTierConfig
@@ -464,7 +465,7 @@ class DiskTier(QueuedTier):
 
 def build_disk_tier(config: DiskTierConfig, spec: TierSpec) -> DiskTier:
     """The ``disk`` tier's factory: its block index from the registry, then the tier."""
-    registration = default_registry().get("block_indexes", config.eviction)
+    registration = default_registry().get(BLOCK_INDEX, config.eviction)
     num_slots = DiskTier.slots_for(config, spec)
     index = registration.factory(registration.config_model(), num_slots)
     return DiskTier(config, spec, index)

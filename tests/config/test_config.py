@@ -33,7 +33,7 @@ from kvtier.config import (
 )
 from kvtier.index.lru import LRUConfig
 from kvtier.index.prefix_arc import PrefixARCConfig
-from kvtier.kinds import COPY_BACKEND
+from kvtier.kinds import COPY_BACKEND, Kind
 from kvtier.plugins import Registry, collect
 from tests.conftest import REPO_ROOT
 
@@ -687,17 +687,17 @@ def test_prefix_arc_memory_factors_are_bounded(factor: str) -> None:
 
 
 NATIVE_BOUNDS = [
-    ("copy_backends", "torch", "cpu_threads", 10**6),
-    ("copy_backends", "torch", "cuda_staging_bytes", 2**63),
-    ("copy_backends", "dma", "stream_priority", 2**31),
-    ("copy_backends", "kernel", "stream_priority", -(2**31) - 1),
+    (COPY_BACKEND, "torch", "cpu_threads", 10**6),
+    (COPY_BACKEND, "torch", "cuda_staging_bytes", 2**63),
+    (COPY_BACKEND, "dma", "stream_priority", 2**31),
+    (COPY_BACKEND, "kernel", "stream_priority", -(2**31) - 1),
 ]
 """Settings of the built-in plugins one past what native code takes: (kind, type, key, value)."""
 
 
 @pytest.mark.parametrize(("kind", "name", "field", "value"), NATIVE_BOUNDS)
 def test_integers_that_reach_native_code_are_bounded(
-    kind: str, name: str, field: str, value: int
+    kind: Kind[Any], name: str, field: str, value: int
 ) -> None:
     from kvtier.plugins import default_registry
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.index.base import BlockKey
+from kvtier.kinds import STORAGE_TIER
 from kvtier.plugins import PluginError, default_registry
 from kvtier.testing.contracts_tier import (
     StorageTierContract,
@@ -120,7 +121,7 @@ class TestDiskContractODirect(StorageTierContract):
 
 
 def test_the_registry_builds_the_disk_tier(tmp_path: Path) -> None:
-    registration = default_registry().get("storage_tiers", "disk")
+    registration = default_registry().get(STORAGE_TIER, "disk")
     config = registration.config_model.model_validate(
         {"type": "disk", "path": str(tmp_path), "capacity_bytes": "1MiB", "eviction": "s3fifo"}
     )

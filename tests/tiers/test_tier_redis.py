@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.kinds import STORAGE_TIER
 from kvtier.plugins import default_registry
 from kvtier.testing.contracts_tier import (
     StorageTierContract,
@@ -109,7 +110,7 @@ class TestRedisClusterContract(StorageTierContract):
 
 
 def test_the_registry_builds_the_redis_tier(server: RedisServer) -> None:
-    registration = default_registry().get("storage_tiers", "redis")
+    registration = default_registry().get(STORAGE_TIER, "redis")
     config = registration.config_model.model_validate({"type": "redis", "url": server.url})
     tier = registration.factory(config, make_spec(record_bytes=RECORD))
     try:
