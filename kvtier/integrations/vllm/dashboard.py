@@ -441,8 +441,8 @@ def record_run(rounds: int, seed: int = 0) -> list[Scrape]:
 
     Each round sends a batch of prompts that share one of a few prefixes, then
     empties vLLM's own prefix cache, so the next round's shared prefixes come
-    from kvtier's host tier; the tier holds fewer blocks than the prefixes, so
-    it also evicts.
+    from kvtier's host tier; the host tier holds fewer blocks than the prefixes,
+    so it evicts to a disk tier below it, which serves the host tier's misses.
     """
     import os
     import random
@@ -466,7 +466,9 @@ def record_run(rounds: int, seed: int = 0) -> list[Scrape]:
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(200, 500))] for _ in range(8)]
     with tempfile.TemporaryDirectory() as folder:
         model_dir = write_tiny_llama(Path(folder), TinyLlamaSpec())
-        kwargs = engine_kwargs(model_dir, kvtier={"cpu_bytes": "1MiB"}, num_device_blocks=256)
+        disk = {"type": "disk", "path": str(Path(folder) / "tier"), "capacity_bytes": "64MiB"}
+        kvtier = {"cpu_bytes": "1MiB", "tiers": [disk]}
+        kwargs = engine_kwargs(model_dir, kvtier=kvtier, num_device_blocks=256)
         llm = LLM(**kwargs)
         try:
             scrapes = [scrape(REGISTRY, time.monotonic())]

@@ -29,9 +29,10 @@ from tests.integrations.vllm.test_vllm_connector import MIB, _Registered, _vllm_
 def exported_series() -> dict[str, set[str]]:
     """Sample name -> label names, of everything the connector's exporter publishes."""
     bound = _Registered()
-    prom = KVTierPromMetrics(
-        _vllm_config({"cpu_bytes": 4 * MIB}), bound.types, ["model_name", "engine"], {0: ["m", "0"]}
-    )
+    # a storage tier in the config, so that the per-tier series exist from start-up
+    disk = {"type": "disk", "path": "/var/cache/kvtier", "capacity_bytes": 64 * MIB}
+    config = _vllm_config({"cpu_bytes": 4 * MIB, "tiers": [disk]})
+    prom = KVTierPromMetrics(config, bound.types, ["model_name", "engine"], {0: ["m", "0"]})
     # the one series not published at start-up
     prom.observe({"capacity_blocks": 256}, engine_idx=0)
     series: dict[str, set[str]] = {}
@@ -56,6 +57,7 @@ def test_the_exported_names_come_from_the_code() -> None:
     exported = exported_series()
     assert "vllm:kvtier_load_seconds_bucket" in exported
     assert "cause" in exported["vllm:kvtier_failures_total"]
+    assert "tier" in exported["vllm:kvtier_tier_hits_total"]
     assert "vllm:kvtier_load_seconds" not in exported, "histograms export _bucket, _sum, _count"
 
 
