@@ -198,8 +198,8 @@ def measure_ttft(
 
     In eager mode the prompt's blocks are stored as they are computed and
     vLLM's cache is then emptied; in lazy mode they are stored only as the
-    engine is about to evict them, so a filler prompt pushes them to the front of
-    vLLM's free queue first.
+    engine is about to evict them, so a filler prompt first pushes them to the
+    front of vLLM's free queue; then vLLM's cache is emptied in both modes.
     """
     from vllm import LLM
 
@@ -232,9 +232,7 @@ def measure_ttft(
             # One more prompt's blocks bring this one's to the front of vLLM's free queue,
             # within the window lazy mode stores.
             _timed(llm, [_prompt(rng, prompt_tokens)], 1)
-            settle(llm)
-        else:
-            reset_device_cache(llm)
+        reset_device_cache(llm)
         if probes:
             probes.take()
         tier.append(_timed(llm, [prompt], 1))
@@ -248,6 +246,9 @@ def measure_ttft(
             kind: rounds[result[kind].index(min(result[kind]))]
             for kind, rounds in breakdown.items()
         }
+        result["tier_hit_copy_s"] = [
+            repeat["calls"].get("copy", {}).get("total_s", 0.0) for repeat in breakdown["tier_hit"]
+        ]
     return result
 
 
@@ -327,6 +328,8 @@ def ttft_report(ttft: dict[str, Any], limit_s: float) -> dict[str, Any]:
     }
     if "breakdown_of_best" in ttft:
         report["breakdown_of_best"] = ttft["breakdown_of_best"]
+        report["tier_hit_copy_s"] = ttft["tier_hit_copy_s"]
+        report["tier_hit_copy_over_limit"] = statistics.median(ttft["tier_hit_copy_s"]) / limit_s
     return report
 
 
@@ -358,7 +361,7 @@ def ratio_interval(
 def _serve_arm(
     conn: Connection,
     model_dir: Path,
-    with_kvtier: bool,
+    kvtier: dict[str, Any] | None,
     shape: tuple[int, int, int],
     breakdown: bool,
 ) -> None:
@@ -375,7 +378,7 @@ def _serve_arm(
     llm = LLM(
         **engine_kwargs(
             model_dir,
-            kvtier={"cpu_bytes": "1GiB"} if with_kvtier else None,
+            kvtier=kvtier,
             num_device_blocks=prompts * (prompt_tokens + output_tokens) // BLOCK_TOKENS + 64,
             max_model_len=2 * prompt_tokens,
         )
@@ -405,39 +408,55 @@ class Arm:
     """A throughput engine in its own process, driven round by round."""
 
     def __init__(
-        self, model_dir: Path, with_kvtier: bool, shape: tuple[int, int, int], breakdown: bool
+        self,
+        model_dir: Path,
+        kvtier: dict[str, Any] | None,
+        shape: tuple[int, int, int],
+        breakdown: bool,
     ) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(
-            target=_serve_arm, args=(child, model_dir, with_kvtier, shape, breakdown)
+            target=_serve_arm, args=(child, model_dir, kvtier, shape, breakdown)
         )
         self._process.start()
         child.close()
 
     def wait_ready(self) -> None:
-        if self._conn.recv() != "ready":
-            raise RuntimeError("the throughput engine did not start; see its log above")
+        self._receive()
 
     def run(self) -> tuple[float, float]:
         """Tokens per wall second and per CPU second of one batch of new prompts."""
         self._conn.send("run")
-        return self._conn.recv()
+        return self._receive()
 
     def close(self) -> list[dict[str, Any]]:
         """Stop the engine; the breakdown of each round (empty without ``--breakdown``)."""
-        self._conn.send("stop")
-        breakdowns = self._conn.recv()
+        breakdowns = []
+        if self._process.is_alive():
+            self._conn.send("stop")
+            breakdowns = self._receive()
         self._process.join(timeout=60)
         return breakdowns
 
+    def _receive(self) -> Any:
+        try:
+            return self._conn.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"the throughput engine's process exited with {self._process.exitcode}; "
+                "its traceback is in the log above"
+            ) from None
+
 
 def measure_throughput(
-    model_dir: Path, rounds: int, shape: tuple[int, int, int], breakdown: bool
+    model_dir: Path, rounds: int, shape: tuple[int, int, int], store_mode: str, breakdown: bool
 ) -> tuple[dict[bool, list[tuple[float, float]]], dict[bool, list[dict[str, Any]]]]:
     """Per round, each arm's tokens per wall and CPU second, in ABBA order; and the breakdowns."""
+    kvtier = {"cpu_bytes": "1GiB", "store_mode": store_mode}
     arms = {
-        with_kvtier: Arm(model_dir, with_kvtier, shape, breakdown) for with_kvtier in (False, True)
+        with_kvtier: Arm(model_dir, kvtier if with_kvtier else None, shape, breakdown)
+        for with_kvtier in (False, True)
     }
     results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     breakdowns: dict[bool, list[dict[str, Any]]] = {}
@@ -491,6 +510,7 @@ def main() -> int:
     parser.add_argument("--throughput-prompts", type=int, default=4)
     parser.add_argument("--throughput-prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--throughput-store-mode", choices=("eager", "lazy"), default="eager")
     parser.add_argument(
         "--only",
         choices=("ttft", "lower-tiers", "throughput"),
@@ -539,8 +559,9 @@ def main() -> int:
         if "throughput" in parts:
             shape = (args.throughput_prompts, args.throughput_prompt_tokens, args.output_tokens)
             rounds, breakdowns = measure_throughput(
-                model_dir, args.throughput_rounds, shape, args.breakdown
+                model_dir, args.throughput_rounds, shape, args.throughput_store_mode, args.breakdown
             )
+            result["zero_hit_store_mode"] = args.throughput_store_mode
             result["zero_hit_shape"] = dict(
                 zip(("prompts", "prompt_tokens", "output_tokens"), shape, strict=True)
             )
