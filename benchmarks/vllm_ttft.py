@@ -3,36 +3,73 @@
 Also measures the first token of a prefix found only in a disk tier or a Redis
 tier below a host tier too small to keep it (promoted, then loaded), and
 throughput at a 0% hit rate with and without the connector, so the cost of
-storing every block is visible. All arms run in one process on the same
-random-weight model; the output is JSON with ratios against the peers. The
-Redis arm needs ``redis-server`` on the PATH and is left out without it.
+storing every block is visible. All arms run the same random-weight model; the
+output is JSON with ratios against the peers and a verdict against each target.
+The Redis arm needs ``redis-server`` on the PATH and is left out without it.
 
-    python benchmarks/vllm_ttft.py [--prompt-tokens 4096] [--repeats 7] [--throughput-rounds 3]
+    python benchmarks/vllm_ttft.py [--prompt-tokens 4096] [--repeats 7] [--throughput-rounds 16]
+        [--breakdown]
 
 On a shared machine other processes slow some repeats down many times over,
 so every repeat is reported; the headline TTFT ratios use the best (least
-disturbed) repeat of each arm. Throughput rounds run both arms back to back in
-alternating order; the ratios are the median of per-round ratios (by wall time
-and by this process's CPU time) and the ratio of the best rounds.
+disturbed) repeat of each arm, in eager and in lazy store mode, next to the
+physical limit: the prompt's KV bytes over the bandwidth of one contiguous
+host copy of as many bytes, measured in the same run.
+
+Throughput runs two engines, one with and one without the connector, each in
+its own process and kept alive, and times one batch of new prompts on each
+per round, in ABBA order (without, with, with, without, ...). Every round gives
+one ratio by wall time and one by CPU time (every thread of the engine's
+process, and its children); the JSON holds their median and a 95% bootstrap
+interval of that median.
+
+``--breakdown`` wraps the connector's methods, the host copies and vLLM's
+engine step and scheduler (in the benchmark's processes only; without the flag
+nothing is wrapped) and reports where the time goes, per arm.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
+import multiprocessing
 import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
 
 MODEL = TinyLlamaSpec(
     num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1024
 )
+BLOCK_TOKENS = 32
+
+TARGETS = {
+    "tier_hit_over_device_hit_max": 1.5,
+    "tier_hit_over_cold_max": 0.05,
+    "tier_hit_extra_s_max": "1.5 x copy_limit_s + 0.0003",
+    "disk_hit_over_cold_max": 0.25,
+    "redis_hit_over_cold_max": 0.25,
+    "zero_hit_throughput_ratio_median_min": 0.98,
+    "zero_hit_throughput_ratio_ci95_low_min": 0.97,
+}
+
+
+def _engine_env() -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    # vLLM logs to stdout, which carries the JSON result.
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
 def _prompt(rng: random.Random, tokens: int) -> list[int]:
@@ -47,32 +84,172 @@ def _timed(llm: object, prompts: list[list[int]], max_tokens: int) -> float:
     return time.perf_counter() - started
 
 
-def measure_ttft(model_dir: Path, prompt_tokens: int, repeats: int) -> dict[str, list[float]]:
-    """Seconds to the first token of each repeat, for each kind of prefix."""
+def _cpu_s() -> float:
+    """CPU seconds of every thread of this process and of its reaped children."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+class Probes:
+    """Where an engine's time goes: connector calls, host copies, engine steps.
+
+    :meth:`install` wraps the methods at class level, so it must run before the
+    engine is built; only a process that installs probes pays for them.
+    """
+
+    def __init__(self) -> None:
+        self.calls: dict[str, list[float]] = {}
+        self.steps: list[dict[str, float]] = []
+
+    def install(self) -> None:
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.engine.core import EngineCore
+
+        from kvtier.copy.cpu_rows import RowCopier
+        from kvtier.integrations.vllm.connector import KVTierConnector
+
+        for name, method in list(vars(KVTierConnector).items()):
+            if callable(method) and not name.startswith("_"):
+                setattr(KVTierConnector, name, self._timer(f"connector.{name}", method))
+        RowCopier.copy = self._timer("copy", RowCopier.copy)
+        for name in ("step", "step_with_batch_queue"):
+            setattr(EngineCore, name, self._step_timer(getattr(EngineCore, name)))
+        Scheduler.schedule = self._schedule_probe(Scheduler.schedule)
+
+    def take(self) -> dict[str, Any]:
+        """The breakdown since the last call, then start over."""
+        steps, calls = self.steps, self.calls
+        self.steps, self.calls = [], {}
+        ran = [step for step in steps if step.get("tokens", 0) > 0]
+
+        def mean(key: str, of: list[dict[str, float]]) -> float:
+            return statistics.fmean(step.get(key, 0.0) for step in of) if of else 0.0
+
+        return {
+            "steps": len(steps),
+            "steps_with_tokens": len(ran),
+            "step_s": sum(step.get("seconds", 0.0) for step in steps),
+            "mean_batch_requests": mean("requests", ran),
+            "mean_batch_tokens": mean("tokens", ran),
+            "min_free_device_blocks": min((s["free_blocks"] for s in steps), default=0),
+            "mean_free_device_blocks": mean("free_blocks", steps),
+            "steps_with_requests_waiting_for_loads": sum(s["waiting_for_loads"] > 0 for s in steps),
+            "steps_with_finished_requests_held": sum(s["finished_held"] > 0 for s in steps),
+            "finished_request_steps_held": sum(s["finished_held"] for s in steps),
+            "calls": {
+                name: {"count": len(times), "total_s": sum(times), "max_s": max(times)}
+                for name, times in sorted(calls.items())
+            },
+            "connector_total_s": sum(
+                sum(times) for name, times in calls.items() if name.startswith("connector.")
+            ),
+        }
+
+    def _timer(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.calls.setdefault(name, []).append(time.perf_counter() - started)
+
+        return timed
+
+    def _step_timer(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if self.steps:
+                    self.steps[-1]["seconds"] = time.perf_counter() - started
+
+        return timed
+
+    def _schedule_probe(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        from vllm.v1.request import RequestStatus
+
+        @functools.wraps(method)
+        def probed(scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+            output = method(scheduler, *args, **kwargs)
+            requests = scheduler.requests.values()
+            self.steps.append(
+                {
+                    "requests": len(output.num_scheduled_tokens),
+                    "tokens": output.total_num_scheduled_tokens,
+                    "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+                    "waiting_for_loads": sum(
+                        r.status == RequestStatus.WAITING_FOR_REMOTE_KVS for r in requests
+                    ),
+                    "finished_held": sum(r.is_finished() for r in requests),
+                }
+            )
+            return output
+
+        return probed
+
+
+def measure_ttft(
+    model_dir: Path, prompt_tokens: int, repeats: int, store_mode: str, probes: Probes | None
+) -> dict[str, Any]:
+    """Seconds to the first token of each repeat, for each kind of prefix.
+
+    In eager mode the prompt's blocks are stored as they are computed and
+    vLLM's cache is then emptied; in lazy mode they are stored only as the
+    engine is about to evict them, so a filler prompt first pushes them to the
+    front of vLLM's free queue; then vLLM's cache is emptied in both modes.
+    """
     from vllm import LLM
 
-    from kvtier.integrations.vllm.offline import engine_kwargs, reset_device_cache, shutdown
+    from kvtier.integrations.vllm.offline import engine_kwargs, reset_device_cache, settle, shutdown
 
-    blocks = 4 * prompt_tokens // 32
+    lazy = store_mode == "lazy"
+    prompt_blocks = prompt_tokens // BLOCK_TOKENS
     llm = LLM(
         **engine_kwargs(
             model_dir,
-            kvtier={"cpu_bytes": "1GiB"},
-            num_device_blocks=blocks,
-            max_model_len=2 * prompt_tokens,
+            kvtier={"cpu_bytes": "1GiB", "store_mode": store_mode},
+            num_device_blocks=(2 if lazy else 4) * prompt_blocks + 8,
+            max_model_len=prompt_tokens + BLOCK_TOKENS,
         )
     )
     rng = random.Random(0)
     _timed(llm, [_prompt(rng, prompt_tokens)], 1)  # warm-up
     cold, device, tier = [], [], []
+    breakdown: dict[str, list[dict[str, Any]]] = {"device_hit": [], "tier_hit": []}
     for _ in range(repeats):
         prompt = _prompt(rng, prompt_tokens)
         cold.append(_timed(llm, [prompt], 1))
+        settle(llm)
+        if probes:
+            probes.take()
         device.append(_timed(llm, [prompt], 1))
+        if probes:
+            breakdown["device_hit"].append(probes.take())
+        if lazy:
+            # One more prompt's blocks bring this one's to the front of vLLM's free queue,
+            # within the window lazy mode stores.
+            _timed(llm, [_prompt(rng, prompt_tokens)], 1)
         reset_device_cache(llm)
+        if probes:
+            probes.take()
         tier.append(_timed(llm, [prompt], 1))
+        if probes:
+            breakdown["tier_hit"].append(probes.take())
     shutdown(llm)
-    return {"cold": cold, "device_hit": device, "tier_hit": tier}
+    result: dict[str, Any] = {"cold": cold, "device_hit": device, "tier_hit": tier}
+    if probes:
+        # The repeat that made the best time, as the least disturbed one.
+        result["breakdown_of_best"] = {
+            kind: rounds[result[kind].index(min(result[kind]))]
+            for kind, rounds in breakdown.items()
+        }
+        result["tier_hit_copy_s"] = [
+            repeat["calls"].get("copy", {}).get("total_s", 0.0) for repeat in breakdown["tier_hit"]
+        ]
+    return result
 
 
 def measure_lower_tier_ttft(
@@ -88,12 +265,15 @@ def measure_lower_tier_ttft(
 
     from kvtier.integrations.vllm.offline import engine_kwargs, reset_device_cache, shutdown
 
-    record_bytes = MODEL.kv_bytes_per_token() * 32
+    record_bytes = MODEL.kv_bytes_per_token() * BLOCK_TOKENS
     llm = LLM(
         **engine_kwargs(
             model_dir,
-            kvtier={"cpu_bytes": 3 * prompt_tokens // 2 // 32 * record_bytes, "tiers": [tier]},
-            num_device_blocks=4 * prompt_tokens // 32,
+            kvtier={
+                "cpu_bytes": 3 * prompt_tokens // 2 // BLOCK_TOKENS * record_bytes,
+                "tiers": [tier],
+            },
+            num_device_blocks=4 * prompt_tokens // BLOCK_TOKENS,
             max_model_len=2 * prompt_tokens,
         )
     )
@@ -111,89 +291,242 @@ def measure_lower_tier_ttft(
     return {"cold": cold, "hit": hit}
 
 
+def copy_limit_s(num_bytes: int, repeats: int = 20) -> float:
+    """Seconds of the fastest of ``repeats`` contiguous host copies of ``num_bytes`` (torch)."""
+    import torch
+
+    source = torch.ones(num_bytes, dtype=torch.uint8)
+    target = torch.empty_like(source)
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
 def _summary(values: list[float]) -> dict[str, float]:
     return {"best": min(values), "median": statistics.median(values)}
 
 
-def measure_throughput(
-    model_dir: Path, with_kvtier: bool, prompts: int, prompt_tokens: int, output_tokens: int
-) -> tuple[float, float]:
-    """Tokens (prompt and output) per wall second and per CPU second, for unique prompts.
+def ttft_report(ttft: dict[str, Any], limit_s: float) -> dict[str, Any]:
+    """Ratios and the tier hit's extra time against the copy limit, for one store mode."""
+    best = {kind: min(ttft[kind]) for kind in ("cold", "device_hit", "tier_hit")}
+    extra_s = best["tier_hit"] - best["device_hit"]
+    extra_max_s = 1.5 * limit_s + 0.0003
+    report: dict[str, Any] = {
+        "ttft_s": {kind: _summary(ttft[kind]) for kind in best},
+        "ttft_rounds_s": {kind: ttft[kind] for kind in best},
+        "tier_hit_over_device_hit": best["tier_hit"] / best["device_hit"],
+        "tier_hit_over_cold": best["tier_hit"] / best["cold"],
+        "tier_hit_over_device_hit_median_of_rounds": statistics.median(
+            t / d for t, d in zip(ttft["tier_hit"], ttft["device_hit"], strict=True)
+        ),
+        "tier_hit_extra_s": extra_s,
+        "tier_hit_extra_max_s": extra_max_s,
+        "tier_hit_extra_ok": extra_s <= extra_max_s,
+    }
+    if "breakdown_of_best" in ttft:
+        report["breakdown_of_best"] = ttft["breakdown_of_best"]
+        report["tier_hit_copy_s"] = ttft["tier_hit_copy_s"]
+        report["tier_hit_copy_over_limit"] = statistics.median(ttft["tier_hit_copy_s"]) / limit_s
+    return report
 
-    Every prompt is new, so the hit rate is 0% and the connector only adds its
-    stores. CPU seconds are this process's (vLLM runs in-process here), which
-    other processes on the machine do not inflate the way they inflate wall time.
+
+def ratio_interval(
+    with_kvtier: list[float], without: list[float], resamples: int = 4000
+) -> dict[str, Any]:
+    """Median of the per-round ratios ``with / without`` and a 95% bootstrap interval of it.
+
+    The interval is the 2.5th and 97.5th percentiles of the medians of
+    ``resamples`` resamplings (with replacement, fixed seed) of the rounds.
     """
+    ratios = [w / o for w, o in zip(with_kvtier, without, strict=True)]
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples)
+    )
+    low = medians[int(0.025 * (resamples - 1))]
+    high = medians[int(math.ceil(0.975 * (resamples - 1)))]
+    median = statistics.median(ratios)
+    return {
+        "rounds": ratios,
+        "median": median,
+        "ci95": [low, high],
+        "ok": median >= TARGETS["zero_hit_throughput_ratio_median_min"]
+        and low >= TARGETS["zero_hit_throughput_ratio_ci95_low_min"],
+    }
+
+
+def _serve_arm(
+    conn: Connection,
+    model_dir: Path,
+    kvtier: dict[str, Any] | None,
+    shape: tuple[int, int, int],
+    breakdown: bool,
+) -> None:
+    """One throughput engine, in a process of its own: a batch per ``"run"``, until ``"stop"``."""
+    _engine_env()
+    probes = Probes() if breakdown else None
+    if probes:
+        probes.install()
     from vllm import LLM
 
-    from kvtier.integrations.vllm.offline import engine_kwargs, generate, shutdown
+    from kvtier.integrations.vllm.offline import engine_kwargs, generate, settle, shutdown
 
+    prompts, prompt_tokens, output_tokens = shape
     llm = LLM(
         **engine_kwargs(
             model_dir,
-            kvtier={"cpu_bytes": "1GiB"} if with_kvtier else None,
-            num_device_blocks=prompts * (prompt_tokens + output_tokens) // 32 + 64,
+            kvtier=kvtier,
+            num_device_blocks=prompts * (prompt_tokens + output_tokens) // BLOCK_TOKENS + 64,
             max_model_len=2 * prompt_tokens,
         )
     )
-    rng = random.Random(1)
+    rng = random.Random(1)  # both arms draw the same prompts, round by round
     generate(llm, [_prompt(rng, prompt_tokens) for _ in range(2)], output_tokens)  # warm-up
-    batch = [_prompt(rng, prompt_tokens) for _ in range(prompts)]
-    wall, cpu = time.perf_counter(), time.process_time()
-    generate(llm, batch, output_tokens)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    settle(llm)
+    conn.send("ready")
+    breakdowns = []
+    while conn.recv() == "run":
+        batch = [_prompt(rng, prompt_tokens) for _ in range(prompts)]
+        if probes:
+            probes.take()
+        wall, cpu = time.perf_counter(), _cpu_s()
+        generate(llm, batch, output_tokens)
+        wall, cpu = time.perf_counter() - wall, _cpu_s() - cpu
+        settle(llm)  # stores still in flight finish outside the timed batch, as between bursts
+        if probes:
+            breakdowns.append(probes.take())
+        tokens = prompts * (prompt_tokens + output_tokens)
+        conn.send((tokens / wall, tokens / cpu))
     shutdown(llm)
-    tokens = prompts * (prompt_tokens + output_tokens)
-    return tokens / wall, tokens / cpu
+    conn.send(breakdowns)
+
+
+class Arm:
+    """A throughput engine in its own process, driven round by round."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        kvtier: dict[str, Any] | None,
+        shape: tuple[int, int, int],
+        breakdown: bool,
+    ) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_serve_arm, args=(child, model_dir, kvtier, shape, breakdown)
+        )
+        self._process.start()
+        child.close()
+
+    def wait_ready(self) -> None:
+        self._receive()
+
+    def run(self) -> tuple[float, float]:
+        """Tokens per wall second and per CPU second of one batch of new prompts."""
+        self._conn.send("run")
+        return self._receive()
+
+    def close(self) -> list[dict[str, Any]]:
+        """Stop the engine; the breakdown of each round (empty without ``--breakdown``)."""
+        breakdowns = []
+        if self._process.is_alive():
+            self._conn.send("stop")
+            breakdowns = self._receive()
+        self._process.join(timeout=60)
+        return breakdowns
+
+    def _receive(self) -> Any:
+        try:
+            return self._conn.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"the throughput engine's process exited with {self._process.exitcode}; "
+                "its traceback is in the log above"
+            ) from None
+
+
+def measure_throughput(
+    model_dir: Path, rounds: int, shape: tuple[int, int, int], store_mode: str, breakdown: bool
+) -> tuple[dict[bool, list[tuple[float, float]]], dict[bool, list[dict[str, Any]]]]:
+    """Per round, each arm's tokens per wall and CPU second, in ABBA order; and the breakdowns."""
+    kvtier = {"cpu_bytes": "1GiB", "store_mode": store_mode}
+    arms = {
+        with_kvtier: Arm(model_dir, kvtier if with_kvtier else None, shape, breakdown)
+        for with_kvtier in (False, True)
+    }
+    results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    breakdowns: dict[bool, list[dict[str, Any]]] = {}
+    try:
+        for arm in arms.values():
+            arm.wait_ready()
+        for round_index in range(rounds):
+            for with_kvtier in (False, True) if round_index % 2 == 0 else (True, False):
+                results[with_kvtier].append(arms[with_kvtier].run())
+    finally:
+        for with_kvtier, arm in arms.items():
+            breakdowns[with_kvtier] = arm.close()
+    return results, breakdowns
+
+
+def _merge_breakdowns(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-round breakdowns as sums (counts, seconds) and means (batch sizes, free blocks)."""
+    if not rounds:
+        return {}
+    merged: dict[str, Any] = {}
+    for key in rounds[0]:
+        if key == "calls":
+            continue
+        values = [r[key] for r in rounds]
+        merged[key] = (
+            statistics.fmean(values)
+            if key.startswith("mean_")
+            else min(values)
+            if key.startswith("min_")
+            else sum(values)
+        )
+    calls: dict[str, dict[str, float]] = {}
+    for r in rounds:
+        for name, call in r["calls"].items():
+            into = calls.setdefault(name, {"count": 0, "total_s": 0.0, "max_s": 0.0})
+            into["count"] += call["count"]
+            into["total_s"] += call["total_s"]
+            into["max_s"] = max(into["max_s"], call["max_s"])
+    merged["calls"] = calls
+    merged["rounds"] = len(rounds)
+    return merged
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--lazy-repeats", type=int, default=5)
     parser.add_argument("--lower-tier-repeats", type=int, default=3)
-    parser.add_argument("--throughput-rounds", type=int, default=4)
-    parser.add_argument("--throughput-prompts", type=int, default=16)
-    parser.add_argument("--throughput-prompt-tokens", type=int, default=1024)
+    parser.add_argument("--throughput-rounds", type=int, default=16)
+    parser.add_argument("--throughput-prompts", type=int, default=4)
+    parser.add_argument("--throughput-prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--throughput-store-mode", choices=("eager", "lazy"), default="eager")
+    parser.add_argument(
+        "--only",
+        choices=("ttft", "lower-tiers", "throughput"),
+        action="append",
+        help="run only these parts (repeatable; default: all)",
+    )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="report time per connector call, copy and step"
+    )
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    # vLLM logs to stdout, which carries the JSON result.
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as scratch:
-        model_dir = write_tiny_llama(Path(scratch) / "model", MODEL)
-        ttft = measure_ttft(model_dir, args.prompt_tokens, args.repeats)
-        lower: dict[str, dict[str, list[float]]] = {}
-        disk = {"type": "disk", "path": str(Path(scratch) / "disk"), "capacity_bytes": "4GiB"}
-        lower["disk"] = measure_lower_tier_ttft(
-            model_dir, args.prompt_tokens, args.lower_tier_repeats, disk
-        )
-        from kvtier.testing.redis_server import RedisServer, redis_server_binary
-
-        if redis_server_binary() is not None:
-            server = RedisServer(Path(scratch) / "redis").start()
-            try:
-                redis = {"type": "redis", "url": server.url}
-                lower["redis"] = measure_lower_tier_ttft(
-                    model_dir, args.prompt_tokens, args.lower_tier_repeats, redis
-                )
-            finally:
-                server.stop()
-        shape = (args.throughput_prompts, args.throughput_prompt_tokens, args.output_tokens)
-        # Both arms every round, in alternating order, so load from other processes and
-        # whatever the first engine of a process warms up fall on both alike.
-        rounds: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-        for round_index in range(args.throughput_rounds):
-            for with_kvtier in (False, True) if round_index % 2 == 0 else (True, False):
-                rounds[with_kvtier].append(measure_throughput(model_dir, with_kvtier, *shape))
-
-    def ratio(kind: int) -> float:
-        pairs = zip(rounds[True], rounds[False], strict=True)
-        return statistics.median(tiered[kind] / plain[kind] for tiered, plain in pairs)
-
-    best = {kind: min(values) for kind, values in ttft.items()}
-    result = {
+    parts = set(args.only or ("ttft", "lower-tiers", "throughput"))
+    _engine_env()
+    probes = Probes() if args.breakdown else None
+    if probes and "ttft" in parts:
+        probes.install()
+    result: dict[str, Any] = {
         "model": {
             "layers": MODEL.num_layers,
             "hidden": MODEL.hidden_size,
@@ -201,44 +534,84 @@ def main() -> int:
             "head_dim": MODEL.head_dim,
         },
         "prompt_tokens": args.prompt_tokens,
-        "ttft_s": {kind: _summary(values) for kind, values in ttft.items()},
-        "ttft_rounds_s": ttft,
-        "tier_hit_over_device_hit": best["tier_hit"] / best["device_hit"],
-        "tier_hit_over_cold": best["tier_hit"] / best["cold"],
-        "tier_hit_over_device_hit_median_of_rounds": statistics.median(
-            t / d for t, d in zip(ttft["tier_hit"], ttft["device_hit"], strict=True)
-        ),
-        "lower_tier_ttft_s": {
-            name: {kind: _summary(values) for kind, values in arms.items()}
-            for name, arms in lower.items()
-        },
-        **{
-            f"{name}_hit_over_cold": min(arms["hit"]) / min(arms["cold"])
-            for name, arms in lower.items()
-        },
-        "zero_hit_tokens_per_wall_s": {
-            "without": [wall for wall, _ in rounds[False]],
-            "with": [wall for wall, _ in rounds[True]],
-        },
-        "zero_hit_tokens_per_cpu_s": {
-            "without": [cpu for _, cpu in rounds[False]],
-            "with": [cpu for _, cpu in rounds[True]],
-        },
-        "zero_hit_throughput_ratio_wall": ratio(0),
-        "zero_hit_throughput_ratio_cpu": ratio(1),
-        "zero_hit_throughput_ratio_best": max(w for w, _ in rounds[True])
-        / max(w for w, _ in rounds[False]),
-        "targets": {
-            "tier_hit_over_device_hit_max": 1.5,
-            "tier_hit_over_cold_max": 0.05,
-            "disk_hit_over_cold_max": 0.25,
-            "redis_hit_over_cold_max": 0.25,
-            "zero_hit_throughput_ratio_min": 0.97,
-        },
+        "load_average_start": os.getloadavg(),
     }
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as scratch:
+        model_dir = write_tiny_llama(Path(scratch) / "model", MODEL)
+        if "ttft" in parts:
+            prompt_bytes = MODEL.kv_bytes_per_token() * args.prompt_tokens
+            limit_s = copy_limit_s(prompt_bytes)
+            result["prompt_kv_bytes"] = prompt_bytes
+            result["copy_limit_s"] = limit_s
+            result["copy_bandwidth_bytes_per_s"] = prompt_bytes / limit_s
+            eager = measure_ttft(model_dir, args.prompt_tokens, args.repeats, "eager", probes)
+            result.update(ttft_report(eager, limit_s))
+            lazy = measure_ttft(model_dir, args.prompt_tokens, args.lazy_repeats, "lazy", probes)
+            result["lazy"] = ttft_report(lazy, limit_s)
+        if "lower-tiers" in parts:
+            lower = measure_lower_tiers(model_dir, Path(scratch), args)
+            result["lower_tier_ttft_s"] = {
+                name: {kind: _summary(values) for kind, values in arms.items()}
+                for name, arms in lower.items()
+            }
+            for name, arms in lower.items():
+                result[f"{name}_hit_over_cold"] = min(arms["hit"]) / min(arms["cold"])
+        if "throughput" in parts:
+            shape = (args.throughput_prompts, args.throughput_prompt_tokens, args.output_tokens)
+            rounds, breakdowns = measure_throughput(
+                model_dir, args.throughput_rounds, shape, args.throughput_store_mode, args.breakdown
+            )
+            result["zero_hit_store_mode"] = args.throughput_store_mode
+            result["zero_hit_shape"] = dict(
+                zip(("prompts", "prompt_tokens", "output_tokens"), shape, strict=True)
+            )
+            for kind, name in enumerate(("wall", "cpu")):
+                per_arm = {arm: [r[kind] for r in rounds[arm]] for arm in (False, True)}
+                result[f"zero_hit_tokens_per_{name}_s"] = {
+                    "without": per_arm[False],
+                    "with": per_arm[True],
+                }
+                result[f"zero_hit_throughput_ratio_{name}"] = ratio_interval(
+                    per_arm[True], per_arm[False]
+                )
+            walls = result["zero_hit_tokens_per_wall_s"]
+            result["zero_hit_throughput_ratio_best"] = max(walls["with"]) / max(walls["without"])
+            if args.breakdown:
+                merged = {arm: _merge_breakdowns(breakdowns[arm]) for arm in (False, True)}
+                result["zero_hit_breakdown"] = {"without": merged[False], "with": merged[True]}
+                # The connector's own share of the engine's step time: what other processes
+                # on the machine cannot blur the way they blur whole rounds.
+                result["zero_hit_connector_share_of_step_s"] = (
+                    merged[True]["connector_total_s"] / merged[True]["step_s"]
+                )
+    result["load_average_end"] = os.getloadavg()
+    result["targets"] = TARGETS
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0
+
+
+def measure_lower_tiers(
+    model_dir: Path, scratch: Path, args: argparse.Namespace
+) -> dict[str, dict[str, list[float]]]:
+    """Cold and hit TTFT for a disk tier and, where ``redis-server`` is installed, a Redis one."""
+    from kvtier.testing.redis_server import RedisServer, redis_server_binary
+
+    lower: dict[str, dict[str, list[float]]] = {}
+    disk = {"type": "disk", "path": str(scratch / "disk"), "capacity_bytes": "4GiB"}
+    lower["disk"] = measure_lower_tier_ttft(
+        model_dir, args.prompt_tokens, args.lower_tier_repeats, disk
+    )
+    if redis_server_binary() is not None:
+        server = RedisServer(scratch / "redis").start()
+        try:
+            redis = {"type": "redis", "url": server.url}
+            lower["redis"] = measure_lower_tier_ttft(
+                model_dir, args.prompt_tokens, args.lower_tier_repeats, redis
+            )
+        finally:
+            server.stop()
+    return lower
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+"""The vLLM TTFT benchmark's statistics: per-round ratios, their interval and the verdict."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import ModuleType
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    path = REPO_ROOT / "benchmarks" / "vllm_ttft.py"
+    spec = importlib.util.spec_from_file_location("vllm_ttft", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_equal_arms_give_a_ratio_of_one_and_pass(bench: ModuleType) -> None:
+    rounds = [100.0, 80.0, 120.0, 95.0]
+    report = bench.ratio_interval(rounds, rounds)
+    assert report["rounds"] == [1.0] * 4
+    assert report["median"] == 1.0
+    assert report["ci95"] == [1.0, 1.0]
+    assert report["ok"]
+
+
+def test_a_steady_loss_fails_and_its_interval_brackets_the_median(bench: ModuleType) -> None:
+    without = [100.0] * 9
+    with_kvtier = [96.0, 97.0, 95.0, 96.5, 96.0, 97.5, 95.5, 96.0, 96.2]
+    report = bench.ratio_interval(with_kvtier, without)
+    low, high = report["ci95"]
+    assert report["median"] == pytest.approx(0.96)
+    assert low <= report["median"] <= high
+    assert 0.95 <= low and high <= 0.975
+    assert not report["ok"]
+
+
+def test_a_wide_interval_fails_even_with_a_good_median(bench: ModuleType) -> None:
+    without = [100.0] * 8
+    with_kvtier = [99.0, 100.0, 101.0, 99.5, 70.0, 130.0, 60.0, 140.0]
+    report = bench.ratio_interval(with_kvtier, without)
+    assert report["median"] >= 0.98
+    assert report["ci95"][0] < 0.97
+    assert not report["ok"]
