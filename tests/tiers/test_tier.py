@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 
 from kvtier.config import ConfigError, load_config, sizes
-from kvtier.tiers import HostTier
+from kvtier.tiers import HostTier, host
 
 
 def test_from_config_sizes_one_ranks_share() -> None:
@@ -22,7 +24,7 @@ def test_from_config_checks_memory_before_allocating(monkeypatch: pytest.MonkeyP
         raise AssertionError("the buffer was allocated")
 
     monkeypatch.setattr(sizes, "available_memory_bytes", lambda: 1000)
-    monkeypatch.setattr(torch, "empty", no_allocation)
+    monkeypatch.setattr(host, "populated_buffer", no_allocation)
     config = load_config({"cpu_bytes": "1000TiB"}, env={})
     with pytest.raises(ConfigError) as caught:
         HostTier.from_config(config, 4096, torch.device("cpu"), world_size=8)
@@ -42,6 +44,28 @@ def test_buffer_shape_and_close() -> None:
     tier.close()
     tier.close()
     tier.buffer[4, 47] = 1
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * mmap.PAGESIZE
+
+
+@pytest.mark.parametrize("kernel_populates", [True, False])
+def test_buffer_pages_are_faulted_in_when_it_is_built(
+    monkeypatch: pytest.MonkeyPatch, kernel_populates: bool
+) -> None:
+    if not kernel_populates:
+        # an advice the kernel refuses, as kernels before 5.14 refuse MADV_POPULATE_WRITE
+        monkeypatch.setattr(host, "MADV_POPULATE_WRITE", 12345)
+    nbytes = 64 << 20
+    before = _resident_bytes()
+    buffer = host.populated_buffer(nbytes)
+    assert _resident_bytes() - before >= nbytes * 0.9
+    assert buffer.shape == (nbytes,) and buffer.data_ptr() % mmap.PAGESIZE == 0
+    assert not buffer[:: mmap.PAGESIZE].any()
+    buffer[-1] = 7
+    assert int(buffer[-1]) == 7
 
 
 def test_cpu_layouts_are_not_pinned() -> None:
