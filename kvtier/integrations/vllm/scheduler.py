@@ -324,11 +324,17 @@ class KVTierScheduler:
             )
         return BlockRemoved(block_hashes=[block_hash], medium=EVENT_MEDIUM, group_idx=event.group)
 
-    def stats(self) -> KVTierStats:
+    def stats(self) -> KVTierStats | None:
         """What changed in the tier's counters and usage since the last call, and the
-        latencies, batch sizes and per-request hits measured since then."""
+        latencies, batch sizes and per-request hits measured since then; ``None`` when
+        nothing did (vLLM asks every step, and most steps change nothing in the tier)."""
         now = self.manager.stats()
+        observations = self.manager.take_observations()
         last, self._reported = self._reported, now
+        if now == last and not any(
+            getattr(observations, field) for field in OFFLOAD_HISTOGRAMS.values()
+        ):
+            return None
         stats = KVTierStats()
         for name, field in OFFLOAD_COUNTERS.items():
             value = getattr(now, field) - getattr(last, field)
@@ -345,7 +351,6 @@ class KVTierScheduler:
             new = count - last.failures.get(cause, 0)
             if new:
                 stats.record("failures", new, label=cause.value)
-        observations = self.manager.take_observations()
         for name, field in OFFLOAD_HISTOGRAMS.items():
             stats.observe(name, getattr(observations, field))
         stats.record_tiers(now.tiers, last.tiers)

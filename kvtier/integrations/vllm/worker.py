@@ -160,6 +160,8 @@ class KVTierWorker:
         if self.offload is None:
             return None
         counts = self.offload.failure_counts
+        if counts == self._reported_failures:
+            return None
         stats = KVTierStats()
         for cause, count in counts.items():
             new = count - self._reported_failures.get(cause, 0)

@@ -214,6 +214,20 @@ def test_events_name_stored_blocks_with_their_tokens(
     assert all(event.group_idx == 0 and event.block_size == BLOCK for event in stored)
 
 
+def test_steps_that_change_nothing_in_the_tier_report_no_stats(
+    engine_factory: Callable[..., VllmSteps],
+) -> None:
+    engine = engine_factory()
+    engine.generate(prompts(11, 2, 40, 80))
+    reported = len(engine.connector_stats)
+    assert reported > 0
+    for _ in range(3):
+        engine.step()
+    assert len(engine.connector_stats) == reported
+    assert engine.connector.get_kv_connector_stats() is None
+    assert engine.worker.get_kv_connector_stats() is None
+
+
 def test_metrics_count_what_the_tier_did(engine_factory: Callable[..., VllmSteps]) -> None:
     engine = engine_factory()
     batch = prompts(10, 2, 40, 80)
