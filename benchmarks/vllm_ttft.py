@@ -7,8 +7,8 @@ storing every block is visible. All arms run the same random-weight model; the
 output is JSON with ratios against the peers and a verdict against each target.
 The Redis arm needs ``redis-server`` on the PATH and is left out without it.
 
-    python benchmarks/vllm_ttft.py [--prompt-tokens 4096] [--repeats 7] [--throughput-rounds 16]
-        [--breakdown]
+    python benchmarks/vllm_ttft.py [--prompt-tokens 4096] [--repeats 7] [--throughput-pairs 6]
+        [--throughput-rounds 6] [--breakdown]
 
 On a shared machine other processes slow some repeats down many times over,
 so every repeat is reported; the headline TTFT ratios use the best (least
@@ -16,12 +16,16 @@ disturbed) repeat of each arm, in eager and in lazy store mode, next to the
 physical limit: the prompt's KV bytes over the bandwidth of one contiguous
 host copy of as many bytes, measured in the same run.
 
-Throughput runs two engines, one with and one without the connector, each in
-its own process and kept alive, and times one batch of new prompts on each
-per round, in ABBA order (without, with, with, without, ...). Every round gives
-one ratio by wall time and one by CPU time (every thread of the engine's
-process, and its children); the JSON holds their median and a 95% bootstrap
-interval of that median.
+Throughput runs pairs of engines, one with and one without the connector, each
+in its own process, and times one batch of new prompts on each per round, in
+ABBA order (without, with, with, without, ...). An engine process keeps a speed
+of its own for its whole life (where its memory landed, how its threads share
+the cores with other processes): two engines *without* the connector differ by
+5 to 10% on a shared 2-core machine, steadily over their rounds, so each pair
+of processes runs a few rounds and is replaced by a fresh pair. Every round
+gives one ratio by wall time and one by CPU time (every thread of the engine's
+process, and its children); the JSON holds their median and a 95% interval of
+that median from a two-level bootstrap (pairs, then rounds within each pair).
 
 ``--breakdown`` wraps the connector's methods, the host copies and vLLM's
 engine step and scheduler (in the benchmark's processes only; without the flag
@@ -70,6 +74,10 @@ def _engine_env() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     # vLLM logs to stdout, which carries the JSON result.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    # Engine processes started from here read it when their OpenMP runtime loads. Threads
+    # that spin while they wait made whole rounds 10 to 20 times slower whenever another
+    # process (the idle engine of the other arm included) held one of the two cores.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _prompt(rng: random.Random, tokens: int) -> list[int]:
@@ -291,14 +299,29 @@ def measure_lower_tier_ttft(
     return {"cold": cold, "hit": hit}
 
 
+COPY_LIMIT_SPAN_BYTES = 512 << 20
+"""Memory the copy-limit copies cycle through: far more than any CPU cache, so each copy
+reads and writes main memory, as a tier hit's copy does."""
+
+
 def copy_limit_s(num_bytes: int, repeats: int = 20) -> float:
-    """Seconds of the fastest of ``repeats`` contiguous host copies of ``num_bytes`` (torch)."""
+    """Seconds of the fastest of ``repeats`` contiguous host copies of ``num_bytes`` (torch).
+
+    Each repeat copies between its own pair of buffers, every page written
+    beforehand: a copy between buffers still in the CPU's cache from the last
+    repeat, or into pages touched for the first time, would set the limit
+    many times too low or too high.
+    """
     import torch
 
-    source = torch.ones(num_bytes, dtype=torch.uint8)
-    target = torch.empty_like(source)
+    pairs = max(1, min(repeats, COPY_LIMIT_SPAN_BYTES // (2 * num_bytes)))
+    buffers = [
+        (torch.ones(num_bytes, dtype=torch.uint8), torch.zeros(num_bytes, dtype=torch.uint8))
+        for _ in range(pairs)
+    ]
     best = math.inf
-    for _ in range(repeats):
+    for repeat in range(repeats):
+        source, target = buffers[repeat % pairs]
         started = time.perf_counter()
         target.copy_(source)
         best = min(best, time.perf_counter() - started)
@@ -312,7 +335,11 @@ def _summary(values: list[float]) -> dict[str, float]:
 def ttft_report(ttft: dict[str, Any], limit_s: float) -> dict[str, Any]:
     """Ratios and the tier hit's extra time against the copy limit, for one store mode."""
     best = {kind: min(ttft[kind]) for kind in ("cold", "device_hit", "tier_hit")}
-    extra_s = best["tier_hit"] - best["device_hit"]
+    # Each repeat times its device hit and its tier hit a moment apart: their difference
+    # is what the tier adds, while a step's time alone wanders by tens of milliseconds.
+    extra_s = statistics.median(
+        t - d for t, d in zip(ttft["tier_hit"], ttft["device_hit"], strict=True)
+    )
     extra_max_s = 1.5 * limit_s + 0.0003
     report: dict[str, Any] = {
         "ttft_s": {kind: _summary(ttft[kind]) for kind in best},
@@ -323,6 +350,7 @@ def ttft_report(ttft: dict[str, Any], limit_s: float) -> dict[str, Any]:
             t / d for t, d in zip(ttft["tier_hit"], ttft["device_hit"], strict=True)
         ),
         "tier_hit_extra_s": extra_s,
+        "tier_hit_extra_best_s": best["tier_hit"] - best["device_hit"],
         "tier_hit_extra_max_s": extra_max_s,
         "tier_hit_extra_ok": extra_s <= extra_max_s,
     }
@@ -334,23 +362,36 @@ def ttft_report(ttft: dict[str, Any], limit_s: float) -> dict[str, Any]:
 
 
 def ratio_interval(
-    with_kvtier: list[float], without: list[float], resamples: int = 4000
+    with_kvtier: list[list[float]], without: list[list[float]], resamples: int = 4000
 ) -> dict[str, Any]:
     """Median of the per-round ratios ``with / without`` and a 95% bootstrap interval of it.
 
-    The interval is the 2.5th and 97.5th percentiles of the medians of
-    ``resamples`` resamplings (with replacement, fixed seed) of the rounds.
+    Both arguments hold one list of rounds per pair of engine processes. Each
+    of ``resamples`` resamplings (with replacement, fixed seed) draws pairs,
+    then rounds within each drawn pair, so a pair whose processes were
+    steadily faster or slower weighs on the interval as one sample, not as
+    many; the interval is the 2.5th and 97.5th percentiles of their medians.
     """
-    ratios = [w / o for w, o in zip(with_kvtier, without, strict=True)]
+    pairs = [
+        [w / o for w, o in zip(pair_with, pair_without, strict=True)]
+        for pair_with, pair_without in zip(with_kvtier, without, strict=True)
+    ]
+    ratios = [ratio for pair in pairs for ratio in pair]
     rng = random.Random(0)
     medians = sorted(
-        statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples)
+        statistics.median(
+            ratio
+            for pair in rng.choices(pairs, k=len(pairs))
+            for ratio in rng.choices(pair, k=len(pair))
+        )
+        for _ in range(resamples)
     )
     low = medians[int(0.025 * (resamples - 1))]
     high = medians[int(math.ceil(0.975 * (resamples - 1)))]
     median = statistics.median(ratios)
     return {
         "rounds": ratios,
+        "pair_medians": [statistics.median(pair) for pair in pairs],
         "median": median,
         "ci95": [low, high],
         "ok": median >= TARGETS["zero_hit_throughput_ratio_median_min"]
@@ -450,25 +491,35 @@ class Arm:
 
 
 def measure_throughput(
-    model_dir: Path, rounds: int, shape: tuple[int, int, int], store_mode: str, breakdown: bool
-) -> tuple[dict[bool, list[tuple[float, float]]], dict[bool, list[dict[str, Any]]]]:
-    """Per round, each arm's tokens per wall and CPU second, in ABBA order; and the breakdowns."""
+    model_dir: Path,
+    pairs: int,
+    rounds: int,
+    shape: tuple[int, int, int],
+    store_mode: str,
+    breakdown: bool,
+) -> tuple[dict[bool, list[list[tuple[float, float]]]], dict[bool, list[dict[str, Any]]]]:
+    """Per pair of engine processes, per round, each arm's tokens per wall and CPU second
+    (ABBA order); and the breakdown of every round."""
     kvtier = {"cpu_bytes": "1GiB", "store_mode": store_mode}
-    arms = {
-        with_kvtier: Arm(model_dir, kvtier if with_kvtier else None, shape, breakdown)
-        for with_kvtier in (False, True)
-    }
-    results: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-    breakdowns: dict[bool, list[dict[str, Any]]] = {}
-    try:
-        for arm in arms.values():
-            arm.wait_ready()
-        for round_index in range(rounds):
-            for with_kvtier in (False, True) if round_index % 2 == 0 else (True, False):
-                results[with_kvtier].append(arms[with_kvtier].run())
-    finally:
-        for with_kvtier, arm in arms.items():
-            breakdowns[with_kvtier] = arm.close()
+    results: dict[bool, list[list[tuple[float, float]]]] = {False: [], True: []}
+    breakdowns: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    for pair in range(pairs):
+        order = (False, True) if pair % 2 == 0 else (True, False)
+        arms = {
+            with_kvtier: Arm(model_dir, kvtier if with_kvtier else None, shape, breakdown)
+            for with_kvtier in order
+        }
+        for with_kvtier in order:
+            results[with_kvtier].append([])
+        try:
+            for arm in arms.values():
+                arm.wait_ready()
+            for round_index in range(rounds):
+                for with_kvtier in order if round_index % 2 == 0 else order[::-1]:
+                    results[with_kvtier][-1].append(arms[with_kvtier].run())
+        finally:
+            for with_kvtier, arm in arms.items():
+                breakdowns[with_kvtier] += arm.close()
     return results, breakdowns
 
 
@@ -506,7 +557,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--lazy-repeats", type=int, default=5)
     parser.add_argument("--lower-tier-repeats", type=int, default=3)
-    parser.add_argument("--throughput-rounds", type=int, default=16)
+    parser.add_argument("--throughput-pairs", type=int, default=6)
+    parser.add_argument("--throughput-rounds", type=int, default=6, help="rounds per pair")
     parser.add_argument("--throughput-prompts", type=int, default=4)
     parser.add_argument("--throughput-prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=16)
@@ -559,14 +611,21 @@ def main() -> int:
         if "throughput" in parts:
             shape = (args.throughput_prompts, args.throughput_prompt_tokens, args.output_tokens)
             rounds, breakdowns = measure_throughput(
-                model_dir, args.throughput_rounds, shape, args.throughput_store_mode, args.breakdown
+                model_dir,
+                args.throughput_pairs,
+                args.throughput_rounds,
+                shape,
+                args.throughput_store_mode,
+                args.breakdown,
             )
             result["zero_hit_store_mode"] = args.throughput_store_mode
             result["zero_hit_shape"] = dict(
                 zip(("prompts", "prompt_tokens", "output_tokens"), shape, strict=True)
             )
             for kind, name in enumerate(("wall", "cpu")):
-                per_arm = {arm: [r[kind] for r in rounds[arm]] for arm in (False, True)}
+                per_arm = {
+                    arm: [[r[kind] for r in pair] for pair in rounds[arm]] for arm in (False, True)
+                }
                 result[f"zero_hit_tokens_per_{name}_s"] = {
                     "without": per_arm[False],
                     "with": per_arm[True],
@@ -575,7 +634,9 @@ def main() -> int:
                     per_arm[True], per_arm[False]
                 )
             walls = result["zero_hit_tokens_per_wall_s"]
-            result["zero_hit_throughput_ratio_best"] = max(walls["with"]) / max(walls["without"])
+            result["zero_hit_throughput_ratio_best"] = max(map(max, walls["with"])) / max(
+                map(max, walls["without"])
+            )
             if args.breakdown:
                 merged = {arm: _merge_breakdowns(breakdowns[arm]) for arm in (False, True)}
                 result["zero_hit_breakdown"] = {"without": merged[False], "with": merged[True]}

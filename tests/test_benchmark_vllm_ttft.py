@@ -22,7 +22,7 @@ def bench() -> ModuleType:
 
 def test_equal_arms_give_a_ratio_of_one_and_pass(bench: ModuleType) -> None:
     rounds = [100.0, 80.0, 120.0, 95.0]
-    report = bench.ratio_interval(rounds, rounds)
+    report = bench.ratio_interval([rounds], [rounds])
     assert report["rounds"] == [1.0] * 4
     assert report["median"] == 1.0
     assert report["ci95"] == [1.0, 1.0]
@@ -32,7 +32,7 @@ def test_equal_arms_give_a_ratio_of_one_and_pass(bench: ModuleType) -> None:
 def test_a_steady_loss_fails_and_its_interval_brackets_the_median(bench: ModuleType) -> None:
     without = [100.0] * 9
     with_kvtier = [96.0, 97.0, 95.0, 96.5, 96.0, 97.5, 95.5, 96.0, 96.2]
-    report = bench.ratio_interval(with_kvtier, without)
+    report = bench.ratio_interval([with_kvtier], [without])
     low, high = report["ci95"]
     assert report["median"] == pytest.approx(0.96)
     assert low <= report["median"] <= high
@@ -43,7 +43,25 @@ def test_a_steady_loss_fails_and_its_interval_brackets_the_median(bench: ModuleT
 def test_a_wide_interval_fails_even_with_a_good_median(bench: ModuleType) -> None:
     without = [100.0] * 8
     with_kvtier = [99.0, 100.0, 101.0, 99.5, 70.0, 130.0, 60.0, 140.0]
-    report = bench.ratio_interval(with_kvtier, without)
+    report = bench.ratio_interval([with_kvtier], [without])
     assert report["median"] >= 0.98
     assert report["ci95"][0] < 0.97
+    assert not report["ok"]
+
+
+def test_pairs_of_processes_with_a_speed_of_their_own_widen_the_interval(
+    bench: ModuleType,
+) -> None:
+    """Rounds agree within each pair of processes but the pairs disagree: each pair counts as
+    one sample, so the interval spans the pairs' spread. Resampling the pooled rounds alone
+    would give about [0.97, 1.03] and pass."""
+    offsets = [1.06, 0.94, 1.03, 0.97, 1.0]
+    jitter = [-0.2, 0.2, -0.1, 0.1, 0.0, 0.15, -0.15, 0.05]
+    with_kvtier = [[100.0 * offset + d for d in jitter] for offset in offsets]
+    without = [[100.0] * len(jitter) for _ in offsets]
+    report = bench.ratio_interval(with_kvtier, without)
+    assert report["pair_medians"] == [pytest.approx(o, abs=1e-3) for o in offsets]
+    assert report["median"] == pytest.approx(1.0, abs=1e-3)
+    low, high = report["ci95"]
+    assert low < 0.95 and high > 1.05
     assert not report["ok"]
