@@ -2,30 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, load_script
 
 KiB = 1 << 10
 SIZES = (4 * KiB, 16 * KiB, 32 * KiB, 256 * KiB, 1024 * KiB)
 
 
-def _load_script() -> ModuleType:
-    path = REPO_ROOT / "benchmarks" / "gpu_targets.py"
-    spec = importlib.util.spec_from_file_location("gpu_targets", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_targets = _load_script()
+gpu_targets = load_script(REPO_ROOT / "benchmarks" / "gpu_targets.py")
 
 
 def _report(backend: str, speeds: dict[int, tuple[float, float, float]]) -> dict[str, Any]:

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 from types import ModuleType
 
 import pytest
 
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, load_script
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    path = REPO_ROOT / "benchmarks" / "vllm_ttft.py"
-    spec = importlib.util.spec_from_file_location("vllm_ttft", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(REPO_ROOT / "benchmarks" / "vllm_ttft.py")
 
 
 def test_equal_arms_give_a_ratio_of_one_and_pass(bench: ModuleType) -> None:

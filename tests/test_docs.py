@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import inspect
 import os
 import re
@@ -17,18 +16,14 @@ from kvtier import hookspecs
 from kvtier.config import KVTierConfig, load_config
 from kvtier.kinds import KINDS, STORAGE_TIER, Kind
 from kvtier.plugins import default_registry
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, load_script
 
 DOCS = REPO_ROOT / "docs"
 EXAMPLE_PLUGIN = REPO_ROOT / "plugins" / "kvtier-example"
 
 
 def load_docs_hooks() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvtier_docs_hooks", DOCS / "hooks.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(DOCS / "hooks.py", "kvtier_docs_hooks")
 
 
 def hook_specs() -> dict[str, list[str]]:

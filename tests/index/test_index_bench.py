@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -13,20 +11,9 @@ import pytest
 from kvtier.index.base import BlockKey
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, load_script
 
-
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "index_bench", REPO_ROOT / "benchmarks" / "index_bench.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-index_bench = _load_script()
+index_bench = load_script(REPO_ROOT / "benchmarks" / "index_bench.py")
 
 
 @pytest.fixture(autouse=True)

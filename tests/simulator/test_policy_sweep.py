@@ -2,30 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-from tests.conftest import REPO_ROOT
-
-
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "policy_sweep", REPO_ROOT / "benchmarks" / "policy_sweep.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import REPO_ROOT, load_script
 
 
 def test_sweep_prints_json_and_merges_saved_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    sweep = _load_script()
+    sweep = load_script(REPO_ROOT / "benchmarks" / "policy_sweep.py")
     argv = ["--policies", "arc", "--capacities", "20,80", "--synthetic-requests", "60"]
     assert sweep.main([*argv, "--traces", "synthetic:chat:0,synthetic:rag:1"]) == 0
     out, err = capsys.readouterr()
