@@ -98,6 +98,20 @@ def _cpu_s() -> float:
     return time.process_time() + children.ru_utime + children.ru_stime
 
 
+def _timed_by(method: Callable[..., Any], record: Callable[[float], None]) -> Callable[..., Any]:
+    """``method``, handing the seconds each call took to ``record``."""
+
+    @functools.wraps(method)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - started)
+
+    return timed
+
+
 class Probes:
     """Where an engine's time goes: connector calls, host copies, engine steps.
 
@@ -154,27 +168,17 @@ class Probes:
         }
 
     def _timer(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                self.calls.setdefault(name, []).append(time.perf_counter() - started)
+        def record(seconds: float) -> None:
+            self.calls.setdefault(name, []).append(seconds)
 
-        return timed
+        return _timed_by(method, record)
 
     def _step_timer(self, method: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                if self.steps:
-                    self.steps[-1]["seconds"] = time.perf_counter() - started
+        def record(seconds: float) -> None:
+            if self.steps:
+                self.steps[-1]["seconds"] = seconds
 
-        return timed
+        return _timed_by(method, record)
 
     def _schedule_probe(self, method: Callable[..., Any]) -> Callable[..., Any]:
         from vllm.v1.request import RequestStatus
