@@ -91,6 +91,7 @@ class RedisTier(QueuedTier):
         self._backoff_s = config.reconnect_backoff_s
         self._max_backoff_s = config.reconnect_max_backoff_s
         self._failures = 0
+        self._next_wait_s = self._backoff_s
         self._retry_at = 0.0
         self._health_lock = threading.Lock()
         self._buffers = threading.local()
@@ -166,6 +167,7 @@ class RedisTier(QueuedTier):
             if self._failures:
                 logger.info("redis tier: %s answers again", self.url)
             self._failures = 0
+            self._next_wait_s = self._backoff_s
         return replies
 
     def _pipeline(
@@ -238,7 +240,8 @@ class RedisTier(QueuedTier):
 
     def _failed(self, exc: BaseException) -> None:
         with self._health_lock:
-            wait = min(self._backoff_s * 2**self._failures, self._max_backoff_s)
+            wait = min(self._next_wait_s, self._max_backoff_s)
+            self._next_wait_s = 2 * wait
             self._failures += 1
             self._retry_at = time.monotonic() + wait
             first = self._failures == 1

@@ -192,6 +192,26 @@ def test_a_server_killed_mid_run_gives_misses_and_drops_then_recovers(
     assert fetch(tier, keys) == [None, None, records[2]]
 
 
+def test_a_long_outage_keeps_counting_connection_errors_at_the_longest_wait(
+    own_server: Callable[..., RedisServer], tiers: Callable[..., RedisTier]
+) -> None:
+    # Two thousand failures in a row: the doubling wait must stop at its ceiling
+    # rather than grow past what a float holds (which would turn every later
+    # batch into an internal error and a logged traceback).
+    server = own_server()
+    tier = tiers(
+        url=server.url, timeout_s=0.5, reconnect_backoff_s=1e-6, reconnect_max_backoff_s=1e-6
+    )
+    keys = tier.keys.keys(block_hashes("outage", 1))
+    server.kill()
+    for _ in range(2000):
+        assert fetch(tier, keys) == [None]
+    errors = tier.stats().errors
+    assert errors.get("connection", 0) == 2000 and "internal" not in errors
+    server.start()
+    wait_until(lambda: done(tier.put(keys, payloads(1, RECORD))).stored == (True,))
+
+
 def test_a_stalled_server_turns_gets_into_deadline_misses_and_drops_puts(
     own_server: Callable[..., RedisServer], tiers: Callable[..., RedisTier]
 ) -> None:

@@ -8,6 +8,7 @@ equal the first engine's, whatever it found in the lower tiers.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -163,8 +164,10 @@ def test_an_engine_sharing_the_redis_and_a_redis_that_restarts(
         assert serve(llm, PROMPTS[3:6]) == expected[3:6]
         down = _tier(llm).stats()
         assert down.tiers["redis"].get("errors.connection", 0) > 0
-        # it comes back, empty: the tier reconnects and stores again
+        # it comes back, empty: once the back-off window that the last failure
+        # opened has passed, the next batch reconnects and stores again
         redis_server.start()
+        time.sleep(redis_tier(redis_server)["reconnect_max_backoff_s"])
         assert serve(llm, PROMPTS[6:] + PROMPTS[:2]) == expected[6:] + expected[:2]
         after = _tier(llm).stats()
         assert after.tiers["redis"]["stores"] > down.tiers["redis"].get("stores", 0)
