@@ -4,9 +4,14 @@ Each record is one Redis string, ``kvtier:<hex of the key>``, holding the
 record header of :mod:`kvtier.tiers.record` and the payload. A batch is one
 pipeline (``GET``, ``SET``, ``EXISTS`` or ``DEL`` per key, no transaction);
 with ``cluster: true`` the client sends each node the commands of the keys it
-owns. Capacity and eviction are the server's (``maxmemory`` and its policy):
-the tier never assumes a key written is still there, and a write the server
-refuses for memory is a drop counted as ``no_space``.
+owns. On a single server the tier frames ``SET`` and ``GET`` itself on one of
+the client's pooled connections: a ``SET`` sends header and payload as two
+chunks of one bulk string, and each ``GET`` reply is read from the socket
+straight into a buffer of its own (redis-py's parser copies a large reply
+several times on its way to a ``bytes``). Capacity and eviction are the
+server's (``maxmemory`` and its policy): the tier never assumes a key written
+is still there, and a write the server refuses for memory is a drop counted
+as ``no_space``.
 
 Failures never reach the caller: a batch that cannot reach the server is a
 miss (get) or a drop (put), counted by cause, and opens a back-off window
@@ -21,6 +26,7 @@ The URL may carry a password; it is a secret in the config (shown as
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -66,6 +72,79 @@ def _cause_of(exc: BaseException) -> Cause:
     if isinstance(exc, redis.exceptions.ResponseError):
         return Cause.SERVER
     return Cause.CONNECTION
+
+
+class _BulkReplies:
+    """Reads the replies to pipelined ``GET``s from a connected socket.
+
+    Each value lands in a ``bytearray`` of its own, read from the socket into
+    place; reply lines and the bytes that follow them in the same ``recv`` go
+    through a small scratch buffer. Replies are RESP2: a bulk string, a nil
+    bulk string (``$-1``) or an error line. A socket failure is raised as
+    redis-py's ``TimeoutError`` or ``ConnectionError``; the stream's position
+    is then unknown and the caller must drop the connection.
+    """
+
+    SCRATCH_BYTES = 64 << 10
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._scratch = bytearray(self.SCRATCH_BYTES)
+        self._view = memoryview(self._scratch)
+        self._start = self._end = 0
+
+    def read(self, count: int) -> list[bytearray | None | redis.exceptions.ResponseError]:
+        """The next ``count`` replies: values, ``None`` for a missing key, or the server's error."""
+        return [self._reply() for _ in range(count)]
+
+    def _reply(self) -> bytearray | None | redis.exceptions.ResponseError:
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"-":
+            return redis.exceptions.ResponseError(rest.decode(errors="replace"))
+        if kind != b"$":
+            raise redis.exceptions.InvalidResponse(f"expected a bulk string, got {line[:40]!r}")
+        length = int(rest)
+        if length < 0:
+            return None
+        value = bytearray(length)
+        target = memoryview(value)
+        buffered = min(length, self._end - self._start)
+        target[:buffered] = self._view[self._start : self._start + buffered]
+        self._start += buffered
+        filled = buffered
+        while filled < length:
+            filled += self._recv_into(target[filled:])
+        if self._line():
+            raise redis.exceptions.InvalidResponse("a bulk string ran past its length")
+        return value
+
+    def _line(self) -> bytes:
+        """The next line without its ``\\r\\n``."""
+        while True:
+            end = self._scratch.find(b"\r\n", self._start, self._end)
+            if end >= 0:
+                line = bytes(self._view[self._start : end])
+                self._start = end + 2
+                return line
+            if self._start:
+                unread = self._end - self._start
+                self._view[:unread] = self._view[self._start : self._end]
+                self._start, self._end = 0, unread
+            if self._end == len(self._scratch):
+                raise redis.exceptions.InvalidResponse("a reply line longer than 64 KiB")
+            self._end += self._recv_into(self._view[self._end :])
+
+    def _recv_into(self, target: memoryview) -> int:
+        try:
+            received = self._sock.recv_into(target)
+        except TimeoutError as exc:
+            raise redis.exceptions.TimeoutError(f"reading a reply: {exc}") from None
+        except OSError as exc:
+            raise redis.exceptions.ConnectionError(f"reading a reply: {exc}") from None
+        if not received:
+            raise redis.exceptions.ConnectionError("the server closed the connection")
+        return received
 
 
 class RedisTier(QueuedTier):
@@ -129,6 +208,8 @@ class RedisTier(QueuedTier):
             "socket_timeout": config.timeout_s,
             "socket_connect_timeout": config.timeout_s,
             "max_connections": config.io_threads + 1,
+            # RESP2: replies in the shape _BulkReplies reads, and no pushed messages.
+            "protocol": 2,
         }
         if config.tls_ca_path is not None:
             options["ssl_ca_certs"] = str(config.tls_ca_path)
@@ -254,8 +335,53 @@ class RedisTier(QueuedTier):
                 wait,
             )
 
+    def _send_gets(self, keys: Sequence[BlockKey]) -> list[Any]:
+        """Pipeline ``GET`` on one connection and read the replies with :class:`_BulkReplies`.
+
+        The socket is read directly only on a RESP2 connection whose redis-py
+        parser holds no unread bytes (it never does between whole exchanges);
+        otherwise (a URL that asks for ``protocol=3``, a parser this does not
+        know) the replies go through redis-py.
+        """
+        commands = b"".join(
+            b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(name), name)
+            for name in map(self._name, keys)
+        )
+        pool = self._client.connection_pool
+        connection = pool.get_connection()
+
+        def send() -> list[Any]:
+            connection.send_packed_command([commands])
+            sock = getattr(connection, "_sock", None)
+            buffered = getattr(getattr(connection, "_parser", None), "_buffer", None)
+            resp2 = str(getattr(connection, "protocol", "")) == "2"
+            if resp2 and sock is not None and (buffered is None or buffered.unread_bytes() == 0):
+                return _BulkReplies(sock).read(len(keys))
+            replies: list[Any] = []
+            for _ in keys:
+                try:
+                    replies.append(connection.read_response(disable_decoding=True))
+                except redis.exceptions.ResponseError as exc:
+                    replies.append(exc)
+            return replies
+
+        def reconnect(_: Exception) -> None:
+            connection.disconnect()
+
+        try:
+            replies: list[Any] = connection.retry.call_with_retry(send, reconnect)
+            return replies
+        except BaseException:
+            connection.disconnect()  # where the stream stands is unknown
+            raise
+        finally:
+            pool.release(connection)
+
     def _read(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
-        replies = self._pipeline("get", keys)
+        if self.cluster:
+            replies = self._pipeline("get", keys)
+        else:
+            replies = self._batch(lambda: self._send_gets(keys))
         if isinstance(replies, Cause):
             self._count_error(replies, len(keys))
             return [None] * len(keys)

@@ -293,6 +293,53 @@ def test_no_bad_record_is_ever_returned(
     }
 
 
+# ---------------------------------------------------------------- reading replies
+
+
+@pytest.mark.parametrize("record_bytes", [1, 64 * 1024 - 3, 3 * 1024 * 1024 + 5])
+def test_gets_read_records_of_any_size_between_misses(
+    server: RedisServer, tiers: Callable[..., RedisTier], record_bytes: int
+) -> None:
+    # Records shorter than, near and far past the reader's 64 KiB line buffer,
+    # each batch with misses between them so every reply kind follows every other.
+    server.client().flushall()
+    tier = tiers(make_spec(record_bytes=record_bytes), url=server.url)
+    keys = tier.keys.keys(block_hashes(f"sizes-{record_bytes}", 6))
+    records = payloads(3, record_bytes)
+    store(tier, keys[1::2], records)
+    assert fetch(tier, keys) == [None, records[0], None, records[1], None, records[2]]
+    assert fetch(tier, keys[::-1]) == [records[2], None, records[1], None, records[0], None]
+
+
+def test_an_error_reply_is_one_miss_and_the_batch_reads_on(
+    server: RedisServer, tiers: Callable[..., RedisTier]
+) -> None:
+    server.client().flushall()
+    tier = tiers(url=server.url)
+    keys = tier.keys.keys(block_hashes("wrongtype", 3))
+    records = payloads(3, RECORD)
+    store(tier, keys, records)
+    name = b"kvtier:" + keys[1].hex().encode()
+    client = server.client()
+    client.delete(name)
+    client.rpush(name, b"a list, where a string belongs")  # GET answers WRONGTYPE
+    assert fetch(tier, keys) == [records[0], None, records[2]]
+    assert fetch(tier, keys) == [records[0], None, records[2]]  # the connection stayed in step
+    assert tier.stats().errors == {"server": 2}
+
+
+def test_a_url_asking_for_resp3_reads_through_the_client(
+    server: RedisServer, tiers: Callable[..., RedisTier]
+) -> None:
+    server.client().flushall()
+    tier = tiers(url=server.url + "?protocol=3")
+    keys = tier.keys.keys(block_hashes("resp3", 3))
+    records = payloads(2, RECORD)
+    store(tier, keys[:2], records)
+    assert fetch(tier, keys) == [*records, None]
+    assert tier.stats().errors == {}
+
+
 # ---------------------------------------------------------------- secrets and TLS
 
 
