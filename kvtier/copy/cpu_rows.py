@@ -13,7 +13,9 @@ copies. Each batch uses whichever of three plans is cheapest for its ids:
   destination rows by fancy indexing, whatever the strides on either side;
 - *staged*: otherwise (for small rows; large rows are scattered one by one
   rather than copied twice): a cache-sized chunk of source rows is gathered
-  into contiguous staging, then scattered by fancy indexing.
+  into contiguous staging, then scattered by fancy indexing. A strided source
+  (a host column) is gathered by numpy's own indexing, which makes a
+  temporary of the chunk's rows anyway, so it skips the staging buffer.
 
 Plain slice assignment into rows strided by a power of two is avoided: it
 runs several times slower than a fancy-indexed scatter of the same rows.
@@ -263,6 +265,8 @@ def _staged(
         index = src[start : start + size]
         if contiguous:
             np.take(source, index, out=chunk[:size], mode="clip")
+            target[dst[start : start + size]] = chunk[:size]
         else:
-            chunk[:size] = source[index]
-        target[dst[start : start + size]] = chunk[:size]
+            # Indexing a strided source gathers into numpy's own temporary already;
+            # going through ``chunk`` as well would add a third pass over the rows.
+            target[dst[start : start + size]] = source[index]
