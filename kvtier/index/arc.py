@@ -58,6 +58,15 @@ def adapted_target_t1(
     return target_t1
 
 
+def arc_prefers_t1(size_t1: int, target_t1: float, incoming_in_b2: bool) -> bool:
+    """Whether ARC takes its victim from ``t1``, holding ``size_t1`` keys, rather than ``t2``.
+
+    See :func:`arc_victim` for the arguments; the victim comes from the other list when the
+    preferred one has no evictable key.
+    """
+    return size_t1 > 0 and (size_t1 > target_t1 or (incoming_in_b2 and size_t1 == int(target_t1)))
+
+
 def arc_victim(
     t1: OrderedDict[BlockKey, None],
     t2: OrderedDict[BlockKey, None],
@@ -79,9 +88,7 @@ def arc_victim(
         The victim, from the other list when the preferred one has no evictable key; ``None``
         when neither has one.
     """
-    size = len(t1)
-    from_t1 = size > 0 and (size > target_t1 or (incoming_in_b2 and size == int(target_t1)))
-    first, second = (t1, t2) if from_t1 else (t2, t1)
+    first, second = (t1, t2) if arc_prefers_t1(len(t1), target_t1, incoming_in_b2) else (t2, t1)
     key = first_evictable(first, evictable)
     return key if key is not None else first_evictable(second, evictable)
 
@@ -188,30 +195,29 @@ class ARCShadow:
             t2[key] = None
             return True
         b1, b2, history, num_keys = self._b1, self._b2, self._history, self.num_keys
-        in_b2 = key in b2
-        if in_b2 or key in b1 or key in history:
+        in_b1 = key in b1
+        in_b2 = not in_b1 and key in b2
+        remembered = in_b1 or in_b2 or key in history
+        if remembered:
             self.target_t1 = adapted_target_t1(
-                self.target_t1,
-                num_keys,
-                len(b1),
-                len(b2),
-                in_b1=key in b1,
-                toward_t2=in_b2 or key in history,
+                self.target_t1, num_keys, len(b1), len(b2), in_b1=in_b1, toward_t2=not in_b1
             )
         if len(t1) + len(t2) >= num_keys:
-            victim = arc_victim(t1, t2, self.target_t1, in_b2, _always)
-            if victim in t1:
-                del t1[victim]
-                b1[victim] = None
+            # No key is pinned here: the victim is the oldest of the list ARC takes it from.
+            if arc_prefers_t1(len(t1), self.target_t1, in_b2) or not t2:
+                b1[t1.popitem(last=False)[0]] = None
             else:
-                del t2[victim]
-                b2[victim] = None
+                b2[t2.popitem(last=False)[0]] = None
             if len(t1) + len(b1) > num_keys and b1:
                 history[b1.popitem(last=False)[0]] = None
             if len(t1) + len(t2) + len(b1) + len(b2) > 2 * num_keys and b2:
                 history[b2.popitem(last=False)[0]] = None
             while len(history) > self.history_size:
                 history.popitem(last=False)
+        if not remembered:
+            # Making room only moves keys that were already remembered.
+            t1[key] = None
+            return False
         if key in b1:
             del b1[key]
         elif key in b2:
@@ -223,10 +229,6 @@ class ARCShadow:
             return False
         t2[key] = None
         return False
-
-
-def _always(key: BlockKey) -> bool:
-    return True
 
 
 def build(config: ARCConfig, num_slots: int) -> ARCPolicy:
