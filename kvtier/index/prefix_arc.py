@@ -58,14 +58,14 @@ shadows see only the sampled keys.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Literal
 from zlib import crc32
 
 from pydantic import Field
 
-from kvtier.index.arc import ARCShadow, adapted_target_t1, arc_victim, first_evictable
+from kvtier.index.arc import ARCShadow, adapted_target_t1, arc_prefers_t1, first_evictable
 from kvtier.index.base import BlockKey
 from kvtier.index.policy import EvictionPolicy
 from kvtier.models import PluginConfig
@@ -86,6 +86,9 @@ MAX_MEMORY_FACTOR = 1024.0
 DUEL_LIMIT = 256
 """Bound of the counters of shadow hits, so a change of workload turns a choice within a few
 hundred sampled hits."""
+FORGOTTEN, HELD, IN_B1, IN_B2, IN_HISTORY = range(5)
+"""Where a key's record is: held by the tier; once evicted, remembered in ARC's ghost list ``b1``
+or ``b2`` or in the long history; ``FORGOTTEN`` once it is stored again (a new record holds it)."""
 
 Admission = Literal["adaptive", "all"]
 Eviction = Literal["adaptive", "arc", "recency"]
@@ -151,6 +154,24 @@ class PrefixARCConfig(PluginConfig):
     )
 
 
+class _Record:
+    """What the policy knows of a key it holds or remembers."""
+
+    __slots__ = ("key", "parent", "children", "parent_record", "cls", "where")
+
+    def __init__(self, key: BlockKey, parent: BlockKey | None) -> None:
+        self.key = key
+        self.parent = parent
+        # Cached children: none (``None``), one key, or a set of keys.
+        self.children: BlockKey | set[BlockKey] | None = None
+        # The parent's record that lists this key among its cached children.
+        self.parent_record: _Record | None = None
+        # The class of a stored block not reused yet (see reuse learning), else ``None``.
+        self.cls: int | None = None
+        # HELD, then where the key is remembered once evicted, FORGOTTEN once stored again.
+        self.where = HELD
+
+
 class PrefixARCPolicy(EvictionPolicy):
     """ARC over prefix chains; ``num_slots`` sizes the ghost lists and the history."""
 
@@ -167,17 +188,24 @@ class PrefixARCPolicy(EvictionPolicy):
         self.num_slots = num_slots
         self.history_size = int(num_slots * history_factor)
         self.target_t1 = 0.0
-        # Per held key, ``[parent, cached children]``: no child (``None``), one key, or a set.
-        self._links: dict[BlockKey, list[Any]] = {}
+        # One record per key the tier holds or remembers (an evicted key's keeps its class only).
+        self._records: dict[BlockKey, _Record] = {}
         # Values are use stamps from ``_clock``, increasing along each list; 0 marks a block put
         # first in line for eviction.
         self._t1: OrderedDict[BlockKey, int] = OrderedDict()
         self._t2: OrderedDict[BlockKey, int] = OrderedDict()
         self._clock = 0
         self._orphans: OrderedDict[BlockKey, None] = OrderedDict()
-        self._b1: OrderedDict[BlockKey, None] = OrderedDict()
-        self._b2: OrderedDict[BlockKey, None] = OrderedDict()
-        self._history: OrderedDict[BlockKey, None] = OrderedDict()
+        # Evicted keys: ARC's ghost lists b1 and b2, and the long history of keys they forget,
+        # each a queue of records, oldest first (so an evicted key's record moves from a ghost
+        # list to the history without a lookup). A key stored again leaves its old record
+        # FORGOTTEN, dropped when its queue gets there or in a sweep once there are more such
+        # records than remembered keys.
+        self._b1: deque[_Record] = deque()
+        self._b2: deque[_Record] = deque()
+        self._history: deque[_Record] = deque()
+        self._b1_len = self._b2_len = self._history_len = 0  # records not FORGOTTEN
+        self._forgotten = 0
         self._incoming_in_b2 = False
         # The chain being touched (root first), how much of it is already ranked leaf first, and
         # how much of it is in a list (new blocks join the recency list when their chain is
@@ -186,10 +214,12 @@ class PrefixARCPolicy(EvictionPolicy):
         self._ranked = 0
         self._placed = 0
         self._first_new: int | None = None
-        # Reuse learning: the class of each stored key not yet reused (while the tier or its
-        # memory still knows it), and per class how many keys were stored and reused.
+        # Whether a block stored since the chain was last placed came back from the memory of
+        # evicted keys (into t2, at once): the others join t1 in one update.
+        self._returned = False
+        # Reuse learning: per class, how many keys were stored and reused (a stored key not yet
+        # reused keeps its class in its record while the tier holds or remembers it).
         self.low_value_ratio = low_value_ratio
-        self._class: dict[BlockKey, int] = {}
         self._stored = [0.0] * NUM_CLASSES
         self._reused = [0.0] * NUM_CLASSES
         self._decay_every = max(1, self.history_size + 2 * num_slots)
@@ -230,7 +260,7 @@ class PrefixARCPolicy(EvictionPolicy):
             "t1": len(self._t1),
             "t2": len(self._t2),
             "orphans": len(self._orphans),
-            "history": len(self._history),
+            "history": self._history_len,
             "second_sight": float(self.second_sight),
             "admission_duel": self._duel,
             "recency": float(self.recency),
@@ -243,12 +273,22 @@ class PrefixARCPolicy(EvictionPolicy):
     # Chain ranking.
 
     def _rank_chain(self) -> None:
-        """Rank the chain touched so far leaf first: its deepest block becomes the oldest."""
-        if self._ranked == len(self._chain):
-            return
+        """Rank the chain touched so far leaf first: its deepest block becomes the oldest.
+
+        Callers skip a chain that is ranked already (``_ranked`` at its length), except
+        :meth:`_end_chain`, which ranks a chain that stored blocks once more in any case.
+        """
         chain, placed, t1, t2 = self._chain, self._placed, self._t1, self._t2
         clock = self._clock
-        for position in range(len(chain) - 1, -1, -1):
+        end = len(chain)
+        new = chain[placed:]
+        if new and not self._returned:
+            # The blocks stored since the chain was last placed, none of them in t2, join t1 in
+            # one update, deepest first.
+            t1.update(zip(reversed(new), range(clock + 1, clock + 1 + len(new)), strict=True))
+            clock += len(new)
+            end = placed
+        for position in range(end - 1, -1, -1):
             key = chain[position]
             clock += 1
             if key in t2:
@@ -261,43 +301,30 @@ class PrefixARCPolicy(EvictionPolicy):
                 t1[key] = clock
         self._clock = clock
         self._ranked = self._placed = len(chain)
+        self._returned = False
 
     def _end_chain(self) -> None:
-        """Rank the finished chain leaf first, and class the blocks it stored (one pass)."""
+        """Rank the finished chain leaf first, and class the blocks it stored."""
         chain, first = self._chain, self._first_new
         if first is None:
-            self._rank_chain()
+            if self._ranked != len(chain):
+                self._rank_chain()
         else:
-            t1, t2, classes, stored = self._t1, self._t2, self._class, self._stored
-            link = self._links.get(chain[first])
-            origin = 0 if first == 0 or link is None or link[0] is None else TAIL_BUCKETS
+            self._rank_chain()
+            t1, records, stored = self._t1, self._records, self._stored
+            record = records.get(chain[first])
+            held = record is not None and record.where == HELD
+            origin = TAIL_BUCKETS if first and held and record.parent is not None else 0
             low = self._low_value_classes()
-            last = len(chain) - 1
-            placed = self._placed
             demoted = []
-            clock = self._clock
-            for position in range(last, -1, -1):
-                key = chain[position]
-                clock += 1
-                if key in t2:
-                    t2.move_to_end(key)
-                    t2[key] = clock
-                    continue
-                if position >= placed:
-                    t1[key] = clock
-                elif key in t1:
-                    t1.move_to_end(key)
-                    t1[key] = clock
-                else:
-                    continue
-                if position >= first:
-                    distance = last - position
+            # Leaf first, as ranked: a stored block still in t1 (not hit, not gone) gets a class.
+            for distance, key in enumerate(reversed(chain[first:])):
+                if key in t1:
                     cls = origin + (distance if distance < TAIL_BUCKETS else TAIL_BUCKETS - 1)
-                    classes[key] = cls
+                    records[key].cls = cls
                     stored[cls] += 1.0
                     if low[cls]:
                         demoted.append(key)
-            self._clock = clock
             # Root first, so that the chain's deepest low-value block ends up first in line.
             for key in reversed(demoted):
                 t1.move_to_end(key, last=False)
@@ -306,20 +333,23 @@ class PrefixARCPolicy(EvictionPolicy):
         chain.clear()
         self._ranked = self._placed = 0
         self._first_new = None
+        self._returned = False
 
-    def _add_child(self, parent: BlockKey, child: BlockKey) -> None:
-        """Record ``child`` as a cached child of ``parent``, if this tier holds ``parent``."""
-        link = self._links.get(parent)
-        if link is None:
+    def _add_child(self, parent: BlockKey, child: _Record) -> None:
+        """List ``child``'s key as a cached child of ``parent``, if this tier holds ``parent``."""
+        link = self._records.get(parent)
+        if link is None or link.where != HELD:
             return
+        child.parent_record = link
+        key = child.key
         # Most blocks have one cached child: store it bare and make a set only for a second one.
-        siblings = link[1]
+        siblings = link.children
         if siblings is None:
-            link[1] = child
+            link.children = key
         elif isinstance(siblings, set):
-            siblings.add(child)
-        elif siblings != child:
-            link[1] = {siblings, child}
+            siblings.add(key)
+        elif siblings != key:
+            link.children = {siblings, key}
 
     # Reuse learning.
 
@@ -341,10 +371,13 @@ class PrefixARCPolicy(EvictionPolicy):
             self._stored = [count / 2 for count in self._stored]
             self._reused = [count / 2 for count in self._reused]
 
-    def _credit_reuse(self, key: BlockKey) -> None:
-        cls = self._class.pop(key, None)
-        if cls is not None:
-            self._reused[cls] += 1.0
+    def _sweep_memory(self) -> None:
+        """Drop the FORGOTTEN records from the queues of evicted keys."""
+        for queue in (self._b1, self._b2, self._history):
+            remembered = [record for record in queue if record.where != FORGOTTEN]
+            queue.clear()
+            queue.extend(remembered)
+        self._forgotten = 0
 
     # Adaptive admission.
 
@@ -391,7 +424,10 @@ class PrefixARCPolicy(EvictionPolicy):
         # Keys that left the tier (or were never stored: no free slot, an aborted store) are
         # dropped in a sweep once there are twice as many as slots: O(1) amortized per key.
         if len(sampled) > 2 * self.num_slots:
-            sampled.intersection_update(self._links)
+            records = self._records
+            sampled.intersection_update(
+                [key for key in sampled if key in records and records[key].where == HELD]
+            )
 
     def _admit_on_second_sight(self, key: BlockKey, parent: BlockKey | None) -> bool:
         """Whether ``key`` was seen before (and its parent was not just declined)."""
@@ -399,7 +435,7 @@ class PrefixARCPolicy(EvictionPolicy):
             _remember(self._seen, key, self._seen_size)
             self._declined = key
             return False
-        if key in self._b1 or key in self._b2 or key in self._history:
+        if key in self._records:
             self._declined = None
             return True
         if _seen_before(self._seen, key, self._seen_size):
@@ -416,17 +452,21 @@ class PrefixARCPolicy(EvictionPolicy):
         if chain and parent != chain[-1]:
             self._end_chain()
         # As in ARC, a ghost hit moves the target before the victim for ``key`` is chosen; reuse
-        # after a gap longer than the ghost lists remember also argues for a larger t2.
-        b1, b2 = self._b1, self._b2
-        in_b2 = self._incoming_in_b2 = key in b2
-        if in_b2 or key in b1 or key in self._history:
+        # after a gap longer than the ghost lists remember also argues for a larger t2. A key
+        # offered for a slot is not held: a record says where it is remembered.
+        record = self._records.get(key)
+        if record is None:
+            self._incoming_in_b2 = False
+        else:
+            where = record.where
+            self._incoming_in_b2 = where == IN_B2
             self.target_t1 = adapted_target_t1(
                 self.target_t1,
                 self.num_slots,
-                len(b1),
-                len(b2),
-                in_b1=key in b1,
-                toward_t2=in_b2 or key in self._history,
+                self._b1_len,
+                self._b2_len,
+                in_b1=where == IN_B1,
+                toward_t2=where != IN_B1,
             )
         if self._sampling and crc32(key) & SAMPLE_MASK < self._sample_below:
             self._shadow_reference(key)
@@ -434,29 +474,40 @@ class PrefixARCPolicy(EvictionPolicy):
         return not self.second_sight or self._admit_on_second_sight(key, parent)
 
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
+        records = self._records
+        remembered = records.get(key)
+        record = records[key] = _Record(key, parent)
+        if remembered is not None:
+            where = remembered.where
+            remembered.where = FORGOTTEN
+            if where == IN_B1:
+                self._b1_len -= 1
+            elif where == IN_B2:
+                self._b2_len -= 1
+            else:
+                self._history_len -= 1
+            self._forgotten += 1
+            if self._forgotten > self._b1_len + self._b2_len + self._history_len:
+                self._sweep_memory()
         chain = self._chain
-        self._links[key] = [parent, None]
         # A parent this tier does not hold may sit in a faster tier (a lazy store writes a
         # chain leaf first, as the engine evicts it): only a parent evicted from here orphans.
         if parent is not None:
-            self._add_child(parent, key)
+            self._add_child(parent, record)
         if chain and parent != chain[-1]:
             self._end_chain()
         if self._first_new is None:
             self._first_new = len(chain)
         chain.append(key)
-        if key in self._b1:
-            del self._b1[key]
-        elif key in self._b2:
-            del self._b2[key]
-        elif key in self._history:
-            del self._history[key]
-        else:
+        if remembered is None:
             # A new block joins the recency list when its chain is ranked (leaf first).
             return
-        self._credit_reuse(key)
+        cls = remembered.cls
+        if cls is not None:
+            self._reused[cls] += 1.0
         self._clock += 1
         self._t2[key] = self._clock
+        self._returned = True
 
     def accessed(self, key: BlockKey) -> None:
         self.accessed_all((key,))
@@ -465,72 +516,102 @@ class PrefixARCPolicy(EvictionPolicy):
         if not keys:
             return
         # One pin or touch is one request's chain, or the next part of it.
-        chain, links = self._chain, self._links
-        if chain and links[keys[0]][0] != chain[-1]:
+        chain, records = self._chain, self._records
+        if chain and records[keys[0]].parent != chain[-1]:
             self._end_chain()
         elif self._placed != len(chain):
             self._rank_chain()
         chain.extend(keys)
         # Hits go to the frequency list leaf first, so that a chain of hits alone is ranked.
-        sampled, classes, t1, t2 = self._sampled, self._class, self._t1, self._t2
-        clock = self._clock
+        sampled, t1, t2 = self._sampled, self._t1, self._t2
+        move_to_end = t2.move_to_end
         for key in reversed(keys):
             if key in sampled:
                 self._shadow_reference(key)
-            clock += 1
-            if key in t2:
-                t2.move_to_end(key)
-            else:
+            try:
+                move_to_end(key)
+            except KeyError:
                 # A first hit: the block's class was reused (only blocks never hit have one).
-                cls = classes.pop(key, None)
+                record = records[key]
+                cls = record.cls
                 if cls is not None:
                     self._reused[cls] += 1.0
+                    record.cls = None
                 if t1.pop(key, None) is None:
                     # A hit on an orphan means its parent was stored again: it is reachable again.
                     del self._orphans[key]
-                    parent = links[key][0]
+                    parent = record.parent
                     if parent is not None:
-                        self._add_child(parent, key)
-            t2[key] = clock
-        self._clock = clock
+                        self._add_child(parent, record)
+                t2[key] = 0
+        # Their use stamps, in the same order, in one update (nothing above reads a stamp).
+        clock = self._clock
+        t2.update(zip(reversed(keys), range(clock + 1, clock + 1 + len(keys)), strict=True))
+        self._clock = clock + len(keys)
         self._placed = len(chain)
+        self._returned = False
         if len(chain) == len(keys):
             self._ranked = len(chain)
 
     def removed(self, key: BlockKey) -> None:
         if self._ranked != len(self._chain):
             self._rank_chain()
-        links = self._links
-        parent, orphaned = links.pop(key)
-        if parent is not None:
-            link = links.get(parent)
-            if link is not None:
-                siblings = link[1]
-                if siblings == key:
-                    link[1] = None
-                elif isinstance(siblings, set):
-                    siblings.discard(key)
+        records = self._records
+        record = records[key]
+        orphaned, link = record.children, record.parent_record
+        # The parent's record that listed the key has no children left if evicted since.
+        if link is not None:
+            siblings = link.children
+            if siblings == key:
+                link.children = None
+            elif isinstance(siblings, set):
+                siblings.discard(key)
+        t1, t2 = self._t1, self._t2
         if orphaned is not None:
+            orphans = self._orphans
             for child in orphaned if isinstance(orphaned, set) else (orphaned,):
-                self._t1.pop(child, None)
-                self._t2.pop(child, None)
-                self._orphans[child] = None
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+                t1.pop(child, None)
+                t2.pop(child, None)
+                orphans[child] = None
+        b1_len, b2_len, history_len = self._b1_len, self._b2_len, self._history_len
         if t1.pop(key, None) is not None:
-            b1[key] = None
+            record.where = IN_B1
+            self._b1.append(record)
+            b1_len += 1
         elif t2.pop(key, None) is not None:
-            b2[key] = None
+            record.where = IN_B2
+            self._b2.append(record)
+            b2_len += 1
         else:
             del self._orphans[key]
-            self._class.pop(key, None)
-        # Keys the ghost lists forget move to the long history, which forgets its oldest.
+            del records[key]
+        record.parent = record.children = record.parent_record = None
+        # As in ARC, t1 and b1 hold at most a tier's worth of keys and the four lists twice that;
+        # keys the ghost lists forget move to the long history, which forgets its oldest (each
+        # queue skips the FORGOTTEN records it meets on the way).
         num_slots, history = self.num_slots, self._history
-        if len(t1) + len(b1) > num_slots and b1:
-            history[b1.popitem(last=False)[0]] = None
-        if len(t1) + len(t2) + len(b1) + len(b2) > 2 * num_slots and b2:
-            history[b2.popitem(last=False)[0]] = None
-        while len(history) > self.history_size:
-            self._class.pop(history.popitem(last=False)[0], None)
+        if len(t1) + b1_len > num_slots and b1_len:
+            forgotten = self._b1.popleft()
+            while forgotten.where == FORGOTTEN:
+                forgotten = self._b1.popleft()
+            forgotten.where = IN_HISTORY
+            history.append(forgotten)
+            b1_len -= 1
+            history_len += 1
+        if b2_len and len(t1) + len(t2) + b1_len + b2_len > 2 * num_slots:
+            forgotten = self._b2.popleft()
+            while forgotten.where == FORGOTTEN:
+                forgotten = self._b2.popleft()
+            forgotten.where = IN_HISTORY
+            history.append(forgotten)
+            b2_len -= 1
+            history_len += 1
+        while history_len > self.history_size:
+            forgotten = history.popleft()
+            if forgotten.where != FORGOTTEN:
+                del records[forgotten.key]
+                history_len -= 1
+        self._b1_len, self._b2_len, self._history_len = b1_len, b2_len, history_len
 
     def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
         if self._orphans:
@@ -539,16 +620,18 @@ class PrefixARCPolicy(EvictionPolicy):
                 return key
         if self._ranked != len(self._chain):
             self._rank_chain()
+        t1, t2 = self._t1, self._t2
         if self.recency:
             # The list whose first key was used less recently gives the victim, else the other.
-            t1, t2 = self._t1, self._t2
-            if t1 and (not t2 or t1[next(iter(t1))] <= t2[next(iter(t2))]):
-                first, second = t1, t2
-            else:
-                first, second = t2, t1
-            key = first_evictable(first, evictable)
-            return key if key is not None else first_evictable(second, evictable)
-        return arc_victim(self._t1, self._t2, self.target_t1, self._incoming_in_b2, evictable)
+            from_t1 = bool(t1) and (not t2 or t1[next(iter(t1))] <= t2[next(iter(t2))])
+        else:
+            from_t1 = arc_prefers_t1(len(t1), self.target_t1, self._incoming_in_b2)
+        first, second = (t1, t2) if from_t1 else (t2, t1)
+        # The oldest key of the chosen list is the victim unless pinned (or being written).
+        for key in first:
+            if evictable(key):
+                return key
+        return first_evictable(second, evictable)
 
 
 def _remember(seen: OrderedDict[BlockKey, None], key: BlockKey, size: int) -> None:
