@@ -157,7 +157,7 @@ class PrefixARCConfig(PluginConfig):
 class _Record:
     """What the policy knows of a key it holds or remembers."""
 
-    __slots__ = ("key", "parent", "children", "parent_record", "cls", "where")
+    __slots__ = ("key", "parent", "children", "parent_record", "cls", "where", "stamp")
 
     def __init__(self, key: BlockKey, parent: BlockKey | None) -> None:
         self.key = key
@@ -170,6 +170,8 @@ class _Record:
         self.cls: int | None = None
         # HELD, then where the key is remembered once evicted, FORGOTTEN once stored again.
         self.where = HELD
+        # The use stamp of a held key in t1 or t2 (see ``PrefixARCPolicy._t1``).
+        self.stamp = 0
 
 
 class PrefixARCPolicy(EvictionPolicy):
@@ -190,12 +192,12 @@ class PrefixARCPolicy(EvictionPolicy):
         self.target_t1 = 0.0
         # One record per key the tier holds or remembers (an evicted key's keeps its class only).
         self._records: dict[BlockKey, _Record] = {}
-        # Values are use stamps from ``_clock``, increasing along each list; 0 marks a block put
-        # first in line for eviction.
-        self._t1: OrderedDict[BlockKey, int] = OrderedDict()
-        self._t2: OrderedDict[BlockKey, int] = OrderedDict()
+        # Values are the keys' records, whose use stamps from ``_clock`` increase along each list;
+        # stamp 0 marks a block put first in line for eviction.
+        self._t1: OrderedDict[BlockKey, _Record] = OrderedDict()
+        self._t2: OrderedDict[BlockKey, _Record] = OrderedDict()
         self._clock = 0
-        self._orphans: OrderedDict[BlockKey, None] = OrderedDict()
+        self._orphans: OrderedDict[BlockKey, _Record] = OrderedDict()
         # Evicted keys: ARC's ghost lists b1 and b2, and the long history of keys they forget,
         # each a queue of records, oldest first (so an evicted key's record moves from a ghost
         # list to the history without a lookup). A key stored again leaves its old record
@@ -281,24 +283,30 @@ class PrefixARCPolicy(EvictionPolicy):
         chain, placed, t1, t2 = self._chain, self._placed, self._t1, self._t2
         clock = self._clock
         end = len(chain)
-        new = chain[placed:]
-        if new and not self._returned:
-            # The blocks stored since the chain was last placed, none of them in t2, join t1 in
-            # one update, deepest first.
-            t1.update(zip(reversed(new), range(clock + 1, clock + 1 + len(new)), strict=True))
-            clock += len(new)
+        records = self._records
+        if placed < end and not self._returned:
+            # The blocks stored since the chain was last placed, none of them in t2, join t1
+            # deepest first.
+            for position in range(end - 1, placed - 1, -1):
+                key = chain[position]
+                clock += 1
+                record = t1[key] = records[key]
+                record.stamp = clock
             end = placed
         for position in range(end - 1, -1, -1):
             key = chain[position]
             clock += 1
-            if key in t2:
+            record = t2.get(key)
+            if record is not None:
                 t2.move_to_end(key)
-                t2[key] = clock
             elif position >= placed:
-                t1[key] = clock
-            elif key in t1:
+                record = t1[key] = records[key]
+            else:
+                record = t1.get(key)
+                if record is None:
+                    continue
                 t1.move_to_end(key)
-                t1[key] = clock
+            record.stamp = clock
         self._clock = clock
         self._ranked = self._placed = len(chain)
         self._returned = False
@@ -311,24 +319,25 @@ class PrefixARCPolicy(EvictionPolicy):
                 self._rank_chain()
         else:
             self._rank_chain()
-            t1, records, stored = self._t1, self._records, self._stored
-            record = records.get(chain[first])
-            held = record is not None and record.where == HELD
-            origin = TAIL_BUCKETS if first and held and record.parent is not None else 0
+            t1, stored = self._t1, self._stored
+            root = self._records.get(chain[first])
+            held = root is not None and root.where == HELD
+            origin = TAIL_BUCKETS if first and held and root.parent is not None else 0
             low = self._low_value_classes()
             demoted = []
             # Leaf first, as ranked: a stored block still in t1 (not hit, not gone) gets a class.
             for distance, key in enumerate(reversed(chain[first:])):
-                if key in t1:
+                record = t1.get(key)
+                if record is not None:
                     cls = origin + (distance if distance < TAIL_BUCKETS else TAIL_BUCKETS - 1)
-                    records[key].cls = cls
+                    record.cls = cls
                     stored[cls] += 1.0
                     if low[cls]:
                         demoted.append(key)
             # Root first, so that the chain's deepest low-value block ends up first in line.
             for key in reversed(demoted):
                 t1.move_to_end(key, last=False)
-                t1[key] = 0
+                t1[key].stamp = 0
             self._count_towards_decay(len(chain) - first)
         chain.clear()
         self._ranked = self._placed = 0
@@ -506,7 +515,8 @@ class PrefixARCPolicy(EvictionPolicy):
         if cls is not None:
             self._reused[cls] += 1.0
         self._clock += 1
-        self._t2[key] = self._clock
+        record.stamp = self._clock
+        self._t2[key] = record
         self._returned = True
 
     def accessed(self, key: BlockKey) -> None:
@@ -525,29 +535,31 @@ class PrefixARCPolicy(EvictionPolicy):
         # Hits go to the frequency list leaf first, so that a chain of hits alone is ranked.
         sampled, t1, t2 = self._sampled, self._t1, self._t2
         move_to_end = t2.move_to_end
+        clock = self._clock
         for key in reversed(keys):
             if key in sampled:
                 self._shadow_reference(key)
+            clock += 1
             try:
                 move_to_end(key)
             except KeyError:
+                record = t1.pop(key, None)
+                if record is None:
+                    # A hit on an orphan means its parent was stored again: it is reachable again.
+                    record = self._orphans.pop(key)
+                    parent = record.parent
+                    if parent is not None:
+                        self._add_child(parent, record)
                 # A first hit: the block's class was reused (only blocks never hit have one).
-                record = records[key]
                 cls = record.cls
                 if cls is not None:
                     self._reused[cls] += 1.0
                     record.cls = None
-                if t1.pop(key, None) is None:
-                    # A hit on an orphan means its parent was stored again: it is reachable again.
-                    del self._orphans[key]
-                    parent = record.parent
-                    if parent is not None:
-                        self._add_child(parent, record)
-                t2[key] = 0
-        # Their use stamps, in the same order, in one update (nothing above reads a stamp).
-        clock = self._clock
-        t2.update(zip(reversed(keys), range(clock + 1, clock + 1 + len(keys)), strict=True))
-        self._clock = clock + len(keys)
+                t2[key] = record
+                record.stamp = clock
+            else:
+                t2[key].stamp = clock
+        self._clock = clock
         self._placed = len(chain)
         self._returned = False
         if len(chain) == len(keys):
@@ -556,8 +568,22 @@ class PrefixARCPolicy(EvictionPolicy):
     def removed(self, key: BlockKey) -> None:
         if self._ranked != len(self._chain):
             self._rank_chain()
-        records = self._records
-        record = records[key]
+        t1, t2, records = self._t1, self._t2, self._records
+        b1_len, b2_len, history_len = self._b1_len, self._b2_len, self._history_len
+        record = t1.pop(key, None)
+        if record is not None:
+            record.where = IN_B1
+            self._b1.append(record)
+            b1_len += 1
+        else:
+            record = t2.pop(key, None)
+            if record is not None:
+                record.where = IN_B2
+                self._b2.append(record)
+                b2_len += 1
+            else:
+                record = self._orphans.pop(key)
+                del records[key]
         orphaned, link = record.children, record.parent_record
         # The parent's record that listed the key has no children left if evicted since.
         if link is not None:
@@ -566,25 +592,12 @@ class PrefixARCPolicy(EvictionPolicy):
                 link.children = None
             elif isinstance(siblings, set):
                 siblings.discard(key)
-        t1, t2 = self._t1, self._t2
         if orphaned is not None:
             orphans = self._orphans
             for child in orphaned if isinstance(orphaned, set) else (orphaned,):
                 t1.pop(child, None)
                 t2.pop(child, None)
-                orphans[child] = None
-        b1_len, b2_len, history_len = self._b1_len, self._b2_len, self._history_len
-        if t1.pop(key, None) is not None:
-            record.where = IN_B1
-            self._b1.append(record)
-            b1_len += 1
-        elif t2.pop(key, None) is not None:
-            record.where = IN_B2
-            self._b2.append(record)
-            b2_len += 1
-        else:
-            del self._orphans[key]
-            del records[key]
+                orphans[child] = records[child]
         record.parent = record.children = record.parent_record = None
         # As in ARC, t1 and b1 hold at most a tier's worth of keys and the four lists twice that;
         # keys the ghost lists forget move to the long history, which forgets its oldest (each
@@ -623,7 +636,7 @@ class PrefixARCPolicy(EvictionPolicy):
         t1, t2 = self._t1, self._t2
         if self.recency:
             # The list whose first key was used less recently gives the victim, else the other.
-            from_t1 = bool(t1) and (not t2 or t1[next(iter(t1))] <= t2[next(iter(t2))])
+            from_t1 = bool(t1) and (not t2 or t1[next(iter(t1))].stamp <= t2[next(iter(t2))].stamp)
         else:
             from_t1 = arc_prefers_t1(len(t1), self.target_t1, self._incoming_in_b2)
         first, second = (t1, t2) if from_t1 else (t2, t1)
