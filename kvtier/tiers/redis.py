@@ -74,6 +74,17 @@ def _cause_of(exc: BaseException) -> Cause:
     return Cause.CONNECTION
 
 
+def _client_replies(connection: Any, count: int) -> list[Any]:
+    """The next ``count`` replies through redis-py's parser, an error reply as its exception."""
+    replies: list[Any] = []
+    for _ in range(count):
+        try:
+            replies.append(connection.read_response(disable_decoding=True))
+        except redis.exceptions.ResponseError as exc:
+            replies.append(exc)
+    return replies
+
+
 class _BulkReplies:
     """Reads the replies to pipelined ``GET``s from a connected socket.
 
@@ -294,18 +305,23 @@ class RedisTier(QueuedTier):
                 len(header) + len(record),
             )
             chunks += [frame, header, record, b"\r\n"]
+        return self._exchange(chunks, lambda connection: _client_replies(connection, len(keys)))
+
+    def _exchange(
+        self, chunks: list[bytes | memoryview], read: Callable[[Any], list[Any]]
+    ) -> list[Any]:
+        """Send ``chunks`` on one pooled connection and ``read`` the replies from it.
+
+        A stale connection is retried once on a fresh one (the client's retry); a
+        connection that failed mid-exchange is dropped, since where its stream
+        stands is unknown.
+        """
         pool = self._client.connection_pool
         connection = pool.get_connection()
 
         def send() -> list[Any]:
             connection.send_packed_command(chunks)
-            replies: list[Any] = []
-            for _ in keys:
-                try:
-                    replies.append(connection.read_response())
-                except redis.exceptions.ResponseError as exc:
-                    replies.append(exc)
-            return replies
+            return read(connection)
 
         def reconnect(_: Exception) -> None:
             connection.disconnect()
@@ -313,7 +329,7 @@ class RedisTier(QueuedTier):
         try:
             replies: list[Any] = connection.retry.call_with_retry(send, reconnect)
             return replies
-        except _FAILURES:
+        except BaseException:
             connection.disconnect()
             raise
         finally:
@@ -347,35 +363,16 @@ class RedisTier(QueuedTier):
             b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(name), name)
             for name in map(self._name, keys)
         )
-        pool = self._client.connection_pool
-        connection = pool.get_connection()
 
-        def send() -> list[Any]:
-            connection.send_packed_command([commands])
+        def read(connection: Any) -> list[Any]:
             sock = getattr(connection, "_sock", None)
             buffered = getattr(getattr(connection, "_parser", None), "_buffer", None)
             resp2 = str(getattr(connection, "protocol", "")) == "2"
             if resp2 and sock is not None and (buffered is None or buffered.unread_bytes() == 0):
                 return _BulkReplies(sock).read(len(keys))
-            replies: list[Any] = []
-            for _ in keys:
-                try:
-                    replies.append(connection.read_response(disable_decoding=True))
-                except redis.exceptions.ResponseError as exc:
-                    replies.append(exc)
-            return replies
+            return _client_replies(connection, len(keys))
 
-        def reconnect(_: Exception) -> None:
-            connection.disconnect()
-
-        try:
-            replies: list[Any] = connection.retry.call_with_retry(send, reconnect)
-            return replies
-        except BaseException:
-            connection.disconnect()  # where the stream stands is unknown
-            raise
-        finally:
-            pool.release(connection)
+        return self._exchange([commands], read)
 
     def _read(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
         if self.cluster:
