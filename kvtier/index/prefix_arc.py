@@ -174,6 +174,15 @@ class _Record:
         self.stamp = 0
 
 
+def _to_history(ghosts: deque[_Record], history: deque[_Record]) -> None:
+    """Move the oldest key a ghost list still remembers to the long history."""
+    record = ghosts.popleft()
+    while record.where == FORGOTTEN:
+        record = ghosts.popleft()
+    record.where = IN_HISTORY
+    history.append(record)
+
+
 class PrefixARCPolicy(EvictionPolicy):
     """ARC over prefix chains; ``num_slots`` sizes the ghost lists and the history."""
 
@@ -604,19 +613,11 @@ class PrefixARCPolicy(EvictionPolicy):
         # queue skips the FORGOTTEN records it meets on the way).
         num_slots, history = self.num_slots, self._history
         if len(t1) + b1_len > num_slots and b1_len:
-            forgotten = self._b1.popleft()
-            while forgotten.where == FORGOTTEN:
-                forgotten = self._b1.popleft()
-            forgotten.where = IN_HISTORY
-            history.append(forgotten)
+            _to_history(self._b1, history)
             b1_len -= 1
             history_len += 1
         if b2_len and len(t1) + len(t2) + b1_len + b2_len > 2 * num_slots:
-            forgotten = self._b2.popleft()
-            while forgotten.where == FORGOTTEN:
-                forgotten = self._b2.popleft()
-            forgotten.where = IN_HISTORY
-            history.append(forgotten)
+            _to_history(self._b2, history)
             b2_len -= 1
             history_len += 1
         while history_len > self.history_size:
