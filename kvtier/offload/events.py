@@ -80,6 +80,9 @@ class RequestTokens:
         Tokens are looked up only for the hashes of stored blocks, each once.
         Then the requests passed to :meth:`forget` are dropped.
         """
+        if not events:
+            self._drop_forgotten()
+            return []
         split = [(event.kind, namespace.split(event.key)) for event in events]
         wanted = {key.block_hash for kind, key in split if kind is EventKind.STORED}
         found = self._tokens_of(wanted)
@@ -90,10 +93,13 @@ class RequestTokens:
                 described.append(BlockEvent(kind, group, block_hash, parent, tokens))
             else:
                 described.append(BlockEvent(kind, group, block_hash))
+        self._drop_forgotten()
+        return described
+
+    def _drop_forgotten(self) -> None:
         for request_id in self._forget:
             self._requests.pop(request_id, None)
         self._forget.clear()
-        return described
 
     @property
     def num_requests(self) -> int:

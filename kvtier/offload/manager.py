@@ -163,10 +163,13 @@ class Progress:
     """Finished requests whose device blocks the engine may free now."""
     loaded_requests: tuple[str, ...] = ()
     """Requests whose loads all completed (successfully or not) on every worker."""
-    failed_loads: dict[str, tuple[DeviceBlock, ...]] = field(default_factory=dict)
+    failed_loads: Mapping[str, tuple[DeviceBlock, ...]] = field(default_factory=dict)
     """Per request, device blocks whose load failed: recompute them."""
     stored_blocks: tuple[DeviceBlock, ...] = ()
     """Device blocks whose stores completed (or failed) everywhere: no longer protected."""
+
+
+_NO_PROGRESS = Progress()
 
 
 @dataclass
@@ -727,7 +730,9 @@ class OffloadManager:
         else:
             stores = self._plan_lazy_stores(lazy_candidates, now)
         self._drain_index_events()
-        promotions, self._promotions_to_plan = tuple(self._promotions_to_plan), []
+        promotions: tuple[Promotion, ...] = ()
+        if self._promotions_to_plan:
+            promotions, self._promotions_to_plan = tuple(self._promotions_to_plan), []
         holds: dict[str, tuple[int, ...]] = {}
         for request_id, state in list(self._requests.items()):
             if not state.finished or state.hold_announced:
@@ -743,7 +748,7 @@ class OffloadManager:
             holds=holds,
             unavailable=unavailable,
             promotions=promotions,
-            demotions=self._take_demotions(),
+            demotions=self._take_demotions() if self._demotions else (),
         )
         self._flush = False
         return plan
@@ -781,6 +786,10 @@ class OffloadManager:
         Args:
             report: One merged report, several (one per worker), or ``None``.
         """
+        if report is None and self.settled:
+            # Nothing reported, in flight or waiting to be announced: most decode steps.
+            self._drain_index_events()
+            return _NO_PROGRESS
         if report is None:
             reports: list[WorkerReport] = []
         elif isinstance(report, WorkerReport):
@@ -897,12 +906,16 @@ class OffloadManager:
             rejected_reports=self._rejected_reports,
             quarantined_slots=len(
                 {slot for batch in self._quarantine.values() for slot in batch.transfer.host_slots}
-            ),
+            )
+            if self._quarantine
+            else 0,
             failures=self._failures.counts,
             promoted_blocks=self._promoted_blocks,
             demoted_blocks=self._demoted_blocks,
             expired_promotions=self._expired_promotions,
-            tiers={name: dict(counts) for name, counts in self._tier_counts.items()},
+            tiers={name: dict(counts) for name, counts in self._tier_counts.items()}
+            if self._tier_counts
+            else {},
         )
 
     def take_observations(self) -> Observations:
@@ -915,6 +928,12 @@ class OffloadManager:
     def num_inflight_batches(self) -> int:
         """Batches planned and not yet reported by every worker (nor failed by the deadline)."""
         return len(self._batches)
+
+    @property
+    def settled(self) -> bool:
+        """Whether no batch or promotion is in flight and no outcome waits to be announced:
+        then ``process(None)`` changes nothing."""
+        return not (self._unavailable or self._batches or self._promotions or self._released)
 
     @property
     def has_tier_work(self) -> bool:
@@ -1006,9 +1025,7 @@ class OffloadManager:
         )
 
     def _plan_eager_stores(self, now: float) -> list[Transfer]:
-        per_group: list[tuple[list[int], list[int], list[BlockKey], set[str]]] = [
-            ([], [], [], set()) for _ in range(self.num_groups)
-        ]
+        per_group: list[tuple[list[int], list[int], list[BlockKey], set[str]]] = []
         out_of_space = False
         reserved_now: set[BlockKey] = set()
         for state in self._requests.values():
@@ -1034,6 +1051,8 @@ class OffloadManager:
                 parent = self.namespace.key(state.block_hashes[start - 1], group) if start else None
                 slots = self.index.reserve(keys, parent) if keys else []
                 cursor = stop
+                if not per_group:  # the first request with blocks to store this step
+                    per_group = [([], [], [], set()) for _ in range(self.num_groups)]
                 blocks, slot_list, key_list, requests = per_group[group]
                 for pos, key, slot in zip(positions, keys, slots, strict=True):
                     if slot is not None:

@@ -84,6 +84,9 @@ class LoadFailures:
     """Requests whose loads finished with some block failed (several kv-cache groups)."""
 
 
+_NO_LOAD_FAILURES = LoadFailures()
+
+
 @dataclass(frozen=True)
 class _Copy:
     backend: CopyBackend
@@ -237,6 +240,10 @@ class OffloadWorker:
                 "bind() was called twice without get_finished(); call get_finished() once "
                 "per step so the previous plan is submitted"
             )
+        if plan.empty:  # most decode steps
+            self._plan = plan
+            self._flush_pending = False
+            return
         for transfer in (*plan.stores, *plan.loads):
             self._check(transfer)
         for message in (*plan.promotions, *plan.demotions):
@@ -280,7 +287,7 @@ class OffloadWorker:
         if self._flush_pending:
             self.flush()
         plan, self._plan = self._plan, None
-        if plan is not None:
+        if plan is not None and not plan.empty:
             self._demote(plan)
             for transfer in (*plan.stores, *plan.loads):
                 self._submit(transfer)
@@ -288,10 +295,13 @@ class OffloadWorker:
                 assert self.chain is not None
                 fetch = self.chain.fetch(promotion.group, promotion.block_hashes)
                 self._fetches[promotion.batch_id] = (promotion, fetch)
-        self._poll()
-        self._poll_fetches()
-        loaded = self._pop_settled(self._loads_by_request)
-        released = self._pop_settled(self._holds)
+        # Most decode steps have nothing in flight and nobody waiting: skip the polls.
+        if self._inflight or self._abandoned:
+            self._poll()
+        if self._fetches:
+            self._poll_fetches()
+        loaded = self._pop_settled(self._loads_by_request) if self._loads_by_request else set()
+        released = self._pop_settled(self._holds) if self._holds else set()
         return released, loaded
 
     def _demote(self, plan: TransferPlan) -> None:
@@ -335,6 +345,8 @@ class OffloadWorker:
         requests of ``loaded`` with a failed block are named instead (the
         engine recomputes them from their first loaded block).
         """
+        if not (self._failed_load_blocks or self._failed_load_requests):
+            return _NO_LOAD_FAILURES
         blocks = self.take_failed_load_blocks()
         failed = self._failed_load_requests.intersection(loaded)
         self._failed_load_requests -= failed

@@ -169,6 +169,9 @@ class KVTierScheduler:
             num_groups, vllm_config.scheduler_config.max_num_batched_tokens, block_tokens
         )
         self._reported = OffloadStats()
+        # Whether the counters may have changed since the last stats(): set by every call
+        # that can change them, so the steps that change nothing skip building them.
+        self._stats_stale = True
         self._capacity_bytes = host_bytes_per_rank(config, world_size)
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
@@ -181,6 +184,7 @@ class KVTierScheduler:
         ``None`` while the lower tiers are searched for the request's blocks.
         """
         self._lookup_base[request.request_id] = num_computed_tokens
+        self._stats_stale = True
         # The manager leaves the last token to the engine. vLLM recomputes the last token of
         # a fully loaded request itself (it rewinds num_computed_tokens by one after an
         # asynchronous load), so the tier may also serve the block holding that token.
@@ -192,6 +196,7 @@ class KVTierScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """Record vLLM's allocation; queue the load of the accepted tier hit."""
+        self._stats_stale = True
         self.tokens.track(request.request_id, request.block_hashes, request.all_token_ids)
         base = self._lookup_base.pop(request.request_id, request.num_computed_tokens)
         self.manager.allocated(
@@ -226,12 +231,14 @@ class KVTierScheduler:
                 resumed=req_id in cached.resumed_req_ids,
             )
         plan = manager.build_plan(self._lazy_candidates())
+        if not plan.empty:
+            self._stats_stale = True
         protect = self.guard.protect(plan)
         if protect:
             # Keep vLLM from reusing the blocks until their stores are over.
             pool = self._bound_pool()
             pool.touch([pool.blocks[ref.block_id] for ref in protect])
-        stale = self._waiting_finished & plan.holds.keys()
+        stale = self._waiting_finished & plan.holds.keys() if self._waiting_finished else None
         if stale:
             # vLLM frees these when their loads report in; a hold would free them twice.
             self._waiting_finished -= stale
@@ -265,8 +272,13 @@ class KVTierScheduler:
 
     def update_connector_output(self, report: WorkerReport | None) -> None:
         """Count the workers' merged report; let vLLM reuse blocks whose lazy stores are over."""
+        if report is not None or not self.manager.settled:
+            self._stats_stale = True
         progress = self.manager.process(report)
-        self.tokens.forget(progress.released_requests)
+        if progress.released_requests:
+            self.tokens.forget(progress.released_requests)
+        if not progress.stored_blocks:
+            return
         released = self.guard.release(progress)
         if released:
             pool = self._bound_pool()
@@ -275,6 +287,7 @@ class KVTierScheduler:
     def request_finished(self, request: Request) -> bool:
         """Whether vLLM must keep the finished request's blocks until the workers release them."""
         request_id = request.request_id
+        self._stats_stale = True
         self._lookup_base.pop(request_id, None)
         hold = self.manager.finished(request_id, request.num_computed_tokens)
         if not hold:
@@ -300,6 +313,7 @@ class KVTierScheduler:
         ``False`` as a failed reset, and pausing or putting the engine to
         sleep (``pause_scheduler(clear_cache=True)``) then raises.
         """
+        self._stats_stale = True
         self.manager.reset()
         return True
 
@@ -328,6 +342,9 @@ class KVTierScheduler:
         """What changed in the tier's counters and usage since the last call, and the
         latencies, batch sizes and per-request hits measured since then; ``None`` when
         nothing did (vLLM asks every step, and most steps change nothing in the tier)."""
+        if not self._stats_stale:
+            return None
+        self._stats_stale = False
         now = self.manager.stats()
         observations = self.manager.take_observations()
         last, self._reported = self._reported, now

@@ -147,7 +147,8 @@ class KVTierWorker:
             return set(), set(), set()
         released, loaded = self.offload.get_finished()
         failures = self.offload.take_load_failures(loaded)
-        self._failed_blocks |= failures.blocks
+        if failures.blocks:
+            self._failed_blocks |= failures.blocks
         return released, loaded, set(failures.requests)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

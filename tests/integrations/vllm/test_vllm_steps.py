@@ -215,15 +215,19 @@ def test_events_name_stored_blocks_with_their_tokens(
 
 
 def test_steps_that_change_nothing_in_the_tier_report_no_stats(
-    engine_factory: Callable[..., VllmSteps],
+    engine_factory: Callable[..., VllmSteps], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = engine_factory()
     engine.generate(prompts(11, 2, 40, 80))
     reported = len(engine.connector_stats)
     assert reported > 0
+    manager = engine.connector.manager
+    built: list[object] = []
+    monkeypatch.setattr(manager, "stats", lambda: built.append(1) or type(manager).stats(manager))
     for _ in range(3):
         engine.step()
     assert len(engine.connector_stats) == reported
+    assert not built, "a step that changed nothing built the tier's counters"
     assert engine.connector.get_kv_connector_stats() is None
     assert engine.worker.get_kv_connector_stats() is None
 
