@@ -380,6 +380,7 @@ class OffloadManager:
         self._promoted_blocks = 0
         self._demoted_blocks = 0
         self._expired_promotions = 0
+        self._departures = 0
         self._tier_counts: dict[str, dict[str, int]] = {}
 
     @classmethod
@@ -930,6 +931,17 @@ class OffloadManager:
         return len(self._batches)
 
     @property
+    def departures(self) -> int:
+        """Keys that stopped being held or written so far (evicted, discarded, or their store
+        or promotion given up): what a caller remembers of the tier is stale once it grows."""
+        self._drain_index_events()
+        return self._departures
+
+    def holds(self, block_hash: bytes, group: int = 0) -> bool:
+        """Whether the tier holds the block, or is writing it."""
+        return self._present(self.namespace.key(block_hash, group))
+
+    @property
     def settled(self) -> bool:
         """Whether no batch or promotion is in flight and no outcome waits to be announced:
         then ``process(None)`` changes nothing."""
@@ -1284,6 +1296,7 @@ class OffloadManager:
             self._slots.update(zip(found, message.host_slots, strict=False))
         if promotion.found < len(promotion.keys):
             self.index.abort(promotion.keys[promotion.found :])
+            self._departures += len(promotion.keys) - promotion.found
         self._promoted_blocks += promotion.found
         self._answer_promotion(promotion)
         logger.debug(
@@ -1337,6 +1350,7 @@ class OffloadManager:
         for key in batch.keys:
             del self._writing[key]
         self.index.abort(batch.keys)
+        self._departures += len(batch.keys)
 
     def _expire(self, collected: _Collected) -> None:
         """Fail the batches some worker did not report within ``report_deadline_s``."""
@@ -1371,7 +1385,9 @@ class OffloadManager:
         events = self.index.take_events()
         if not events:
             return
-        self._evicted_blocks += sum(1 for event in events if event.kind is EventKind.EVICTED)
+        evicted = sum(1 for event in events if event.kind is EventKind.EVICTED)
+        self._evicted_blocks += evicted
+        self._departures += evicted
         if self.lower_tiers:
             for event in events:
                 if event.kind is EventKind.EVICTED and event.key in self._slots:

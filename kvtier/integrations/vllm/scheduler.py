@@ -39,7 +39,12 @@ import logging
 from typing import TYPE_CHECKING
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
-from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id, maybe_convert_block_hash
+from vllm.v1.core.kv_cache_utils import (
+    BlockHashWithGroupId,
+    get_block_hash,
+    get_group_id,
+    maybe_convert_block_hash,
+)
 from vllm.v1.request import RequestStatus
 
 from kvtier.config import KVTierConfig
@@ -165,6 +170,11 @@ class KVTierScheduler:
         self._lookup_base: dict[str, int] = {}
         # Requests finished while waiting for their load: vLLM frees their blocks itself.
         self._waiting_finished: set[str] = set()
+        # Lazy mode: device block id -> vLLM's hash of a block the tier already held at the
+        # frontier, skipped until the block is reused or some key leaves the tier.
+        self._lazy_held: dict[int, BlockHashWithGroupId] = {}
+        self._lazy_departures = -1
+        self._lazy_offered: list[tuple[BlockHashWithGroupId, LazyCandidate]] = []
         self._lazy_target = lazy_frontier_blocks(
             num_groups, vllm_config.scheduler_config.max_num_batched_tokens, block_tokens
         )
@@ -231,6 +241,9 @@ class KVTierScheduler:
                 resumed=req_id in cached.resumed_req_ids,
             )
         plan = manager.build_plan(self._lazy_candidates())
+        for block_hash, candidate in self._lazy_offered:
+            if manager.holds(candidate.block_hash, candidate.group):
+                self._lazy_held[candidate.block_id] = block_hash
         if not plan.empty:
             self._stats_stale = True
         protect = self.guard.protect(plan)
@@ -248,19 +261,30 @@ class KVTierScheduler:
         return plan
 
     def _lazy_candidates(self) -> list[LazyCandidate]:
+        """Cached blocks near vLLM's eviction frontier, less those the tier held last time."""
+        offered = self._lazy_offered
+        offered.clear()
         if self.config.store_mode != "lazy" or self._block_pool is None:
             return []
-        candidates = []
+        departures = self.manager.departures
+        if departures != self._lazy_departures:
+            self._lazy_held.clear()
+            self._lazy_departures = departures
+        held = self._lazy_held
         frontier = self._block_pool.free_block_queue.iter_blocks_after(None)
         for block in itertools.islice(frontier, self._lazy_target):
-            if block.block_hash is None or block.is_null:
+            block_hash = block.block_hash
+            if block_hash is None or block.is_null or held.get(block.block_id) == block_hash:
                 continue
-            candidates.append(
-                LazyCandidate(
-                    get_block_hash(block.block_hash), get_group_id(block.block_hash), block.block_id
+            offered.append(
+                (
+                    block_hash,
+                    LazyCandidate(
+                        get_block_hash(block_hash), get_group_id(block_hash), block.block_id
+                    ),
                 )
             )
-        return candidates
+        return [candidate for _, candidate in offered]
 
     def _bound_pool(self) -> BlockPool:
         if self._block_pool is None:

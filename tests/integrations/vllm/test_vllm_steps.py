@@ -194,6 +194,28 @@ def test_lazy_mode_stores_blocks_leaving_the_device(
     assert pool.get_num_free_blocks() == engine.spec.num_blocks - 1, "no block stays protected"
 
 
+def test_lazy_mode_offers_a_frontier_block_again_only_after_the_tier_lost_blocks(
+    engine_factory: Callable[..., VllmSteps], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = engine_factory({"cpu_bytes": 8 * MIB, "store_mode": "lazy"}, num_blocks=40)
+    engine.generate(prompts(7, 3, 60, 120), max_tokens=2)
+    manager = engine.connector.manager
+    offered: list[list[Any]] = []
+    build_plan = type(manager).build_plan
+    monkeypatch.setattr(
+        manager,
+        "build_plan",
+        lambda candidates=(): offered.append(list(candidates)) or build_plan(manager, candidates),
+    )
+    for _ in range(3):
+        engine.step()
+    assert manager.stats().stored_blocks > 0
+    assert offered[-1] == [], "blocks the tier holds were offered again"
+    manager.reset()
+    engine.step()
+    assert offered[-1], "after the tier lost its blocks, the frontier was not offered again"
+
+
 def test_events_name_stored_blocks_with_their_tokens(
     engine_factory: Callable[..., VllmSteps],
 ) -> None:
