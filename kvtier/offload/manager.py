@@ -731,9 +731,7 @@ class OffloadManager:
         else:
             stores = self._plan_lazy_stores(lazy_candidates, now)
         self._drain_index_events()
-        promotions: tuple[Promotion, ...] = ()
-        if self._promotions_to_plan:
-            promotions, self._promotions_to_plan = tuple(self._promotions_to_plan), []
+        promotions, self._promotions_to_plan = tuple(self._promotions_to_plan), []
         holds: dict[str, tuple[int, ...]] = {}
         for request_id, state in list(self._requests.items()):
             if not state.finished or state.hold_announced:
@@ -907,16 +905,12 @@ class OffloadManager:
             rejected_reports=self._rejected_reports,
             quarantined_slots=len(
                 {slot for batch in self._quarantine.values() for slot in batch.transfer.host_slots}
-            )
-            if self._quarantine
-            else 0,
+            ),
             failures=self._failures.counts,
             promoted_blocks=self._promoted_blocks,
             demoted_blocks=self._demoted_blocks,
             expired_promotions=self._expired_promotions,
-            tiers={name: dict(counts) for name, counts in self._tier_counts.items()}
-            if self._tier_counts
-            else {},
+            tiers={name: dict(counts) for name, counts in self._tier_counts.items()},
         )
 
     def take_observations(self) -> Observations:

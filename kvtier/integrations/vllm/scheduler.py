@@ -251,7 +251,7 @@ class KVTierScheduler:
             # Keep vLLM from reusing the blocks until their stores are over.
             pool = self._bound_pool()
             pool.touch([pool.blocks[ref.block_id] for ref in protect])
-        stale = self._waiting_finished & plan.holds.keys() if self._waiting_finished else None
+        stale = self._waiting_finished & plan.holds.keys()
         if stale:
             # vLLM frees these when their loads report in; a hold would free them twice.
             self._waiting_finished -= stale
