@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier.copy.base import CopyBatch, CopyError, CopyHandle, Direction
-from kvtier.copy.cpu_rows import choose_plan, sort_ids
+from kvtier.copy.cpu_rows import choose_plan, run_starts, sort_ids
 from kvtier.copy.torch_backend import TorchCopyBackend, TorchCopyConfig
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
@@ -59,6 +59,9 @@ RANDOM_SLOTS = np.random.default_rng(1).permutation(2048)[:256]
 @pytest.mark.parametrize(
     "one_region, blocks, slots, plan",
     [
+        (True, np.arange(100, 356), np.arange(256), "runs"),
+        (False, np.arange(100, 356), np.arange(256), "runs"),
+        (False, np.arange(355, 99, -1), np.arange(256), "scatter"),
         (True, RANDOM_BLOCKS, np.arange(256), "gather"),
         (False, RANDOM_BLOCKS, np.arange(256), "staged"),
         (True, np.arange(100, 356), RANDOM_SLOTS, "scatter"),
@@ -67,6 +70,9 @@ RANDOM_SLOTS = np.random.default_rng(1).permutation(2048)[:256]
         (False, RANDOM_BLOCKS, RANDOM_SLOTS, "staged"),
     ],
     ids=[
+        "one_region-block_run_to_slot_run",
+        "regions-block_run_to_slot_run",
+        "regions-block_run_backwards_to_slot_run",
         "one_region-random_blocks_to_slot_run",
         "regions-random_blocks_to_slot_run",
         "one_region-block_run_to_random_slots",
@@ -91,9 +97,14 @@ def test_each_cpu_plan_is_chosen_and_copies_correctly(
         layout = _layout(num_blocks=1024, num_layers=2, block_tokens=4)
     host = torch.zeros((2048, layout.record_bytes), dtype=torch.uint8)
     backend = TorchCopyBackend(TorchCopyConfig(cpu_threads=threads), layout, host)
-    runs = len(sort_ids(slots).runs), len(sort_ids(blocks).runs)
+    by_slot = sort_ids(slots)
+    pair_runs = len(run_starts(by_slot.ids, blocks[by_slot.order]))
+    runs = len(by_slot.runs), len(sort_ids(blocks).runs)
     row_bytes = layout.record_bytes // len(layout.regions)
-    assert choose_plan(len(blocks), *runs, contiguous=one_region, row_bytes=row_bytes) == plan
+    assert (
+        choose_plan(len(blocks), pair_runs, *runs, contiguous=one_region, row_bytes=row_bytes)
+        == plan
+    )
     expected = records(layout, blocks.tolist())
     backend.wait(backend.submit(CopyBatch(Direction.STORE, blocks.tolist(), slots.tolist())))
     assert torch.equal(host[slots.tolist()], expected)
@@ -104,10 +115,21 @@ def test_each_cpu_plan_is_chosen_and_copies_correctly(
     backend.close()
 
 
-def test_large_rows_are_scattered_one_by_one_rather_than_staged() -> None:
-    assert choose_plan(256, 200, 200, contiguous=False, row_bytes=4096) == "staged"
-    assert choose_plan(256, 200, 200, contiguous=False, row_bytes=256 << 10) == "scatter"
-    assert choose_plan(256, 200, 256, contiguous=True, row_bytes=256 << 10) == "gather"
+def test_large_rows_are_copied_run_by_run_even_one_row_a_run_rather_than_staged() -> None:
+    # 256 rows, every pair of them a run of its own, no side in few runs
+    assert choose_plan(256, 256, 200, 200, contiguous=False, row_bytes=4096) == "staged"
+    assert choose_plan(256, 256, 200, 200, contiguous=False, row_bytes=256 << 10) == "runs"
+    # of the plans that go run by run, slices first, then np.take, then fancy indexing
+    assert choose_plan(256, 20, 20, 20, contiguous=True, row_bytes=4096) == "runs"
+    assert choose_plan(256, 256, 20, 20, contiguous=True, row_bytes=4096) == "gather"
+    assert choose_plan(256, 256, 20, 20, contiguous=False, row_bytes=4096) == "scatter"
+
+
+def test_runs_end_where_either_side_stops_counting_up() -> None:
+    ids = np.array([1, 2, 3, 4, 8, 9])
+    assert run_starts(ids).tolist() == [0, 4]
+    assert run_starts(ids, np.array([5, 6, 0, 1, 2, 3])).tolist() == [0, 2, 4]
+    assert run_starts(ids, np.array([5, 6, 7, 8, 9, 10])).tolist() == [0, 4]
 
 
 @pytest.mark.parametrize(
