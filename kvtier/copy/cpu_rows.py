@@ -6,9 +6,11 @@ single opaque items (``np.void`` of ``n`` bytes), so each row moves with one
 ``memcpy`` rather than byte by byte, and numpy releases the GIL while it
 copies. Each batch uses whichever of four plans is cheapest for its ids:
 
-- *runs*: the pairs, sorted, form few runs in which the source and the
-  destination ids both count up by one: each run is one slice assignment per
-  region, whatever the strides on either side;
+- *runs*: the pairs, sorted by destination, form few runs in which the
+  destination ids count up by one and the source ids up or down by one: each
+  run is one slice assignment per region (a reversed slice for a run that
+  counts down, as when blocks stored in the engine's eviction order come
+  back), whatever the strides on either side;
 - *gather*: every region is a contiguous matrix on both sides (a one-region
   layout) and the destination ids, sorted, form few runs of consecutive rows:
   ``np.take`` of the source rows straight into each destination run;
@@ -77,18 +79,33 @@ def void_rows(matrix: torch.Tensor) -> np.ndarray:
     return rows.view(np.dtype((np.void, rows.shape[1])))[:, 0]
 
 
-def run_starts(ids: np.ndarray, *paired: np.ndarray) -> np.ndarray:
-    """Start positions of the runs of consecutive ids (``ids[k + 1] == ids[k] + 1``).
-
-    With ``paired`` arrays of the same length, a run also ends where any of
-    them does not count up by one.
-    """
+def run_starts(ids: np.ndarray) -> np.ndarray:
+    """Start positions of the runs of consecutive ids (``ids[k + 1] == ids[k] + 1``)."""
     if ids.shape[0] == 0:
         return np.zeros(0, dtype=np.int64)
-    breaks = np.diff(ids) != 1
-    for other in paired:
-        breaks |= np.diff(other) != 1
-    return np.flatnonzero(np.concatenate(([True], breaks)))
+    return np.flatnonzero(np.concatenate(([True], np.diff(ids) != 1)))
+
+
+def pair_runs(dst: np.ndarray, src: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(start, end, step)`` of each run in which ``dst`` counts up by one and ``src`` by ``step``.
+
+    ``step`` is 1 or -1 (a run of one pair has step 1): rows stored in one
+    order and loaded in the other still copy as whole runs.
+    """
+    count = dst.shape[0]
+    if count < 2:
+        return [(0, count, 1)] if count else []
+    src_step = np.diff(src)
+    joined = (np.diff(dst) == 1) & (np.abs(src_step) == 1)
+    turned = np.zeros(count - 1, dtype=bool)
+    turned[1:] = joined[:-1] & (src_step[1:] != src_step[:-1])
+    starts = np.flatnonzero(np.concatenate(([True], ~joined | turned))).tolist()
+    ends = [*starts[1:], count]
+    steps = [
+        int(src_step[start]) if end - start > 1 else 1
+        for start, end in zip(starts, ends, strict=True)
+    ]
+    return list(zip(starts, ends, steps, strict=True))
 
 
 @dataclass(frozen=True)
@@ -132,8 +149,7 @@ def choose_plan(
 
     Args:
         num_rows: Rows (blocks) in the batch.
-        pair_runs: Runs in which source and destination rows are both
-            consecutive, once the pairs are sorted by destination.
+        pair_runs: Runs of :func:`pair_runs` once the pairs are sorted by destination.
         dst_runs: Runs of consecutive destination rows, once sorted.
         src_runs: Runs of consecutive source rows, once sorted.
         contiguous: Whether every region is a contiguous matrix on both sides.
@@ -200,21 +216,20 @@ class RowCopier:
         if count == 0:
             return
         src, dst = (blocks, slots) if direction is Direction.STORE else (slots, blocks)
-        row_bytes = self._record_bytes // len(self._regions)
-        if run_starts(src, dst).shape[0] <= _few_runs(count, row_bytes):
-            plan = "runs"  # already in runs as given; sorting could only merge them
+        by_dst, by_src = sort_ids(dst), sort_ids(src)
+        paired = src[by_dst.order]
+        plan = choose_plan(
+            count,
+            len(pair_runs(by_dst.ids, paired)),
+            by_dst.runs.shape[0],
+            by_src.runs.shape[0],
+            self._contiguous,
+            self._record_bytes // len(self._regions),
+        )
+        if plan == "scatter":
+            src, dst = src[by_src.order], dst[by_src.order]
         else:
-            by_dst, by_src = sort_ids(dst), sort_ids(src)
-            plan = choose_plan(
-                count,
-                run_starts(by_dst.ids, src[by_dst.order]).shape[0],
-                by_dst.runs.shape[0],
-                by_src.runs.shape[0],
-                self._contiguous,
-                row_bytes,
-            )
-            order = by_src.order if plan == "scatter" else by_dst.order
-            src, dst = src[order], dst[order]
+            src, dst = paired, by_dst.ids
         threads = len(self._staging)
         if self._pool is None or count * self._record_bytes < PARALLEL_MIN_BYTES:
             self._copy_slice(direction, plan, 0, src, dst)
@@ -252,7 +267,7 @@ class RowCopier:
     ) -> None:
         """Copy one piece of a sorted batch in every region; its runs are found once."""
         if plan == "runs":
-            runs = _runs_of(src, dst)
+            pairs = pair_runs(dst, src)
         elif plan == "gather":
             runs = _runs_of(dst)
         elif plan == "scatter":
@@ -261,9 +276,10 @@ class RowCopier:
         for engine, host in self._regions:
             source, target = (engine, host) if direction is Direction.STORE else (host, engine)
             if plan == "runs":
-                for start, end in runs:
-                    first, into = int(src[start]), int(dst[start])
-                    target[into : into + end - start] = source[first : first + end - start]
+                for start, end, step in pairs:
+                    into, first, last = int(dst[start]), int(src[start]), int(src[end - 1])
+                    rows = source[first : last + 1] if step == 1 else source[last : first + 1][::-1]
+                    target[into : into + end - start] = rows
             elif plan == "gather":
                 for start, end in runs:
                     into = int(dst[start])
@@ -279,9 +295,9 @@ class RowCopier:
                 _staged(source, target, src, dst, chunk)
 
 
-def _runs_of(ids: np.ndarray, *paired: np.ndarray) -> list[tuple[int, int]]:
+def _runs_of(ids: np.ndarray) -> list[tuple[int, int]]:
     """``(start, end)`` positions of each run of :func:`run_starts`."""
-    starts = run_starts(ids, *paired).tolist()
+    starts = run_starts(ids).tolist()
     return list(zip(starts, [*starts[1:], ids.shape[0]], strict=True))
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier.copy.base import CopyBatch, CopyError, CopyHandle, Direction
-from kvtier.copy.cpu_rows import choose_plan, run_starts, sort_ids
+from kvtier.copy.cpu_rows import choose_plan, pair_runs, run_starts, sort_ids
 from kvtier.copy.torch_backend import TorchCopyBackend, TorchCopyConfig
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
@@ -61,7 +61,8 @@ RANDOM_SLOTS = np.random.default_rng(1).permutation(2048)[:256]
     [
         (True, np.arange(100, 356), np.arange(256), "runs"),
         (False, np.arange(100, 356), np.arange(256), "runs"),
-        (False, np.arange(355, 99, -1), np.arange(256), "scatter"),
+        (False, np.arange(355, 99, -1), np.arange(256), "runs"),
+        (True, np.arange(100, 356), np.arange(255, -1, -1), "runs"),
         (True, RANDOM_BLOCKS, np.arange(256), "gather"),
         (False, RANDOM_BLOCKS, np.arange(256), "staged"),
         (True, np.arange(100, 356), RANDOM_SLOTS, "scatter"),
@@ -73,6 +74,7 @@ RANDOM_SLOTS = np.random.default_rng(1).permutation(2048)[:256]
         "one_region-block_run_to_slot_run",
         "regions-block_run_to_slot_run",
         "regions-block_run_backwards_to_slot_run",
+        "one_region-block_run_to_slot_run_backwards",
         "one_region-random_blocks_to_slot_run",
         "regions-random_blocks_to_slot_run",
         "one_region-block_run_to_random_slots",
@@ -98,11 +100,11 @@ def test_each_cpu_plan_is_chosen_and_copies_correctly(
     host = torch.zeros((2048, layout.record_bytes), dtype=torch.uint8)
     backend = TorchCopyBackend(TorchCopyConfig(cpu_threads=threads), layout, host)
     by_slot = sort_ids(slots)
-    pair_runs = len(run_starts(by_slot.ids, blocks[by_slot.order]))
+    runs_of_pairs = len(pair_runs(by_slot.ids, blocks[by_slot.order]))
     runs = len(by_slot.runs), len(sort_ids(blocks).runs)
     row_bytes = layout.record_bytes // len(layout.regions)
     assert (
-        choose_plan(len(blocks), pair_runs, *runs, contiguous=one_region, row_bytes=row_bytes)
+        choose_plan(len(blocks), runs_of_pairs, *runs, contiguous=one_region, row_bytes=row_bytes)
         == plan
     )
     expected = records(layout, blocks.tolist())
@@ -125,11 +127,24 @@ def test_large_rows_are_copied_run_by_run_even_one_row_a_run_rather_than_staged(
     assert choose_plan(256, 256, 20, 20, contiguous=False, row_bytes=4096) == "scatter"
 
 
-def test_runs_end_where_either_side_stops_counting_up() -> None:
-    ids = np.array([1, 2, 3, 4, 8, 9])
-    assert run_starts(ids).tolist() == [0, 4]
-    assert run_starts(ids, np.array([5, 6, 0, 1, 2, 3])).tolist() == [0, 2, 4]
-    assert run_starts(ids, np.array([5, 6, 7, 8, 9, 10])).tolist() == [0, 4]
+def test_pair_runs_follow_the_source_up_or_down_one_row_at_a_time() -> None:
+    dst = np.array([1, 2, 3, 4, 8, 9, 10, 11, 12])
+    assert run_starts(dst).tolist() == [0, 4]
+    assert pair_runs(dst, np.array([5, 6, 7, 8, 9, 10, 11, 12, 13])) == [(0, 4, 1), (4, 9, 1)]
+    assert pair_runs(dst, np.array([9, 8, 7, 6, 3, 2, 1, 0, 7])) == [
+        (0, 4, -1),
+        (4, 8, -1),
+        (8, 9, 1),
+    ]
+    # a turn starts a new run; so does a jump on either side
+    assert pair_runs(dst, np.array([5, 6, 5, 4, 0, 1, 3, 4, 5])) == [
+        (0, 2, 1),
+        (2, 4, -1),
+        (4, 6, 1),
+        (6, 9, 1),
+    ]
+    assert pair_runs(np.array([3]), np.array([7])) == [(0, 1, 1)]
+    assert pair_runs(np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == []
 
 
 @pytest.mark.parametrize(
