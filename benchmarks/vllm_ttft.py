@@ -16,7 +16,8 @@ disturbed) repeat of each arm, in eager and in lazy store mode, next to the
 physical limit: the prompt's KV bytes over the bandwidth of one contiguous
 host copy of as many bytes, measured in the same run.
 
-Throughput runs pairs of engines, one with and one without the connector, each
+Throughput runs pairs of engines, one with and one without the connector (or,
+with ``--throughput-baseline null``, with a connector that does nothing), each
 in its own process, and times one batch of new prompts on each per round, in
 ABBA order (without, with, with, without, ...). An engine process keeps a speed
 of its own for its whole life (where its memory landed, how its threads share
@@ -409,23 +410,37 @@ def _serve_arm(
     kvtier: dict[str, Any] | None,
     shape: tuple[int, int, int],
     breakdown: bool,
+    null_connector: bool,
 ) -> None:
-    """One throughput engine, in a process of its own: a batch per ``"run"``, until ``"stop"``."""
+    """One throughput engine, in a process of its own: a batch per ``"run"``, until ``"stop"``.
+
+    Without kvtier, ``null_connector`` gives the engine the do-nothing connector of
+    ``null_connector.py`` instead of no connector.
+    """
     _engine_env()
     probes = Probes() if breakdown else None
     if probes:
         probes.install()
     from vllm import LLM
+    from vllm.config import KVTransferConfig
 
     from kvtier.integrations.vllm.offline import engine_kwargs, generate, settle, shutdown
 
     prompts, prompt_tokens, output_tokens = shape
+    overrides: dict[str, Any] = {}
+    if kvtier is None and null_connector:
+        overrides["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="NullConnector",
+            kv_connector_module_path="null_connector",
+            kv_role="kv_both",
+        )
     llm = LLM(
         **engine_kwargs(
             model_dir,
             kvtier=kvtier,
             num_device_blocks=prompts * (prompt_tokens + output_tokens) // BLOCK_TOKENS + 64,
             max_model_len=2 * prompt_tokens,
+            **overrides,
         )
     )
     rng = random.Random(1)  # both arms draw the same prompts, round by round
@@ -460,11 +475,12 @@ class Arm:
         kvtier: dict[str, Any] | None,
         shape: tuple[int, int, int],
         breakdown: bool,
+        null_connector: bool = False,
     ) -> None:
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
         self._process = context.Process(
-            target=_serve_arm, args=(child, model_dir, kvtier, shape, breakdown)
+            target=_serve_arm, args=(child, model_dir, kvtier, shape, breakdown, null_connector)
         )
         self._process.start()
         child.close()
@@ -503,16 +519,20 @@ def measure_throughput(
     shape: tuple[int, int, int],
     store_mode: str,
     breakdown: bool,
+    null_connector: bool = False,
 ) -> tuple[dict[bool, list[list[tuple[float, float]]]], dict[bool, list[dict[str, Any]]]]:
     """Per pair of engine processes, per round, each arm's tokens per wall and CPU second
-    (ABBA order); and the breakdown of every round."""
+    (ABBA order); and the breakdown of every round. With ``null_connector`` the arm
+    without kvtier runs vLLM's connector plumbing with a connector that does nothing."""
     kvtier = {"cpu_bytes": "1GiB", "store_mode": store_mode}
     results: dict[bool, list[list[tuple[float, float]]]] = {False: [], True: []}
     breakdowns: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     for pair in range(pairs):
         order = (False, True) if pair % 2 == 0 else (True, False)
         arms = {
-            with_kvtier: Arm(model_dir, kvtier if with_kvtier else None, shape, breakdown)
+            with_kvtier: Arm(
+                model_dir, kvtier if with_kvtier else None, shape, breakdown, null_connector
+            )
             for with_kvtier in order
         }
         for with_kvtier in order:
@@ -570,6 +590,12 @@ def main() -> int:
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--throughput-store-mode", choices=("eager", "lazy"), default="eager")
     parser.add_argument(
+        "--throughput-baseline",
+        choices=("none", "null"),
+        default="none",
+        help="the arm without kvtier: no connector (default), or a connector that does nothing",
+    )
+    parser.add_argument(
         "--only",
         choices=("ttft", "lower-tiers", "throughput"),
         action="append",
@@ -623,8 +649,12 @@ def main() -> int:
                 shape,
                 args.throughput_store_mode,
                 args.breakdown,
+                null_connector=args.throughput_baseline == "null",
             )
             result["zero_hit_store_mode"] = args.throughput_store_mode
+            result["zero_hit_baseline"] = (
+                "null_connector" if args.throughput_baseline == "null" else "no_connector"
+            )
             result["zero_hit_shape"] = dict(
                 zip(("prompts", "prompt_tokens", "output_tokens"), shape, strict=True)
             )

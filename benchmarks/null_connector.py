@@ -1,0 +1,51 @@
+"""A vLLM KV connector that does nothing: vLLM's connector plumbing with no store behind it.
+
+``vllm_ttft.py --throughput-baseline null`` runs its engine without kvtier
+with this connector instead of none, so the 0%-hit ratio measures kvtier's
+own cost on top of what any connector costs in vLLM (the metadata every step,
+the connector hooks around the forward, the transfer-result checks). vLLM
+loads it by module path (``kv_connector_module_path="null_connector"``); the
+benchmark's directory is on the engine process's ``sys.path``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+
+
+class NullMetadata(KVConnectorMetadata):
+    """Nothing to tell the workers."""
+
+
+class NullConnector(KVConnectorBase_V1):
+    """Matches no tokens, loads and saves nothing."""
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return NullMetadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
