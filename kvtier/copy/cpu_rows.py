@@ -17,10 +17,11 @@ copies. Each batch uses whichever of four plans is cheapest for its ids:
 - *scatter*: the source ids form few runs: each source run is assigned to its
   destination rows by fancy indexing, whatever the strides on either side;
 - *staged*: otherwise (for small rows; large rows go run by run, one row a
-  run if need be, rather than being copied twice): a cache-sized chunk of source rows is gathered
-  into contiguous staging, then scattered by fancy indexing. A strided source
-  (a host column) is gathered by numpy's own indexing, which makes a
-  temporary of the chunk's rows anyway, so it skips the staging buffer.
+  run if need be, rather than being copied twice): a cache-sized chunk of
+  source rows is gathered into contiguous staging, then scattered by fancy
+  indexing. A strided source (a host column) is gathered by numpy's own
+  indexing, which makes a temporary of the chunk's rows anyway, so it skips
+  the staging buffer.
 
 A slice assignment is the cheapest of them wherever it applies: on a 2-core
 machine, with neither side in the CPU's cache, loading 128 rows of 16 KiB in
@@ -136,7 +137,12 @@ def sort_ids(ids: np.ndarray) -> SortedIds:
 
 
 def choose_plan(
-    num_rows: int, pair_runs: int, dst_runs: int, src_runs: int, contiguous: bool, row_bytes: int
+    num_rows: int,
+    paired_runs: int,
+    dst_runs: int,
+    src_runs: int,
+    contiguous: bool,
+    row_bytes: int,
 ) -> str:
     """Pick the cheapest plan for a batch.
 
@@ -149,7 +155,7 @@ def choose_plan(
 
     Args:
         num_rows: Rows (blocks) in the batch.
-        pair_runs: Runs of :func:`pair_runs` once the pairs are sorted by destination.
+        paired_runs: Runs of :func:`pair_runs` once the pairs are sorted by destination.
         dst_runs: Runs of consecutive destination rows, once sorted.
         src_runs: Runs of consecutive source rows, once sorted.
         contiguous: Whether every region is a contiguous matrix on both sides.
@@ -159,7 +165,7 @@ def choose_plan(
         ``"runs"``, ``"gather"``, ``"scatter"`` or ``"staged"`` (see the module docstring).
     """
     few = _few_runs(num_rows, row_bytes)
-    if pair_runs <= few:
+    if paired_runs <= few:
         return "runs"
     if contiguous and dst_runs <= few:
         return "gather"
@@ -266,12 +272,8 @@ class RowCopier:
         self, direction: Direction, plan: str, piece: int, src: np.ndarray, dst: np.ndarray
     ) -> None:
         """Copy one piece of a sorted batch in every region; its runs are found once."""
-        if plan == "runs":
-            pairs = pair_runs(dst, src)
-        elif plan == "gather":
-            runs = _runs_of(dst)
-        elif plan == "scatter":
-            runs = _runs_of(src)
+        pairs = pair_runs(dst, src) if plan == "runs" else []
+        runs = _runs_of(dst) if plan == "gather" else _runs_of(src) if plan == "scatter" else []
         staging = self._staging[piece]
         for engine, host in self._regions:
             source, target = (engine, host) if direction is Direction.STORE else (host, engine)
