@@ -224,9 +224,10 @@ class RowCopier:
         src, dst = (blocks, slots) if direction is Direction.STORE else (slots, blocks)
         by_dst, by_src = sort_ids(dst), sort_ids(src)
         paired = src[by_dst.order]
+        pairs = pair_runs(by_dst.ids, paired)
         plan = choose_plan(
             count,
-            len(pair_runs(by_dst.ids, paired)),
+            len(pairs),
             by_dst.runs.shape[0],
             by_src.runs.shape[0],
             self._contiguous,
@@ -238,7 +239,8 @@ class RowCopier:
             src, dst = paired, by_dst.ids
         threads = len(self._staging)
         if self._pool is None or count * self._record_bytes < PARALLEL_MIN_BYTES:
-            self._copy_slice(direction, plan, 0, src, dst)
+            runs = pairs if plan == "runs" else _runs_for(plan, src, dst)
+            self._copy_slice(direction, plan, 0, src, dst, runs)
             return
         pieces = min(count, PIECES_PER_THREAD * threads)
         bounds = np.linspace(0, count, pieces + 1).astype(np.int64).tolist()
@@ -252,7 +254,9 @@ class RowCopier:
                 if piece is None:
                     return
                 start, end = piece
-                self._copy_slice(direction, plan, staging, src[start:end], dst[start:end])
+                piece_src, piece_dst = src[start:end], dst[start:end]
+                runs = _runs_for(plan, piece_src, piece_dst)
+                self._copy_slice(direction, plan, staging, piece_src, piece_dst, runs)
 
         futures = [self._pool.submit(work, staging) for staging in range(1, threads)]
         try:
@@ -269,26 +273,30 @@ class RowCopier:
             self._pool = None
 
     def _copy_slice(
-        self, direction: Direction, plan: str, piece: int, src: np.ndarray, dst: np.ndarray
+        self,
+        direction: Direction,
+        plan: str,
+        piece: int,
+        src: np.ndarray,
+        dst: np.ndarray,
+        runs: list[tuple[int, int, int]],
     ) -> None:
-        """Copy one piece of a sorted batch in every region; its runs are found once."""
-        pairs = pair_runs(dst, src) if plan == "runs" else []
-        runs = _runs_of(dst) if plan == "gather" else _runs_of(src) if plan == "scatter" else []
+        """Copy one piece of a sorted batch in every region, by the ``runs`` of its plan."""
         staging = self._staging[piece]
         for engine, host in self._regions:
             source, target = (engine, host) if direction is Direction.STORE else (host, engine)
             if plan == "runs":
-                for start, end, step in pairs:
+                for start, end, step in runs:
                     into, first, last = int(dst[start]), int(src[start]), int(src[end - 1])
                     rows = source[first : last + 1] if step == 1 else source[last : first + 1][::-1]
                     target[into : into + end - start] = rows
             elif plan == "gather":
-                for start, end in runs:
+                for start, end, _ in runs:
                     into = int(dst[start])
                     out = target[into : into + end - start]
                     np.take(source, src[start:end], out=out, mode="clip")
             elif plan == "scatter":
-                for start, end in runs:
+                for start, end, _ in runs:
                     first = int(src[start])
                     target[dst[start:end]] = source[first : first + end - start]
             else:
@@ -297,10 +305,15 @@ class RowCopier:
                 _staged(source, target, src, dst, chunk)
 
 
-def _runs_of(ids: np.ndarray) -> list[tuple[int, int]]:
-    """``(start, end)`` positions of each run of :func:`run_starts`."""
-    starts = run_starts(ids).tolist()
-    return list(zip(starts, [*starts[1:], ids.shape[0]], strict=True))
+def _runs_for(plan: str, src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
+    """``(start, end, step)`` of the runs a plan copies by: pairs for *runs*, destination
+    runs for *gather*, source runs for *scatter*, none for *staged*."""
+    if plan == "runs":
+        return pair_runs(dst, src)
+    if plan not in ("gather", "scatter"):
+        return []
+    starts = run_starts(dst if plan == "gather" else src).tolist()
+    return [(start, end, 1) for start, end in zip(starts, [*starts[1:], src.shape[0]], strict=True)]
 
 
 def _staged(
