@@ -39,7 +39,9 @@ class TorchCopyConfig(PluginConfig):
         le=1024,
         description=(
             "Threads that copy one large batch on CPU, the caller's included; by default "
-            "torch's intra-op thread count (at most 16). Unused on CUDA."
+            "torch's intra-op thread count (at most 16). Runs of 256 KiB and more of "
+            "consecutive blocks and slots are split by torch over its own intra-op threads "
+            "instead. Unused on CUDA."
         ),
     )
     cuda_staging_bytes: ByteCount = Field(

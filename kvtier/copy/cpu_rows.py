@@ -8,9 +8,11 @@ copies. Each batch uses whichever of four plans is cheapest for its ids:
 
 - *runs*: the pairs, sorted by destination, form few runs in which the
   destination ids count up by one and the source ids up or down by one: each
-  run is one slice assignment per region (a reversed slice for a run that
-  counts down, as when blocks stored in the engine's eviction order come
-  back), whatever the strides on either side;
+  run is one slice copy per region, whatever the strides on either side. On
+  the caller's thread a large run that counts up is a torch ``copy_``, which
+  splits it over torch's intra-op threads; other runs are numpy slices,
+  reversed for a run that counts down (as when blocks stored in the engine's
+  eviction order come back);
 - *gather*: every region is a contiguous matrix on both sides (a one-region
   layout) and the destination ids, sorted, form few runs of consecutive rows:
   ``np.take`` of the source rows straight into each destination run;
@@ -23,19 +25,24 @@ copies. Each batch uses whichever of four plans is cheapest for its ids:
   indexing, which makes a temporary of the chunk's rows anyway, so it skips
   the staging buffer.
 
-A slice assignment is the cheapest of them wherever it applies: on a 2-core
+A slice copy is the cheapest of them wherever it applies: on a 2-core
 machine, with neither side in the CPU's cache, loading 128 rows of 16 KiB in
 each of 4 regions (8 MiB, consecutive slots into consecutive blocks) took
-0.75 ms by slices and 1.06 ms by the fancy-indexed scatter; 64 rows of 576
-bytes in each of 61 regions took 0.45 ms and 1.30 ms, and a 4-region store
-of 8 rows 0.07 ms and 0.34 ms. Indexing pays per row and per call on top of
-the ``memcpy``. ``np.take`` is only used on contiguous sources (it would first
-copy a strided source whole) and with ``mode="clip"`` (the default mode
-buffers its output).
+0.75 ms by numpy slices and 1.06 ms by the fancy-indexed scatter; 64 rows of
+576 bytes in each of 61 regions took 0.45 ms and 1.30 ms, and a 4-region
+store of 8 rows 0.07 ms and 0.34 ms. Torch's ``copy_`` of the same 8 MiB of
+runs on two intra-op threads took 0.81 ms against numpy's 0.97 ms (median of
+24, alternating; 1.33 and 1.59 times a contiguous 8 MiB copy), and 1.2 to 1.5
+times against numpy's 1.5 to 2.1 times for rows of 2 KiB to 256 KiB.
+Indexing pays per row and per call on top of the ``memcpy``. ``np.take`` is
+only used on contiguous sources (it would first copy a strided source whole)
+and with ``mode="clip"`` (the default mode buffers its output).
 
 Large batches are cut into pieces that a small thread pool (the caller's
 thread included) takes one at a time, so a thread slowed by another process
-holds up at most one piece; there is one join per batch.
+holds up at most one piece; there is one join per batch. A batch whose
+runs all go to torch is not cut: torch already splits each run, and a torch
+copy from a pool thread would start a second team of intra-op threads.
 
 Torch's own ``index_select`` is not used: on rows of 32 KiB and more it opens
 a parallel region per row, which stalls badly when other processes share the
@@ -61,6 +68,12 @@ PARALLEL_MIN_BYTES = 16 << 20
 """Batches moving fewer bytes than this run on the caller's thread alone. On a 2-core
 machine an 8 MiB load took 0.8 ms on one thread and 1.6 to 2.7 ms split over two; from
 32 MiB up two threads were faster (64 MiB: 9.2 ms on one, 6.0 ms on two)."""
+
+TORCH_RUN_MIN_BYTES = 256 << 10
+"""Smallest run (in one region) that the *runs* plan copies with torch rather than numpy: a
+torch call costs some 3 us more than numpy's, which its second thread wins back only from
+a few hundred KiB (warm rows of 16 KiB on 2 cores: 32 rows 31 us against 32 us, 8 rows
+11 us against 10 us)."""
 
 PIECES_PER_THREAD = 4
 """Pieces a large batch is cut into per thread; threads take pieces as they finish, so one
@@ -204,11 +217,13 @@ class RowCopier:
                     f"engine rows of {engine.shape[1]} bytes cannot go into host columns of "
                     f"{host.shape[1]} bytes"
                 )
+        self._tensors = tuple(regions)
         self._regions = tuple((void_rows(engine), void_rows(host)) for engine, host in regions)
         self._contiguous = all(
             engine.flags.c_contiguous and host.flags.c_contiguous for engine, host in self._regions
         )
         self._record_bytes = sum(int(engine.shape[1]) for engine, _ in regions)
+        self._narrowest = min(int(engine.shape[1]) for engine, _ in regions)
         widest = max(int(engine.shape[1]) for engine, _ in regions)
         self._staging = [np.empty(max(CHUNK_BYTES, widest), dtype=np.uint8) for _ in range(threads)]
         self._pool = ThreadPoolExecutor(threads - 1, "kvtier-copy") if threads > 1 else None
@@ -238,9 +253,13 @@ class RowCopier:
         else:
             src, dst = paired, by_dst.ids
         threads = len(self._staging)
-        if self._pool is None or count * self._record_bytes < PARALLEL_MIN_BYTES:
+        by_torch = plan == "runs" and all(
+            step == 1 and (end - start) * self._narrowest >= TORCH_RUN_MIN_BYTES
+            for start, end, step in pairs
+        )
+        if by_torch or self._pool is None or count * self._record_bytes < PARALLEL_MIN_BYTES:
             runs = pairs if plan == "runs" else _runs_for(plan, src, dst)
-            self._copy_slice(direction, plan, 0, src, dst, runs)
+            self._copy_slice(direction, plan, 0, src, dst, runs, by_torch=True)
             return
         pieces = min(count, PIECES_PER_THREAD * threads)
         bounds = np.linspace(0, count, pieces + 1).astype(np.int64).tolist()
@@ -280,16 +299,34 @@ class RowCopier:
         src: np.ndarray,
         dst: np.ndarray,
         runs: list[tuple[int, int, int]],
+        *,
+        by_torch: bool = False,
     ) -> None:
-        """Copy one piece of a sorted batch in every region, by the ``runs`` of its plan."""
+        """Copy one piece of a sorted batch in every region, by the ``runs`` of its plan.
+
+        ``by_torch``: the caller's thread alone copies the batch, so the *runs*
+        plan copies its large runs that count up with torch (see the module
+        docstring).
+        """
         staging = self._staging[piece]
-        for engine, host in self._regions:
-            source, target = (engine, host) if direction is Direction.STORE else (host, engine)
+        store = direction is Direction.STORE
+        for (engine, host), (engine_rows, host_rows) in zip(
+            self._regions, self._tensors, strict=True
+        ):
+            source, target = (engine, host) if store else (host, engine)
             if plan == "runs":
+                source_rows, target_rows = (
+                    (engine_rows, host_rows) if store else (host_rows, engine_rows)
+                )
+                row_bytes = source.dtype.itemsize
                 for start, end, step in runs:
                     into, first, last = int(dst[start]), int(src[start]), int(src[end - 1])
-                    rows = source[first : last + 1] if step == 1 else source[last : first + 1][::-1]
-                    target[into : into + end - start] = rows
+                    if step == 1 and by_torch and (end - start) * row_bytes >= TORCH_RUN_MIN_BYTES:
+                        target_rows[into : into + end - start].copy_(source_rows[first : last + 1])
+                    elif step == 1:
+                        target[into : into + end - start] = source[first : last + 1]
+                    else:
+                        target[into : into + end - start] = source[last : first + 1][::-1]
             elif plan == "gather":
                 for start, end, _ in runs:
                     into = int(dst[start])

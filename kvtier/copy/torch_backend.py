@@ -4,8 +4,8 @@ On CPU, :meth:`TorchCopyBackend.submit` copies synchronously and returns a
 handle that is already done: the copy is bound by memory bandwidth, and doing
 it at once, on the caller's thread plus ``cpu_threads - 1`` helpers, is the
 fastest correct choice (no hand-off, no queue). The rows move through
-:class:`kvtier.copy.cpu_rows.RowCopier`, which picks a gather, scatter or
-staged plan per batch and copies a row per ``memcpy``.
+:class:`kvtier.copy.cpu_rows.RowCopier`, which picks a runs, gather, scatter
+or staged plan per batch and copies a row per ``memcpy`` or a run per slice.
 
 On CUDA, a batch runs on a side stream that first waits for the caller's
 current stream: blocks are gathered into (or scattered from) a device staging

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier.copy.base import CopyBatch, CopyError, CopyHandle, Direction
-from kvtier.copy.cpu_rows import choose_plan, pair_runs, run_starts, sort_ids
+from kvtier.copy.cpu_rows import RowCopier, choose_plan, pair_runs, run_starts, sort_ids
 from kvtier.copy.torch_backend import TorchCopyBackend, TorchCopyConfig
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
@@ -55,6 +55,7 @@ RANDOM_BLOCKS = np.random.default_rng(0).permutation(1024)[:256]
 RANDOM_SLOTS = np.random.default_rng(1).permutation(2048)[:256]
 
 
+@pytest.mark.parametrize("torch_runs", [False, True], ids=["numpy_runs", "torch_runs"])
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(
     "one_region, blocks, slots, plan",
@@ -89,9 +90,12 @@ def test_each_cpu_plan_is_chosen_and_copies_correctly(
     slots: np.ndarray,
     plan: str,
     threads: int,
+    torch_runs: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr("kvtier.copy.cpu_rows.PARALLEL_MIN_BYTES", 0)
+    if torch_runs:
+        monkeypatch.setattr("kvtier.copy.cpu_rows.TORCH_RUN_MIN_BYTES", 0)
     if one_region:
         engine = torch.randint(0, 256, (1024, 512), dtype=torch.uint8)
         layout = PerLayerResolver("block_first").resolve({"layer": engine})
@@ -115,6 +119,34 @@ def test_each_cpu_plan_is_chosen_and_copies_correctly(
     backend.wait(backend.submit(CopyBatch(Direction.LOAD, blocks.tolist(), slots.tolist())))
     assert torch.equal(records(layout, blocks.tolist()), expected)
     backend.close()
+
+
+@pytest.mark.parametrize(
+    "slots, cut",
+    [(np.arange(64), False), (np.arange(63, -1, -1), True)],
+    ids=["slots_count_up-torch", "slots_count_down-pool"],
+)
+def test_a_batch_of_torch_runs_is_not_cut_over_the_pool(
+    slots: np.ndarray, cut: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kvtier.copy.cpu_rows.PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr("kvtier.copy.cpu_rows.TORCH_RUN_MIN_BYTES", 16 << 10)
+    engine = torch.randint(0, 256, (128, 1024), dtype=torch.uint8)
+    host = torch.zeros((64, 2048), dtype=torch.uint8)[:, 1024:]
+    copier = RowCopier([(engine, host)], threads=2)
+    handed: list[object] = []
+    submit = copier._pool.submit  # type: ignore[union-attr]
+    monkeypatch.setattr(copier._pool, "submit", lambda *a: handed.append(a) or submit(*a))
+    blocks = np.arange(32, 96)
+    copier.copy(Direction.STORE, blocks, slots)
+    assert torch.equal(host[torch.from_numpy(slots)], engine[32:96])
+    assert bool(handed) == cut
+    # a batch of runs below the torch size is cut as before
+    monkeypatch.setattr("kvtier.copy.cpu_rows.TORCH_RUN_MIN_BYTES", 128 << 10)
+    handed.clear()
+    copier.copy(Direction.LOAD, blocks, np.arange(64))
+    assert handed
+    copier.close()
 
 
 def test_large_rows_are_copied_run_by_run_even_one_row_a_run_rather_than_staged() -> None:
