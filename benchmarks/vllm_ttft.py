@@ -128,13 +128,14 @@ class Probes:
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.engine.core import EngineCore
 
-        from kvtier.copy.cpu_rows import RowCopier
+        from kvtier.copy.torch_backend import TorchCopyBackend
         from kvtier.integrations.vllm.connector import KVTierConnector
 
         for name, method in list(vars(KVTierConnector).items()):
             if callable(method) and not name.startswith("_"):
                 setattr(KVTierConnector, name, self._timer(f"connector.{name}", method))
-        RowCopier.copy = self._timer("copy", RowCopier.copy)
+        # on CPU a submit is the whole copy, its checks of the ids included
+        TorchCopyBackend.submit = self._timer("copy", TorchCopyBackend.submit)
         for name in ("step", "step_with_batch_queue"):
             setattr(EngineCore, name, self._step_timer(getattr(EngineCore, name)))
         Scheduler.schedule = self._schedule_probe(Scheduler.schedule)

@@ -4,7 +4,11 @@ A batch copies row ``src[k]`` of one ``[rows, n]`` uint8 matrix to row
 ``dst[k]`` of another, for every region. Rows are viewed through numpy as
 single opaque items (``np.void`` of ``n`` bytes), so each row moves with one
 ``memcpy`` rather than byte by byte, and numpy releases the GIL while it
-copies. Each batch uses whichever of four plans is cheapest for its ids:
+copies. The common batch, a few runs of consecutive blocks and slots (found
+by :func:`kvtier.copy.planner.batch_runs` without numpy), goes to
+:meth:`RowCopier.copy_runs`, which copies each run as one slice per region.
+:meth:`RowCopier.copy` takes id arrays and uses whichever of four plans is
+cheapest for them:
 
 - *runs*: the pairs, sorted by destination, form few runs in which the
   destination ids count up by one and the source ids up or down by one: each
@@ -60,6 +64,7 @@ import numpy as np
 import torch
 
 from kvtier.copy.base import Direction
+from kvtier.copy.planner import Run
 
 CHUNK_BYTES = 1 << 20
 """Staging chunk per thread: small enough to stay in cache between gather and scatter."""
@@ -285,6 +290,28 @@ class RowCopier:
         for future in futures:
             future.result()
 
+    def copy_runs(self, direction: Direction, runs: Sequence[Run]) -> None:
+        """Copy the pairs of ``runs`` (see :data:`kvtier.copy.planner.Run`) in ``direction``.
+
+        The ids must be valid (see :func:`kvtier.copy.planner.batch_runs`).
+        Runs need no id arrays to sort or search: each is one slice copy per
+        region, unless the batch is large and some run must go through numpy,
+        when it is copied as id arrays by :meth:`copy`, which splits it over the
+        thread pool.
+        """
+        spans = [_span(direction, *run) for run in runs]
+        rows = sum(span[2] for span in spans)
+        by_torch = all(
+            step == 1 and size * self._narrowest >= TORCH_RUN_MIN_BYTES
+            for _, _, size, step in spans
+        )
+        if by_torch or self._pool is None or rows * self._record_bytes < PARALLEL_MIN_BYTES:
+            self._copy_spans(direction, spans, by_torch=True)
+            return
+        blocks = np.concatenate([np.arange(block, block + size) for block, _, size, _ in runs])
+        slots = np.concatenate([slot + step * np.arange(size) for _, slot, size, step in runs])
+        self.copy(direction, blocks, slots)
+
     def close(self) -> None:
         """Stop the thread pool. Idempotent."""
         if self._pool is not None:
@@ -308,26 +335,16 @@ class RowCopier:
         plan copies its large runs that count up with torch (see the module
         docstring).
         """
+        if plan == "runs":
+            spans = [
+                (int(dst[start]), int(src[start]), end - start, step) for start, end, step in runs
+            ]
+            self._copy_spans(direction, spans, by_torch=by_torch)
+            return
         staging = self._staging[piece]
-        store = direction is Direction.STORE
-        for (engine, host), (engine_rows, host_rows) in zip(
-            self._regions, self._tensors, strict=True
-        ):
-            source, target = (engine, host) if store else (host, engine)
-            if plan == "runs":
-                source_rows, target_rows = (
-                    (engine_rows, host_rows) if store else (host_rows, engine_rows)
-                )
-                row_bytes = source.dtype.itemsize
-                for start, end, step in runs:
-                    into, first, last = int(dst[start]), int(src[start]), int(src[end - 1])
-                    if step == 1 and by_torch and (end - start) * row_bytes >= TORCH_RUN_MIN_BYTES:
-                        target_rows[into : into + end - start].copy_(source_rows[first : last + 1])
-                    elif step == 1:
-                        target[into : into + end - start] = source[first : last + 1]
-                    else:
-                        target[into : into + end - start] = source[last : first + 1][::-1]
-            elif plan == "gather":
+        for engine, host in self._regions:
+            source, target = (engine, host) if direction is Direction.STORE else (host, engine)
+            if plan == "gather":
                 for start, end, _ in runs:
                     into = int(dst[start])
                     out = target[into : into + end - start]
@@ -340,6 +357,39 @@ class RowCopier:
                 rows = staging.shape[0] // source.dtype.itemsize
                 chunk = staging[: rows * source.dtype.itemsize].view(source.dtype)
                 _staged(source, target, src, dst, chunk)
+
+    def _copy_spans(
+        self, direction: Direction, spans: list[tuple[int, int, int, int]], *, by_torch: bool
+    ) -> None:
+        """Copy ``(into, first, count, step)`` spans in every region: destination rows
+        ``into + k`` from source rows ``first + step * k``, for ``k`` below ``count``."""
+        store = direction is Direction.STORE
+        for (engine, host), (engine_rows, host_rows) in zip(
+            self._regions, self._tensors, strict=True
+        ):
+            source, target = (engine, host) if store else (host, engine)
+            source_rows, target_rows = (
+                (engine_rows, host_rows) if store else (host_rows, engine_rows)
+            )
+            row_bytes = source.dtype.itemsize
+            for into, first, count, step in spans:
+                if step == 1 and by_torch and count * row_bytes >= TORCH_RUN_MIN_BYTES:
+                    target_rows[into : into + count].copy_(source_rows[first : first + count])
+                elif step == 1:
+                    target[into : into + count] = source[first : first + count]
+                else:
+                    target[into : into + count] = source[first - count + 1 : first + 1][::-1]
+
+
+def _span(
+    direction: Direction, first_block: int, first_slot: int, size: int, step: int
+) -> tuple[int, int, int, int]:
+    """A run as ``(into, first, count, step)`` with the destination rows counting up."""
+    if direction is Direction.LOAD:
+        return first_block, first_slot, size, step
+    if step == 1:
+        return first_slot, first_block, size, 1
+    return first_slot - size + 1, first_block + size - 1, size, -1  # lowest slot, last block
 
 
 def _runs_for(plan: str, src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:

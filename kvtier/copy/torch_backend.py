@@ -4,8 +4,9 @@ On CPU, :meth:`TorchCopyBackend.submit` copies synchronously and returns a
 handle that is already done: the copy is bound by memory bandwidth, and doing
 it at once, on the caller's thread plus ``cpu_threads - 1`` helpers, is the
 fastest correct choice (no hand-off, no queue). The rows move through
-:class:`kvtier.copy.cpu_rows.RowCopier`, which picks a runs, gather, scatter
-or staged plan per batch and copies a row per ``memcpy`` or a run per slice.
+:class:`kvtier.copy.cpu_rows.RowCopier`: a batch of a few runs of consecutive
+blocks and slots as one slice per run and region, any other batch by a runs,
+gather, scatter or staged plan, a row per ``memcpy`` or a run per slice.
 
 On CUDA, a batch runs on a side stream that first waits for the caller's
 current stream: blocks are gathered into (or scattered from) a device staging
@@ -26,7 +27,7 @@ import torch
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
 from kvtier.copy.configs import TorchCopyConfig
 from kvtier.copy.cpu_rows import RowCopier, run_starts, sort_ids
-from kvtier.copy.planner import batch_arrays, check_host_matrix
+from kvtier.copy.planner import batch_arrays, batch_runs, check_host_matrix
 from kvtier.layout.base import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -102,14 +103,21 @@ class TorchCopyBackend(CopyBackend):
         """
         if self._closed:
             raise CopyError("the torch copy backend is closed; build a new one")
-        blocks, slots = batch_arrays(batch, self.layout.num_blocks, self.num_slots)
+        rows = self._rows
+        runs = (
+            batch_runs(batch, self.layout.num_blocks, self.num_slots) if rows is not None else None
+        )
+        if runs is None:
+            blocks, slots = batch_arrays(batch, self.layout.num_blocks, self.num_slots)
         handle = CopyHandle(self._next_id, batch.direction, len(batch))
         self._next_id += 1
-        if blocks.shape[0] == 0:
+        if len(batch) == 0:
             return handle
         try:
-            if self._rows is not None:
-                self._rows.copy(batch.direction, blocks, slots)
+            if rows is not None and runs is not None:
+                rows.copy_runs(batch.direction, runs)
+            elif rows is not None:
+                rows.copy(batch.direction, blocks, slots)
             else:
                 self._pending[handle.id] = self._submit_cuda(batch.direction, blocks, slots)
         except (RuntimeError, ValueError) as exc:

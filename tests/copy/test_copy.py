@@ -64,6 +64,8 @@ RANDOM_SLOTS = np.random.default_rng(1).permutation(2048)[:256]
         (False, np.arange(100, 356), np.arange(256), "runs"),
         (False, np.arange(355, 99, -1), np.arange(256), "runs"),
         (True, np.arange(100, 356), np.arange(255, -1, -1), "runs"),
+        (False, np.r_[100:228, 500:628], np.arange(256), "runs"),
+        (False, np.arange(100, 356), np.r_[127:-1:-1, 255:127:-1], "runs"),
         (True, RANDOM_BLOCKS, np.arange(256), "gather"),
         (False, RANDOM_BLOCKS, np.arange(256), "staged"),
         (True, np.arange(100, 356), RANDOM_SLOTS, "scatter"),
@@ -76,6 +78,8 @@ RANDOM_SLOTS = np.random.default_rng(1).permutation(2048)[:256]
         "regions-block_run_to_slot_run",
         "regions-block_run_backwards_to_slot_run",
         "one_region-block_run_to_slot_run_backwards",
+        "regions-two_block_runs_to_slot_run",
+        "regions-block_run_to_two_slot_runs_backwards",
         "one_region-random_blocks_to_slot_run",
         "regions-random_blocks_to_slot_run",
         "one_region-block_run_to_random_slots",
@@ -147,6 +151,47 @@ def test_a_batch_of_torch_runs_is_not_cut_over_the_pool(
     copier.copy(Direction.LOAD, blocks, np.arange(64))
     assert handed
     copier.close()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("torch_runs", [False, True], ids=["numpy_runs", "torch_runs"])
+@pytest.mark.parametrize(
+    "blocks, slots",
+    [
+        (range(40, 104), range(3, 67)),
+        (range(40, 104), range(66, 2, -1)),
+        ([40], [3]),
+        ([*range(50, 40, -1), *range(70, 80), *range(100, 90, -1)], range(30)),
+        ([*range(40, 50), *range(90, 100)], [*range(50, 40, -1), *range(70, 60, -1)]),
+    ],
+    ids=["slots_count_up", "slots_count_down", "one_block", "three_runs", "two_runs_down"],
+)
+def test_a_batch_of_a_few_runs_is_copied_without_id_arrays(
+    blocks: range | list[int],
+    slots: range | list[int],
+    torch_runs: bool,
+    threads: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("kvtier.copy.cpu_rows.PARALLEL_MIN_BYTES", 0)
+    if torch_runs:
+        monkeypatch.setattr("kvtier.copy.cpu_rows.TORCH_RUN_MIN_BYTES", 0)
+    layout = _layout(num_blocks=128, num_layers=2, block_tokens=4)
+    host = torch.zeros((80, layout.record_bytes), dtype=torch.uint8)
+    backend = TorchCopyBackend(TorchCopyConfig(cpu_threads=threads), layout, host)
+
+    def refuse(*_: object) -> None:
+        raise AssertionError("a few runs need no id arrays")
+
+    monkeypatch.setattr("kvtier.copy.torch_backend.batch_arrays", refuse)
+    expected = records(layout, list(blocks))
+    backend.wait(backend.submit(CopyBatch(Direction.STORE, tuple(blocks), tuple(slots))))
+    assert torch.equal(host[list(slots)], expected)
+    for region in layout.regions:
+        region.view.zero_()
+    backend.wait(backend.submit(CopyBatch(Direction.LOAD, tuple(blocks), tuple(slots))))
+    assert torch.equal(records(layout, list(blocks)), expected)
+    backend.close()
 
 
 def test_large_rows_are_copied_run_by_run_even_one_row_a_run_rather_than_staged() -> None:

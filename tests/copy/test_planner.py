@@ -12,10 +12,12 @@ from hypothesis import strategies as st
 
 from kvtier.copy.base import CopyBatch, CopyError, Direction
 from kvtier.copy.planner import (
+    MAX_RUNS,
     RegionGeometry,
     SegmentPlanner,
     Segments,
     batch_arrays,
+    batch_runs,
     merge_segments,
 )
 from kvtier.layout.base import BlockRegion, KVLayout
@@ -174,6 +176,43 @@ def test_batch_arrays_rejects_bad_batches(
 def test_batch_arrays_allows_one_source_read_twice() -> None:
     blocks, slots = batch_arrays(CopyBatch(Direction.STORE, [1, 1], [2, 3]), 4, 6)
     assert blocks.tolist() == [1, 1] and slots.tolist() == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "direction, blocks, slots, runs",
+    [
+        (Direction.LOAD, (2, 3, 4), (7, 8, 9), [(2, 7, 3, 1)]),
+        (Direction.LOAD, [2, 3, 4], [9, 8, 7], [(2, 9, 3, -1)]),
+        (Direction.LOAD, (4, 3, 2), (7, 8, 9), [(2, 9, 3, -1)]),
+        (Direction.LOAD, (4, 3, 2), (9, 8, 7), [(2, 7, 3, 1)]),
+        (Direction.LOAD, np.arange(0, 4), np.arange(5, 1, -1), [(0, 5, 4, -1)]),
+        (Direction.LOAD, (3,), (0,), [(3, 0, 1, 1)]),
+        (Direction.LOAD, (), (), []),
+        # vLLM's freed blocks come back in reverse order, then fresh ones
+        (Direction.LOAD, (5, 4, 3, 0, 1), (1, 2, 3, 4, 5), [(3, 3, 3, -1), (0, 4, 2, 1)]),
+        (Direction.STORE, (1, 3, 5), (0, 1, 2), [(1, 0, 1, 1), (3, 1, 1, 1), (5, 2, 1, 1)]),
+        (Direction.STORE, (0, 1, 2), (9, 10, 11), None),  # slot 11 is out of range
+        (Direction.STORE, (2, 3), (-1, 0), None),
+        (Direction.LOAD, (7, 8), (0, 1), None),  # block 8 is out of range
+        (Direction.STORE, (2, 3, 4), (7, 8, 8), None),  # slot 8 written twice
+        (Direction.STORE, (0, 1, 5, 6), (3, 4, 4, 5), None),  # across runs
+        (Direction.LOAD, (0, 1, 0), (3, 4, 5), None),
+        (Direction.STORE, (0, 1, 0), (3, 4, 5), [(0, 3, 2, 1), (0, 5, 1, 1)]),  # reads twice
+    ],
+)
+def test_batch_runs_finds_a_few_runs_in_range_or_nothing(
+    direction: Direction, blocks: object, slots: object, runs: list[tuple[int, ...]] | None
+) -> None:
+    batch = CopyBatch(direction, blocks, slots)  # type: ignore[arg-type]
+    assert batch_runs(batch, num_blocks=8, num_slots=11) == runs
+
+
+def test_batch_runs_leaves_a_batch_of_many_runs_to_the_arrays() -> None:
+    blocks = list(range(0, 2 * MAX_RUNS, 2))
+    batch = CopyBatch(Direction.STORE, blocks, list(range(MAX_RUNS)))
+    assert batch_runs(batch, 64, 64) == [(block, k, 1, 1) for k, block in enumerate(blocks)]
+    more = CopyBatch(Direction.STORE, [*blocks, 40], list(range(MAX_RUNS + 1)))
+    assert batch_runs(more, 64, 64) is None
 
 
 @settings(max_examples=60, deadline=None)
