@@ -258,11 +258,8 @@ class RowCopier:
         else:
             src, dst = paired, by_dst.ids
         threads = len(self._staging)
-        by_torch = plan == "runs" and all(
-            step == 1 and (end - start) * self._narrowest >= TORCH_RUN_MIN_BYTES
-            for start, end, step in pairs
-        )
-        if by_torch or self._pool is None or count * self._record_bytes < PARALLEL_MIN_BYTES:
+        sizes = [(end - start, step) for start, end, step in pairs] if plan == "runs" else None
+        if self._caller_alone(count, sizes):
             runs = pairs if plan == "runs" else _runs_for(plan, src, dst)
             self._copy_slice(direction, plan, 0, src, dst, runs, by_torch=True)
             return
@@ -300,12 +297,8 @@ class RowCopier:
         thread pool.
         """
         spans = [_span(direction, *run) for run in runs]
-        rows = sum(span[2] for span in spans)
-        by_torch = all(
-            step == 1 and size * self._narrowest >= TORCH_RUN_MIN_BYTES
-            for _, _, size, step in spans
-        )
-        if by_torch or self._pool is None or rows * self._record_bytes < PARALLEL_MIN_BYTES:
+        sizes = [(size, step) for _, _, size, step in spans]
+        if self._caller_alone(sum(size for size, _ in sizes), sizes):
             self._copy_spans(direction, spans, by_torch=True)
             return
         blocks = np.concatenate([np.arange(block, block + size) for block, _, size, _ in runs])
@@ -317,6 +310,16 @@ class RowCopier:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+    def _caller_alone(self, rows: int, runs: list[tuple[int, int]] | None) -> bool:
+        """Whether the caller's thread copies a batch of ``rows`` alone: a small one, with
+        no pool, or one whose ``(size, step)`` runs all go to torch (which splits each over
+        its own threads); ``runs`` is ``None`` for a plan that does not copy by runs."""
+        if self._pool is None or rows * self._record_bytes < PARALLEL_MIN_BYTES:
+            return True
+        return runs is not None and all(
+            step == 1 and size * self._narrowest >= TORCH_RUN_MIN_BYTES for size, step in runs
+        )
 
     def _copy_slice(
         self,
