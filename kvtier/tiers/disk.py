@@ -6,11 +6,12 @@ and slot sizes, slot count) followed by fixed-size slots; a slot is a 4 KiB
 header area (the record header of :mod:`kvtier.tiers.record`, zero-padded)
 and the payload, padded to a multiple of 4 KiB so every record starts on a
 page. Records are written and read with positional I/O from a pool of I/O
-threads, through the page cache, one system call per record: a write takes
-the header (built in the I/O thread's buffer) and the caller's payload in one
-``os.pwritev``, with no copy; a read takes header and payload in one
-``os.preadv`` into one new buffer (not zero-filled first), and the payload is
-returned as a view of it.
+threads, through the page cache: a write of records in consecutive slots (up
+to :data:`WRITE_GROUP` of them) takes their headers (built in the I/O
+thread's buffer), the caller's payloads and any padding in one
+``os.pwritev``, with no copy; a read takes one record's header and payload in
+one ``os.preadv`` into one new buffer (not zero-filled first), and the
+payload is returned as a view of it.
 A crash part-way through a write may leave any mix of the slot's old and new
 pages; the payload checksum in the header turns every such mix into a miss.
 
@@ -44,6 +45,7 @@ import os
 import struct
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +76,23 @@ _SUPERBLOCK_VERSION = 1
 _HEADER_LIMIT = HEADER_FIXED_BYTES + MAX_KEY_BYTES
 """A header area's bytes past this are never written: zeros in every slot."""
 _ZEROS = memoryview(bytes(_HEADER_LIMIT))
+
+WRITE_GROUP = 8
+"""Most records of consecutive slots one ``pwritev`` writes through the page cache."""
+WRITE_GROUP_BYTES = 2 << 20
+"""Most payload bytes of one such ``pwritev`` (one record at least): a group's payloads are
+all hashed before it is written, and should still be in the CPU's cache when they are.
+Groups of 8 MiB (8 records of 1 MiB) made puts slower than a record at a time."""
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A record on its way to its file slot."""
+
+    key: BlockKey
+    file_slot: int
+    record: memoryview
+    sequence: int
 
 
 def _cause_of(exc: OSError) -> Cause:
@@ -124,6 +143,8 @@ class DiskTier(QueuedTier):
         self.o_direct = config.o_direct
         self._thread_buffers = threading.local()
         self._file_slots = list(range(self.num_slots))
+        padding = self.slot_bytes - HEADER_AREA_BYTES - spec.record_bytes
+        self._padding = memoryview(bytes(padding)) if padding else None
         self._sequence = 0
         self._fd = self._open(config)
         try:
@@ -304,10 +325,11 @@ class DiskTier(QueuedTier):
         return SUPERBLOCK_BYTES + file_slot * self.slot_bytes
 
     def _thread_buffer(self) -> memoryview:
-        """This I/O thread's page-aligned buffer: a slot with ``o_direct``, else a header area."""
+        """This I/O thread's page-aligned buffer: a slot with ``o_direct``, else the header
+        areas of a group of writes."""
         buffer: memoryview | None = getattr(self._thread_buffers, "buffer", None)
         if buffer is None:
-            size = self.slot_bytes if self.o_direct else HEADER_AREA_BYTES
+            size = self.slot_bytes if self.o_direct else WRITE_GROUP * HEADER_AREA_BYTES
             buffer = self._thread_buffers.buffer = aligned_buffer(size)
         return buffer
 
@@ -369,17 +391,26 @@ class DiskTier(QueuedTier):
         written: list[BlockKey] = []
         failed: list[BlockKey] = []
         buffer = self._thread_buffer()
-        for position, (key, slot, record) in enumerate(zip(keys, slots, records, strict=True)):
-            if slot is None:
-                continue
-            offset = self._offset(self._file_slots[slot])
+        todo = [
+            _Pending(key, self._file_slots[slot], record, sequence + position)
+            for position, (key, slot, record) in enumerate(zip(keys, slots, records, strict=True))
+            if slot is not None
+        ]
+        for group in self._groups(todo):
             try:
-                self._write_record(buffer, key, record, sequence + position, offset)
-            except OSError as exc:
-                self._count_error(_cause_of(exc))
-                failed.append(key)
+                self._write_group(buffer, group)
+            except OSError:
+                # Record by record, so that each is stored, or failed and counted, on its own.
+                for one in group:
+                    try:
+                        self._write_group(buffer, [one])
+                    except OSError as exc:
+                        self._count_error(_cause_of(exc))
+                        failed.append(one.key)
+                    else:
+                        written.append(one.key)
             else:
-                written.append(key)
+                written.extend(one.key for one in group)
         with self._index_lock:
             index.commit(written)
             index.abort(failed)
@@ -389,23 +420,51 @@ class DiskTier(QueuedTier):
         done = set(written)
         return [key in done or was for key, was in zip(keys, present, strict=True)]
 
-    def _write_record(
-        self, buffer: memoryview, key: BlockKey, record: memoryview, sequence: int, offset: int
-    ) -> None:
-        """Write one slot, header and payload, in one system call through this thread's ``buffer``.
+    def _groups(self, todo: list[_Pending]) -> list[list[_Pending]]:
+        """``todo`` cut into runs of consecutive file slots, each written by one system call
+        (:data:`WRITE_GROUP` records and :data:`WRITE_GROUP_BYTES` at most; one record
+        with ``o_direct``)."""
+        most = (
+            1 if self.o_direct else max(1, min(WRITE_GROUP, WRITE_GROUP_BYTES // self.record_bytes))
+        )
+        groups: list[list[_Pending]] = []
+        for pending in sorted(todo, key=lambda one: one.file_slot):
+            last = groups[-1] if groups else None
+            if last and len(last) < most and last[-1].file_slot + 1 == pending.file_slot:
+                last.append(pending)
+            else:
+                groups.append([pending])
+        return groups
 
-        With ``o_direct`` the payload is first copied behind the header in
-        ``buffer`` (page-aligned); the checksum then reads the copy while it is
-        still in the CPU's cache.
+    def _write_group(self, buffer: memoryview, group: list[_Pending]) -> None:
+        """Write the slots of ``group`` (consecutive in the file), headers and payloads, in
+        one system call through this thread's ``buffer``.
+
+        Through the page cache each header is built in its own header area of
+        ``buffer`` and the payloads are written from where they lie, with no
+        copy: at 256 KiB one ``pwritev`` of 8 records costs markedly less than
+        8 (a loop hashing and writing records from one thread reached 0.87x of
+        a bare sequential ``pwrite`` that way, 0.70x a record at a time). With
+        ``o_direct`` (one record) the payload is first copied behind the header
+        in ``buffer`` (page-aligned); the checksum then reads the copy while it
+        is still in the CPU's cache.
         """
+        offset = self._offset(group[0].file_slot)
         if self.o_direct:
+            (one,) = group
             payload = buffer[HEADER_AREA_BYTES : HEADER_AREA_BYTES + self.record_bytes]
-            payload[:] = record
-            self._header_into(buffer, key, payload_checksum(payload), sequence)
+            payload[:] = one.record
+            self._header_into(buffer, one.key, payload_checksum(payload), one.sequence)
             self._write_all([buffer], offset)
-        else:
-            self._header_into(buffer, key, payload_checksum(record), sequence)
-            self._write_all([buffer, record], offset)
+            return
+        parts: list[memoryview] = []
+        for index, one in enumerate(group):
+            header = buffer[index * HEADER_AREA_BYTES : (index + 1) * HEADER_AREA_BYTES]
+            self._header_into(header, one.key, payload_checksum(one.record), one.sequence)
+            parts += [header, one.record]
+            if self._padding and index + 1 < len(group):
+                parts.append(self._padding)
+        self._write_all(parts, offset)
 
     def _header_into(self, buffer: memoryview, key: BlockKey, checksum: int, sequence: int) -> None:
         """The record header at the start of ``buffer``, zeros after it (what a longer key left)."""

@@ -29,6 +29,7 @@ from kvtier.tiers.base import TierError, TierSpec
 from kvtier.tiers.disk import (
     HEADER_AREA_BYTES,
     SUPERBLOCK_BYTES,
+    WRITE_GROUP,
     DiskTier,
     DiskTierConfig,
     aligned_buffer,
@@ -342,6 +343,30 @@ def test_short_writes_are_continued(
     assert fetch(tier, keys) == records
 
 
+def test_records_in_consecutive_slots_go_out_in_one_write(
+    monkeypatch: pytest.MonkeyPatch, open_tier: Callable[..., DiskTier]
+) -> None:
+    tier = open_tier(capacity_bytes=capacity_for(2 * WRITE_GROUP + 4))
+    real_pwritev = os.pwritev
+    writes: list[int] = []
+
+    def counted_pwritev(fd: int, buffers: list[memoryview], offset: int) -> int:
+        writes.append(len(buffers))
+        return real_pwritev(fd, buffers, offset)
+
+    count = WRITE_GROUP + 2
+    keys = tier.keys.keys(block_hashes("grouped", count))
+    records = payloads(count, RECORD)
+    monkeypatch.setattr(os, "pwritev", counted_pwritev)
+    assert all(store(tier, keys, records))
+    monkeypatch.undo()
+    # a header, a payload and its padding per record; no padding after a group's last one
+    assert writes == [3 * WRITE_GROUP - 1, 3 * 2 - 1]
+    assert fetch(tier, keys) == records
+    tier.close()
+    assert fetch(open_tier(capacity_bytes=capacity_for(2 * WRITE_GROUP + 4)), keys) == records
+
+
 # ------------------------------------------------------------------------- O_DIRECT
 
 
@@ -459,6 +484,24 @@ def test_a_disk_that_fills_up_mid_run_drops_and_counts_stores(
     assert stats.drops == stored.count(False)
     got = fetch(tier, keys)
     assert got == [record if ok else None for record, ok in zip(records, stored, strict=True)]
+
+
+def test_a_disk_that_fills_up_within_a_write_stores_the_records_that_fit(
+    small_disk: tuple[Path, int], open_tier: Callable[..., DiskTier]
+) -> None:
+    path, limit = small_disk
+    tier = open_tier(path=path, capacity_bytes=4 * limit, preallocate=False)
+    count = tier.num_slots  # one put: every record has a slot
+    keys = tier.keys.keys(block_hashes("fill-grouped", count))
+    records = payloads(count, RECORD)
+    stored = store(tier, keys, records)
+    # every record that fits, not only the writes of several records that went through whole
+    assert stored.count(True) == (limit - SUPERBLOCK_BYTES) // SLOT
+    stats = tier.stats()
+    assert stats.errors == {"no_space": stored.count(False)}
+    assert fetch(tier, keys) == [
+        record if ok else None for record, ok in zip(records, stored, strict=True)
+    ]
 
 
 def test_a_read_only_path_is_a_start_up_error(
