@@ -7,9 +7,9 @@ header area (the record header of :mod:`kvtier.tiers.record`, zero-padded)
 and the payload, padded to a multiple of 4 KiB so every record starts on a
 page. Records are written and read with positional I/O from a pool of I/O
 threads, through the page cache: a write of records in consecutive slots (up
-to :data:`WRITE_GROUP` of them) takes their headers (built in the I/O
-thread's buffer), the caller's payloads and any padding in one
-``os.pwritev``, with no copy; a read takes one record's header and payload in
+to :data:`WRITE_GROUP` of them and :data:`WRITE_GROUP_BYTES`) takes their
+headers (built in the I/O thread's buffer), the caller's payloads and any
+padding in one ``os.pwritev``, with no copy; a read takes one record's header and payload in
 one ``os.preadv`` into one new buffer (not zero-filled first), and the
 payload is returned as a view of it.
 A crash part-way through a write may leave any mix of the slot's old and new
