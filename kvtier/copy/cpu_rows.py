@@ -7,10 +7,10 @@ single opaque items (``np.void`` of ``n`` bytes), so each row moves with one
 copies. The common batch, a few runs of consecutive blocks and slots (found
 by :func:`kvtier.copy.planner.batch_runs` without numpy), goes to
 :meth:`RowCopier.copy_runs`, which copies each run as one slice per region.
-:meth:`RowCopier.copy` takes id arrays and uses whichever of four plans is
-cheapest for them:
+:meth:`RowCopier.copy` takes id arrays and uses whichever of four plans
+:func:`choose_plan` estimates cheapest for them:
 
-- *runs*: the pairs, sorted by destination, form few runs in which the
+- *runs*: the pairs, sorted by destination, form runs in which the
   destination ids count up by one and the source ids up or down by one: each
   run is one slice copy per region, whatever the strides on either side. On
   the caller's thread a large run that counts up is a torch ``copy_``, which
@@ -22,19 +22,22 @@ cheapest for them:
   ``np.take`` of the source rows straight into each destination run;
 - *scatter*: the source ids form few runs: each source run is assigned to its
   destination rows by fancy indexing, whatever the strides on either side;
-- *staged*: otherwise (for small rows; large rows go run by run, one row a
+- *staged*: for small rows in many runs (larger rows go run by run, one row a
   run if need be, rather than being copied twice): a cache-sized chunk of
   source rows is gathered into contiguous staging, then scattered by fancy
   indexing. A strided source (a host column) is gathered by numpy's own
   indexing, which makes a temporary of the chunk's rows anyway, so it skips
   the staging buffer.
 
-A slice copy is the cheapest of them wherever it applies: on a 2-core
-machine, with neither side in the CPU's cache, loading 128 rows of 16 KiB in
-each of 4 regions (8 MiB, consecutive slots into consecutive blocks) took
-0.75 ms by numpy slices and 1.06 ms by the fancy-indexed scatter; 64 rows of
-576 bytes in each of 61 regions took 0.45 ms and 1.30 ms, and a 4-region
-store of 8 rows 0.07 ms and 0.34 ms. Torch's ``copy_`` of the same 8 MiB of
+Run for run, a slice copy is the cheapest of them: on a 2-core machine,
+with neither side in the CPU's cache, loading 128 rows of 16 KiB in each of
+4 regions (8 MiB, consecutive slots into consecutive blocks) took 0.75 ms by
+numpy slices and 1.06 ms by the fancy-indexed scatter; 64 rows of 576 bytes
+in each of 61 regions took 0.45 ms and 1.30 ms, and a 4-region store of 8
+rows 0.07 ms and 0.34 ms. A slice per row of many runs costs a call each,
+though, where one fancy-indexed assignment pays a little per row: loading 32
+scattered blocks of 16 KiB from consecutive slots took 0.61 ms by the scatter
+and 0.70 ms by slices. Torch's ``copy_`` of the same 8 MiB of
 runs on two intra-op threads took 0.81 ms against numpy's 0.97 ms (median of
 24, alternating; 1.33 and 1.59 times a contiguous 8 MiB copy), and 1.2 to 1.5
 times against numpy's 1.5 to 2.1 times for rows of 2 KiB to 256 KiB.
@@ -55,6 +58,7 @@ cores.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -84,12 +88,12 @@ PIECES_PER_THREAD = 4
 """Pieces a large batch is cut into per thread; threads take pieces as they finish, so one
 thread delayed by another process does not hold up the whole batch."""
 
-_CALL_S = 4e-6
-"""Rough fixed cost of one numpy call on a run of rows, for choosing a plan."""
+_CALL_S = 2.5e-6
+"""Rough fixed cost of one numpy call on a run of rows (in one region), for choosing a plan."""
 _ROW_S = 0.15e-6
 """Rough fixed cost per row of fancy indexing, for choosing a plan."""
-_STAGING_BYTES_PER_S = 20e9
-"""Rough speed of the extra pass through (cache-resident) staging, for choosing a plan."""
+_STAGING_BYTES_PER_S = 4e9
+"""Rough speed of the staged plan's extra pass over a row, cold, for choosing a plan."""
 
 
 def void_rows(matrix: torch.Tensor) -> np.ndarray:
@@ -162,14 +166,21 @@ def choose_plan(
     contiguous: bool,
     row_bytes: int,
 ) -> str:
-    """Pick the cheapest plan for a batch.
+    """Pick the plan whose estimated cost is least.
 
-    A plan that works run by run pays a call per run; the *staged* plan pays
-    an extra pass per row through staging. Runs win while they are fewer
-    than that extra cost allows: few for small rows, always for rows of tens
-    of KiB, where even one call per row costs less than a second pass. Of the
-    plans that work run by run, slices (*runs*) cost least, then ``np.take``
-    (*gather*), then fancy-indexed assignment (*scatter*).
+    Per region: a plan that works run by run pays a call per run, and
+    fancy indexing (*gather*'s ``np.take``, *scatter*'s assignment) a little
+    per row on top; the *staged* plan pays an extra pass over every row. So a
+    batch of a few runs goes by slices (*runs*); a load of scattered blocks
+    from a run of slots by one fancy-indexed assignment (*scatter*, rather
+    than a slice per row); a store of scattered blocks into a run of slots by
+    a slice per row for rows of 16 KiB and more and through staging for rows
+    of 4 KiB and less. The constants reproduce the order of the plans measured
+    cold on a 2-core machine, 4 regions, 16 to 128 blocks of 2 KiB to 128 KiB
+    rows: a store of 32 scattered blocks of 64 KiB into consecutive slots took
+    1.14 ms by slices and 1.57 ms staged, one of 32 blocks of 2 KiB 0.33 ms and
+    0.28 ms; a load of 32 blocks of 16 KiB from consecutive slots 0.61 ms by
+    one fancy assignment and 0.70 ms by slices.
 
     Args:
         num_rows: Rows (blocks) in the batch.
@@ -180,21 +191,17 @@ def choose_plan(
         row_bytes: Mean bytes of one row of a region.
 
     Returns:
-        ``"runs"``, ``"gather"``, ``"scatter"`` or ``"staged"`` (see the module docstring).
+        ``"runs"``, ``"gather"``, ``"scatter"`` or ``"staged"`` (see the module
+        docstring); of plans that cost the same, the first in that order.
     """
-    few = _few_runs(num_rows, row_bytes)
-    if paired_runs <= few:
-        return "runs"
-    if contiguous and dst_runs <= few:
-        return "gather"
-    if src_runs <= few:
-        return "scatter"
-    return "staged"
-
-
-def _few_runs(num_rows: int, row_bytes: int) -> float:
-    """Most runs whose calls cost less than staging ``num_rows`` rows of ``row_bytes``."""
-    return num_rows * (_ROW_S + row_bytes / _STAGING_BYTES_PER_S) / _CALL_S
+    indexed = num_rows * _ROW_S
+    costs = {
+        "runs": paired_runs * _CALL_S,
+        "gather": dst_runs * _CALL_S + indexed if contiguous else math.inf,
+        "scatter": src_runs * _CALL_S + indexed,
+        "staged": num_rows * (_ROW_S + row_bytes / _STAGING_BYTES_PER_S),
+    }
+    return min(costs, key=costs.__getitem__)
 
 
 class RowCopier:

@@ -194,14 +194,20 @@ def test_a_batch_of_a_few_runs_is_copied_without_id_arrays(
     backend.close()
 
 
-def test_large_rows_are_copied_run_by_run_even_one_row_a_run_rather_than_staged() -> None:
-    # 256 rows, every pair of them a run of its own, no side in few runs
-    assert choose_plan(256, 256, 200, 200, contiguous=False, row_bytes=4096) == "staged"
-    assert choose_plan(256, 256, 200, 200, contiguous=False, row_bytes=256 << 10) == "runs"
-    # of the plans that go run by run, slices first, then np.take, then fancy indexing
+def test_the_plan_of_least_estimated_cost_is_chosen() -> None:
+    # a few runs: a slice each
     assert choose_plan(256, 20, 20, 20, contiguous=True, row_bytes=4096) == "runs"
+    # many pairs, few runs on one side: np.take into destination runs, else fancy assignment
     assert choose_plan(256, 256, 20, 20, contiguous=True, row_bytes=4096) == "gather"
     assert choose_plan(256, 256, 20, 20, contiguous=False, row_bytes=4096) == "scatter"
+    # a load of 32 scattered blocks from consecutive slots: one assignment, not a slice per row
+    assert choose_plan(32, 32, 32, 1, contiguous=False, row_bytes=16 << 10) == "scatter"
+    # a store of scattered blocks into consecutive slots: a slice per row from 16 KiB up...
+    assert choose_plan(32, 32, 1, 32, contiguous=False, row_bytes=16 << 10) == "runs"
+    assert choose_plan(256, 256, 256, 256, contiguous=False, row_bytes=256 << 10) == "runs"
+    # ...and through staging for small rows
+    assert choose_plan(32, 32, 1, 32, contiguous=False, row_bytes=2048) == "staged"
+    assert choose_plan(256, 256, 200, 200, contiguous=False, row_bytes=4096) == "staged"
 
 
 def test_pair_runs_follow_the_source_up_or_down_one_row_at_a_time() -> None:
