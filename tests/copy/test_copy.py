@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 import torch
@@ -51,6 +53,29 @@ def _layout(num_blocks: int = 64, **kwargs: object) -> KVLayout:
     return layout
 
 
+def _small_batches_use_the_pool(monkeypatch: pytest.MonkeyPatch, *, torch_runs: bool) -> None:
+    """Cut every batch over the copy pool; with ``torch_runs``, copy runs by torch at any size."""
+    monkeypatch.setattr("kvtier.copy.cpu_rows.PARALLEL_MIN_BYTES", 0)
+    if torch_runs:
+        monkeypatch.setattr("kvtier.copy.cpu_rows.TORCH_RUN_MIN_BYTES", 0)
+
+
+def _store_then_load(
+    backend: TorchCopyBackend, host: torch.Tensor, blocks: Sequence[int], slots: Sequence[int]
+) -> None:
+    """Store ``blocks`` into ``slots``, check the host rows, clear the engine, load them back,
+    check the blocks; then close the backend."""
+    layout = backend.layout
+    expected = records(layout, list(blocks))
+    backend.wait(backend.submit(CopyBatch(Direction.STORE, blocks, slots)))
+    assert torch.equal(host[list(slots)], expected)
+    for region in layout.regions:
+        region.view.zero_()
+    backend.wait(backend.submit(CopyBatch(Direction.LOAD, blocks, slots)))
+    assert torch.equal(records(layout, list(blocks)), expected)
+    backend.close()
+
+
 RANDOM_BLOCKS = np.random.default_rng(0).permutation(1024)[:256]
 RANDOM_SLOTS = np.random.default_rng(1).permutation(2048)[:256]
 
@@ -97,9 +122,7 @@ def test_each_cpu_plan_is_chosen_and_copies_correctly(
     torch_runs: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("kvtier.copy.cpu_rows.PARALLEL_MIN_BYTES", 0)
-    if torch_runs:
-        monkeypatch.setattr("kvtier.copy.cpu_rows.TORCH_RUN_MIN_BYTES", 0)
+    _small_batches_use_the_pool(monkeypatch, torch_runs=torch_runs)
     if one_region:
         engine = torch.randint(0, 256, (1024, 512), dtype=torch.uint8)
         layout = PerLayerResolver("block_first").resolve({"layer": engine})
@@ -115,14 +138,7 @@ def test_each_cpu_plan_is_chosen_and_copies_correctly(
         choose_plan(len(blocks), runs_of_pairs, *runs, contiguous=one_region, row_bytes=row_bytes)
         == plan
     )
-    expected = records(layout, blocks.tolist())
-    backend.wait(backend.submit(CopyBatch(Direction.STORE, blocks.tolist(), slots.tolist())))
-    assert torch.equal(host[slots.tolist()], expected)
-    for region in layout.regions:
-        region.view.zero_()
-    backend.wait(backend.submit(CopyBatch(Direction.LOAD, blocks.tolist(), slots.tolist())))
-    assert torch.equal(records(layout, blocks.tolist()), expected)
-    backend.close()
+    _store_then_load(backend, host, blocks.tolist(), slots.tolist())
 
 
 @pytest.mark.parametrize(
@@ -173,9 +189,7 @@ def test_a_batch_of_a_few_runs_is_copied_without_id_arrays(
     threads: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("kvtier.copy.cpu_rows.PARALLEL_MIN_BYTES", 0)
-    if torch_runs:
-        monkeypatch.setattr("kvtier.copy.cpu_rows.TORCH_RUN_MIN_BYTES", 0)
+    _small_batches_use_the_pool(monkeypatch, torch_runs=torch_runs)
     layout = _layout(num_blocks=128, num_layers=2, block_tokens=4)
     host = torch.zeros((80, layout.record_bytes), dtype=torch.uint8)
     backend = TorchCopyBackend(TorchCopyConfig(cpu_threads=threads), layout, host)
@@ -184,14 +198,7 @@ def test_a_batch_of_a_few_runs_is_copied_without_id_arrays(
         raise AssertionError("a few runs need no id arrays")
 
     monkeypatch.setattr("kvtier.copy.torch_backend.batch_arrays", refuse)
-    expected = records(layout, list(blocks))
-    backend.wait(backend.submit(CopyBatch(Direction.STORE, tuple(blocks), tuple(slots))))
-    assert torch.equal(host[list(slots)], expected)
-    for region in layout.regions:
-        region.view.zero_()
-    backend.wait(backend.submit(CopyBatch(Direction.LOAD, tuple(blocks), tuple(slots))))
-    assert torch.equal(records(layout, list(blocks)), expected)
-    backend.close()
+    _store_then_load(backend, host, tuple(blocks), tuple(slots))
 
 
 def test_the_plan_of_least_estimated_cost_is_chosen() -> None:
