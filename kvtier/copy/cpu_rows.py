@@ -34,13 +34,13 @@ with neither side in the CPU's cache, loading 128 rows of 16 KiB in each of
 4 regions (8 MiB, consecutive slots into consecutive blocks) took 0.75 ms by
 numpy slices and 1.06 ms by the fancy-indexed scatter; 64 rows of 576 bytes
 in each of 61 regions took 0.45 ms and 1.30 ms, and a 4-region store of 8
-rows 0.07 ms and 0.34 ms. A slice per row of many runs costs a call each,
-though, where one fancy-indexed assignment pays a little per row: loading 32
-scattered blocks of 16 KiB from consecutive slots took 0.61 ms by the scatter
-and 0.70 ms by slices. Torch's ``copy_`` of the same 8 MiB of
-runs on two intra-op threads took 0.81 ms against numpy's 0.97 ms (median of
-24, alternating; 1.33 and 1.59 times a contiguous 8 MiB copy), and 1.2 to 1.5
-times against numpy's 1.5 to 2.1 times for rows of 2 KiB to 256 KiB.
+rows 0.07 ms and 0.34 ms. Torch's ``copy_`` of the same 8 MiB of runs on
+two intra-op threads took 0.81 ms against numpy's 0.97 ms (median of 24,
+alternating; 1.33 and 1.59 times a contiguous 8 MiB copy), and 1.2 to 1.5
+times against numpy's 1.5 to 2.1 times for rows of 2 KiB to 256 KiB. A slice
+per row of many runs costs a call each, though, where one fancy-indexed
+assignment pays a little per row: loading 32 scattered blocks of 16 KiB from
+consecutive slots took 0.61 ms by the scatter and 0.70 ms by slices.
 Indexing pays per row and per call on top of the ``memcpy``. ``np.take`` is
 only used on contiguous sources (it would first copy a strided source whole)
 and with ``mode="clip"`` (the default mode buffers its output).
