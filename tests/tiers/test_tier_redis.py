@@ -8,8 +8,11 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
+import redis.exceptions
 
 from kvtier.kinds import STORAGE_TIER
 from kvtier.plugins import default_registry
@@ -431,3 +434,29 @@ def test_tls_with_the_servers_ca_works_and_without_it_fails_at_start_up(
         tiers(url=url)
     with pytest.raises(TierError, match="cannot reach"):
         tiers(url=f"redis://127.0.0.1:{port}/0", timeout_s=0.5)
+
+
+def test_a_put_retried_on_a_fresh_connection_sends_its_records_again(
+    server: RedisServer, tiers: Callable[..., RedisTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first send fails after its first chunk went out, as on a connection
+    # the server closed; the client's one retry must send the whole batch again.
+    send = redis.connection.AbstractConnection.send_packed_command
+    failed: list[bool] = []
+
+    def fail_once(connection: Any, command: Any, check_health: bool = True) -> None:
+        if failed:
+            return send(connection, command, check_health)
+        failed.append(True)
+        send(connection, [next(iter(command))], check_health)
+        connection.disconnect()
+        raise redis.exceptions.ConnectionError("closed by the test")
+
+    tier = tiers(url=server.url, io_threads=1)
+    keys = tier.keys.keys(block_hashes("retry", 2))
+    records = payloads(2, RECORD)
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", fail_once)
+    assert done(tier.put(keys, records)).stored == (True, True)
+    assert failed
+    assert fetch(tier, keys) == records
+    assert tier.stats().errors == {}
