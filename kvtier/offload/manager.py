@@ -1085,7 +1085,7 @@ class OffloadManager:
         per_group: list[tuple[list[int], list[int], list[BlockKey], set[str]]] = [
             ([], [], [], set()) for _ in range(self.num_groups)
         ]
-        reserved_now: set[BlockKey] = set()
+        wanted: dict[BlockKey, LazyCandidate] = {}
         for candidate in candidates:
             if candidate.block_id == self.null_block_id:
                 continue
@@ -1095,23 +1095,33 @@ class OffloadManager:
                     f"but the manager has {self.num_groups} groups"
                 )
             key = self.namespace.key(candidate.block_hash, candidate.group)
-            if key in reserved_now or self._present(key):
+            if key in wanted or self._present(key):
                 continue
             if (
                 self.group_windows[candidate.group] is not None
                 and self._window_blocks[candidate.group].get(candidate.block_id) != key
             ):
                 continue
+            wanted[key] = candidate
+        # With room for all, slots are taken in the prompt's order: the engine frees a
+        # request's blocks last first, so candidates come in reverse. A later hit then
+        # reads slots that count up along the prompt, as eager stores leave them, and
+        # its load is a few runs in one direction. Without room, the candidates nearest
+        # eviction go first.
+        slots: dict[BlockKey, int] = {}
+        backwards = len(wanted) <= self.index.stats().free
+        for key in reversed(wanted) if backwards else wanted:
             (slot,) = self.index.reserve([key], lazy=True)
-            if slot is None:
-                if self._no_space():
-                    break
-                continue
-            reserved_now.add(key)
-            blocks, slot_list, key_list, _ = per_group[candidate.group]
-            blocks.append(candidate.block_id)
-            slot_list.append(slot)
-            key_list.append(key)
+            if slot is not None:
+                slots[key] = slot
+            elif self._no_space():
+                break
+        for key, candidate in wanted.items():
+            if key in slots:
+                blocks, slot_list, key_list, _ = per_group[candidate.group]
+                blocks.append(candidate.block_id)
+                slot_list.append(slots[key])
+                key_list.append(key)
         return self._store_transfers(per_group, now)
 
     def _no_space(self) -> bool:

@@ -238,6 +238,28 @@ def test_lazy_mode_stores_frontier_candidates_not_yet_in_the_tier() -> None:
         m.build_plan([LazyCandidate(HASHES[3], 3, 9)])
 
 
+def test_lazy_stores_take_slots_in_the_prompts_order_when_all_fit() -> None:
+    # The engine frees a request's blocks last first, so the frontier offers its
+    # prompt backwards; with room for every candidate the slots count up along
+    # the prompt (a later hit's load is then one run), the transfer keeps the
+    # offered order.
+    m = manager(store_mode="lazy")
+    offered = [LazyCandidate(HASHES[i], 0, 10 + i) for i in (3, 2, 1, 0)]
+    (store,) = m.build_plan(offered).stores
+    assert store.device_blocks == (13, 12, 11, 10)
+    assert store.host_slots == (3, 2, 1, 0)
+
+
+def test_lazy_stores_without_room_for_all_keep_the_candidates_nearest_eviction() -> None:
+    # Two free slots and two evictable blocks for five candidates: the four
+    # nearest eviction are stored, in the offered order.
+    m = manager(num_slots=4, store_mode="lazy")
+    m.process(done(store_blocks(m, "a", 2)))
+    offered = [LazyCandidate(HASHES[i], 0, 10 + i) for i in (7, 6, 5, 4, 3)]
+    (store,) = m.build_plan(offered).stores
+    assert store.device_blocks == (17, 16, 15, 14)
+
+
 def test_stores_stop_when_every_slot_is_pinned_or_written() -> None:
     m = manager(num_slots=2)
     plan = store_blocks(m, "a", 4)
