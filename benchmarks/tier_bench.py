@@ -38,7 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -74,6 +74,15 @@ class Arm(NamedTuple):
     check: Callable[[], None]
 
 
+def finished(futures: list[Future[Any]]) -> list[Future[Any]]:
+    """``futures`` once all are done, waited for together: the caller wakes once, not once
+    per request (waking per request took 5-15% of the disk put's time on two cores). The
+    tier chain never blocks on a put at all; it leaves a callback."""
+    if wait(futures, WAIT_S).not_done:
+        raise RuntimeError(f"the tier did not answer within {WAIT_S} s")
+    return futures
+
+
 class TierArm:
     """Put every record under fresh keys, get them back, check them and delete them."""
 
@@ -100,15 +109,15 @@ class TierArm:
         futures = [
             self.tier.put([keys[i] for i in b], [self.records[i] for i in b]) for b in self.batches
         ]
-        for future in futures:
-            if not all(future.result(WAIT_S).stored):
+        for future in finished(futures):
+            if not all(future.result().stored):
                 raise RuntimeError(f"{self.tier!r} dropped records; raise queue_depth")
 
     def get(self) -> None:
         futures: list[Future[Any]] = [
             self.tier.get([self.keys[i] for i in b], deadline_s=WAIT_S) for b in self.batches
         ]
-        self.got = [record for future in futures for record in future.result(WAIT_S).records]
+        self.got = [record for future in finished(futures) for record in future.result().records]
 
     def check(self) -> None:
         """Every record came back intact; then they are deleted."""

@@ -6,6 +6,7 @@ Validating a config needs these models; the tiers themselves (and ``redis``,
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
@@ -13,6 +14,13 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator
 
 from kvtier.config import ByteCount, PluginConfig
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 class DiskTierConfig(PluginConfig):
@@ -61,7 +69,16 @@ class DiskTierConfig(PluginConfig):
             "returned. Empty uses the engine's namespace as it is."
         ),
     )
-    io_threads: int = Field(4, ge=1, le=256, description="Threads doing the tier's file I/O.")
+    io_threads: int = Field(
+        default_factory=lambda: min(4, usable_cpus()),
+        ge=1,
+        le=256,
+        description=(
+            "Threads doing the tier's file I/O; by default 4, or one per CPU the process may "
+            "run on where there are fewer. A put through the page cache hashes on one thread "
+            "while another writes; more threads than cores spin on the file's lock instead."
+        ),
+    )
     queue_depth: int = Field(
         64,
         ge=1,

@@ -121,6 +121,15 @@ def test_no_storage_tier_installed(registry: Registry) -> None:
     ]
 
 
+@pytest.mark.parametrize(("cpus", "threads"), [(1, 1), (2, 2), (4, 4), (64, 4)])
+def test_disk_io_threads_default_to_four_or_the_usable_cpus(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, cpus: int, threads: int
+) -> None:
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    assert DiskTierConfig(path=tmp_path, capacity_bytes="1GiB").io_threads == threads
+    assert DiskTierConfig(path=tmp_path, capacity_bytes="1GiB", io_threads=8).io_threads == 8
+
+
 def test_schema_and_reference_cover_the_tiers(registry: Registry) -> None:
     schema = config_model(registry).model_json_schema()
     valid = {"tiers": [{"type": "memory", "blocks": 2}, {"type": "redis", "url": "redis://h/0"}]}
