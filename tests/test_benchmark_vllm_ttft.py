@@ -59,3 +59,34 @@ def test_pairs_of_processes_with_a_speed_of_their_own_widen_the_interval(
     low, high = report["ci95"]
     assert low < 0.95 and high > 1.05
     assert not report["ok"]
+
+
+def repeats(differences: list[float]) -> dict[str, list[float]]:
+    """TTFT repeats whose tier hits take ``differences`` longer than their device hits."""
+    device = [0.010 + 0.002 * (i % 3) for i in range(len(differences))]
+    return {
+        "cold": [0.7] * len(differences),
+        "device_hit": device,
+        "tier_hit": [d + x for d, x in zip(device, differences, strict=True)],
+    }
+
+
+@pytest.mark.parametrize(
+    ("differences_ms", "verdict"),
+    [
+        ([0.8, 0.9, 1.0, 0.8, 0.9, 1.1, 1.0], "met"),
+        ([2.0, 2.2, 1.9, 2.1, 2.0, 2.3, 1.8], "missed"),
+        ([0.2, 3.0, 0.9, 2.5, 1.1, 0.4, 2.8], "undetermined"),
+    ],
+)
+def test_the_tier_hit_verdict_needs_the_whole_interval_of_the_median_difference(
+    bench: ModuleType, differences_ms: list[float], verdict: str
+) -> None:
+    """The target is 1.5 x 0.6 ms + 0.3 ms = 1.2 ms. The last case's median (1.1 ms) meets it,
+    but repeats that far apart cannot tell: its interval spans the target."""
+    report = bench.ttft_report(repeats([ms / 1000 for ms in differences_ms]), 0.0006)
+    low, high = report["tier_hit_extra_ci95_s"]
+    assert low <= report["tier_hit_extra_s"] <= high
+    assert report["tier_hit_extra_max_s"] == pytest.approx(0.0012)
+    assert report["tier_hit_extra_verdict"] == verdict
+    assert report["tier_hit_extra_ok"] == (verdict != "missed")
