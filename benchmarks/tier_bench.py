@@ -76,8 +76,8 @@ class Arm(NamedTuple):
 
 def finished(futures: list[Future[Any]]) -> list[Future[Any]]:
     """``futures`` once all are done, waited for together: the caller wakes once, not once
-    per request (waking per request took 5-15% of the disk put's time on two cores). The
-    tier chain never blocks on a put at all; it leaves a callback."""
+    per request (on two cores, waking per request slowed the tiers' puts by up to a fifth;
+    see docs/tiers.md). The tier chain never blocks on a put at all; it leaves a callback."""
     if wait(futures, WAIT_S).not_done:
         raise RuntimeError(f"the tier did not answer within {WAIT_S} s")
     return futures
