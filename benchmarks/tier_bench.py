@@ -402,21 +402,21 @@ def main() -> int:
                 else [bench_disk(args, size, directory, o_direct=True) for size in sizes]
             )
     if "redis" not in args.skip:
-        server = None
-        url = args.redis_url
-        if url is None:
-            if redis_server_binary() is None:
-                print("redis-server is not installed; skipping the redis tier", file=sys.stderr)
-            else:
-                directory = Path(tempfile.mkdtemp(prefix="kvtier-bench-redis-"))
-                server = RedisServer(directory).start()
-                url = server.url
-        try:
-            if url is not None:
-                report["redis"] = [bench_redis(args, size, url) for size in sizes]
-        finally:
-            if server is not None:
-                server.stop()
+        with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as name:
+            server = None
+            url = args.redis_url
+            if url is None:
+                if redis_server_binary() is None:
+                    print("redis-server is not installed; skipping the redis tier", file=sys.stderr)
+                else:
+                    server = RedisServer(Path(name)).start()
+                    url = server.url
+            try:
+                if url is not None:
+                    report["redis"] = [bench_redis(args, size, url) for size in sizes]
+            finally:
+                if server is not None:
+                    server.stop()
     report["load_average"]["end"] = os.getloadavg()
     json.dump(report, sys.stdout, indent=2)
     print()

@@ -30,6 +30,7 @@ def speed_section() -> str:
 
 
 def test_every_field_the_tier_benchmark_prints_is_documented(tmp_path: Path) -> None:
+    """The run also leaves nothing behind in its directories (``--dir`` and ``TMPDIR``)."""
     command = [
         sys.executable,
         str(REPO_ROOT / "benchmarks" / "tier_bench.py"),
@@ -46,9 +47,10 @@ def test_every_field_the_tier_benchmark_prints_is_documented(tmp_path: Path) -> 
     ]
     if redis_server_binary() is None:
         command += ["--skip", "redis"]
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmp_path)}
     run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
+    assert not list(tmp_path.iterdir())
     report = json.loads(run.stdout)
     assert report["disk"][0]["records"] == 64
     assert report["disk_o_direct"], "O_DIRECT arms ran, or say why they were skipped"
