@@ -21,6 +21,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import NamedTuple
 
 from kvtier.index.base import BlockKey
@@ -122,7 +123,7 @@ class KeyNamespace:
     namespace: str = ""
     _prefixes: dict[int, bytes] = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    @property
+    @cached_property
     def digest(self) -> bytes:
         """The bytes every key of this namespace starts with, whatever its group."""
         return self.prefix(0)[:_NAMESPACE_DIGEST_BYTES]

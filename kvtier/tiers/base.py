@@ -491,7 +491,7 @@ class QueuedTier(StorageTier):
                 misses=len(result.records) - len(hits),
                 bytes_read=sum(record.nbytes for record in hits),
             )
-        elif isinstance(result, PutResult):
+        elif isinstance(result, PutResult) and not all(result.stored):
             self._count(drops=result.stored.count(False))
         future.set_result(result)
         return True

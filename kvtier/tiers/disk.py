@@ -45,8 +45,8 @@ import os
 import struct
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -85,14 +85,37 @@ all hashed before it is written, and should still be in the CPU's cache when the
 Groups of 8 MiB (8 records of 1 MiB) made puts slower than a record at a time."""
 
 
-@dataclass(frozen=True)
-class _Pending:
+class _Pending(NamedTuple):
     """A record on its way to its file slot."""
 
     key: BlockKey
     file_slot: int
     record: memoryview
     sequence: int
+
+
+class _HeaderAreas:
+    """An I/O thread's page-aligned write buffer: the header areas of a group of records
+    (with ``o_direct``, one slot: a header area, then the payload)."""
+
+    def __init__(self, codec: RecordCodec, buffer: memoryview, areas: int) -> None:
+        self.codec = codec
+        self.buffer = buffer
+        self._areas = [
+            buffer[area * HEADER_AREA_BYTES : (area + 1) * HEADER_AREA_BYTES]
+            for area in range(areas)
+        ]
+        self._ends = [0] * areas
+        """Where each area's last header ended; zeros after it (the buffer starts zeroed)."""
+
+    def header(self, area: int, key: BlockKey, checksum: int, sequence: int) -> memoryview:
+        """Header area ``area``, holding the record header and zeros after it."""
+        view = self._areas[area]
+        end = self.codec.header_into(view, key, checksum, sequence)
+        if end < self._ends[area]:
+            view[end : self._ends[area]] = _ZEROS[: self._ends[area] - end]
+        self._ends[area] = end
+        return view
 
 
 def _cause_of(exc: OSError) -> Cause:
@@ -324,14 +347,16 @@ class DiskTier(QueuedTier):
     def _offset(self, file_slot: int) -> int:
         return SUPERBLOCK_BYTES + file_slot * self.slot_bytes
 
-    def _thread_buffer(self) -> memoryview:
-        """This I/O thread's page-aligned buffer: a slot with ``o_direct``, else the header
-        areas of a group of writes."""
-        buffer: memoryview | None = getattr(self._thread_buffers, "buffer", None)
-        if buffer is None:
-            size = self.slot_bytes if self.o_direct else WRITE_GROUP * HEADER_AREA_BYTES
-            buffer = self._thread_buffers.buffer = aligned_buffer(size)
-        return buffer
+    def _thread_buffer(self) -> _HeaderAreas:
+        """This I/O thread's header areas, in a page-aligned buffer: one slot with
+        ``o_direct``, else the header areas of a group of writes."""
+        areas: _HeaderAreas | None = getattr(self._thread_buffers, "areas", None)
+        if areas is None:
+            count = 1 if self.o_direct else WRITE_GROUP
+            size = self.slot_bytes if self.o_direct else count * HEADER_AREA_BYTES
+            areas = _HeaderAreas(self._codec, aligned_buffer(size), count)
+            self._thread_buffers.areas = areas
+        return areas
 
     def _read(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
         with self._index_lock:
@@ -390,7 +415,7 @@ class DiskTier(QueuedTier):
             evicted = sum(event.kind is EventKind.EVICTED for event in index.take_events())
         written: list[BlockKey] = []
         failed: list[BlockKey] = []
-        buffer = self._thread_buffer()
+        areas = self._thread_buffer()
         todo = [
             _Pending(key, self._file_slots[slot], record, sequence + position)
             for position, (key, slot, record) in enumerate(zip(keys, slots, records, strict=True))
@@ -398,12 +423,12 @@ class DiskTier(QueuedTier):
         ]
         for group in self._groups(todo):
             try:
-                self._write_group(buffer, group)
+                self._write_group(areas, group)
             except OSError:
                 # Record by record, so that each is stored, or failed and counted, on its own.
                 for one in group:
                     try:
-                        self._write_group(buffer, [one])
+                        self._write_group(areas, [one])
                     except OSError as exc:
                         self._count_error(_cause_of(exc))
                         failed.append(one.key)
@@ -436,40 +461,34 @@ class DiskTier(QueuedTier):
                 groups.append([pending])
         return groups
 
-    def _write_group(self, buffer: memoryview, group: list[_Pending]) -> None:
+    def _write_group(self, areas: _HeaderAreas, group: list[_Pending]) -> None:
         """Write the slots of ``group`` (consecutive in the file), headers and payloads, in
-        one system call through this thread's ``buffer``.
+        one system call through this thread's header ``areas``.
 
-        Through the page cache each header is built in its own header area of
-        ``buffer`` and the payloads are written from where they lie, with no
-        copy: at 256 KiB one ``pwritev`` of 8 records costs markedly less than
-        8 (a loop hashing and writing records from one thread reached 0.87x of
-        a bare sequential ``pwrite`` that way, 0.70x a record at a time). With
-        ``o_direct`` (one record) the payload is first copied behind the header
-        in ``buffer`` (page-aligned); the checksum then reads the copy while it
-        is still in the CPU's cache.
+        Through the page cache each header is built in its own header area and
+        the payloads are written from where they lie, with no copy: at 256 KiB
+        one ``pwritev`` of 8 records costs markedly less than 8 (a loop hashing
+        and writing records from one thread reached 0.87x of a bare sequential
+        ``pwrite`` that way, 0.70x a record at a time). With ``o_direct`` (one
+        record) the payload is first copied behind the header in the areas'
+        page-aligned buffer; the checksum then reads the copy while it is still
+        in the CPU's cache.
         """
         offset = self._offset(group[0].file_slot)
         if self.o_direct:
             (one,) = group
-            payload = buffer[HEADER_AREA_BYTES : HEADER_AREA_BYTES + self.record_bytes]
+            payload = areas.buffer[HEADER_AREA_BYTES : HEADER_AREA_BYTES + self.record_bytes]
             payload[:] = one.record
-            self._header_into(buffer, one.key, payload_checksum(payload), one.sequence)
-            self._write_all([buffer], offset)
+            areas.header(0, one.key, payload_checksum(payload), one.sequence)
+            self._write_all([areas.buffer], offset)
             return
         parts: list[memoryview] = []
         for index, one in enumerate(group):
-            header = buffer[index * HEADER_AREA_BYTES : (index + 1) * HEADER_AREA_BYTES]
-            self._header_into(header, one.key, payload_checksum(one.record), one.sequence)
+            header = areas.header(index, one.key, payload_checksum(one.record), one.sequence)
             parts += [header, one.record]
             if self._padding and index + 1 < len(group):
                 parts.append(self._padding)
         self._write_all(parts, offset)
-
-    def _header_into(self, buffer: memoryview, key: BlockKey, checksum: int, sequence: int) -> None:
-        """The record header at the start of ``buffer``, zeros after it (what a longer key left)."""
-        end = self._codec.header_into(buffer, key, checksum, sequence)
-        buffer[end:_HEADER_LIMIT] = _ZEROS[: _HEADER_LIMIT - end]
 
     def _write_all(self, parts: list[memoryview], offset: int) -> None:
         """``pwritev`` all of ``parts`` at ``offset``; a short write is continued."""

@@ -35,7 +35,7 @@ from kvtier.tiers.disk import (
     aligned_buffer,
     build_disk_tier,
 )
-from kvtier.tiers.record import payload_checksum
+from kvtier.tiers.record import HEADER_FIXED_BYTES, payload_checksum
 
 RECORD = 8192 + 100
 SLOT = DiskTier.slot_bytes_for(RECORD)
@@ -365,6 +365,23 @@ def test_records_in_consecutive_slots_go_out_in_one_write(
     assert fetch(tier, keys) == records
     tier.close()
     assert fetch(open_tier(capacity_bytes=capacity_for(2 * WRITE_GROUP + 4)), keys) == records
+
+
+def test_a_header_area_holds_nothing_after_its_header(
+    open_tier: Callable[..., DiskTier],
+) -> None:
+    """Header areas are built in a reused buffer: a short key's must not keep a long key's tail."""
+    tier = open_tier(io_threads=1)
+    long_key, short_key = (tier.keys.keys([name])[0] for name in (b"long" * 50, b"short"))
+    records = payloads(2, RECORD)
+    store(tier, [long_key], records[:1])
+    store(tier, [short_key], records[1:])
+    with open(tier.file, "rb") as file:
+        file.seek(slot_offset(tier, short_key))
+        area = file.read(HEADER_AREA_BYTES)
+    assert area[HEADER_FIXED_BYTES : HEADER_FIXED_BYTES + len(short_key)] == short_key
+    assert not any(area[HEADER_FIXED_BYTES + len(short_key) :])
+    assert fetch(tier, [long_key, short_key]) == records
 
 
 # ------------------------------------------------------------------------- O_DIRECT
