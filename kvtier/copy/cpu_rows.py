@@ -14,9 +14,10 @@ by :func:`kvtier.copy.planner.batch_runs` without numpy), goes to
   destination ids count up by one and the source ids up or down by one: each
   run is one slice copy per region, whatever the strides on either side. On
   the caller's thread a large run that counts up is a torch ``copy_``, which
-  splits it over torch's intra-op threads; other runs are numpy slices,
-  reversed for a run that counts down (as when blocks stored in the engine's
-  eviction order come back);
+  splits it over torch's intra-op threads, and so is a large run of rows of
+  up to 16 KiB that counts down (as when the engine gives a prompt's blocks
+  back in the opposite order to its slots), by ``index_select``; other runs
+  are numpy slices, reversed for a run that counts down;
 - *gather*: every region is a contiguous matrix on both sides (a one-region
   layout) and the destination ids, sorted, form few runs of consecutive rows:
   ``np.take`` of the source rows straight into each destination run;
@@ -51,9 +52,9 @@ holds up at most one piece; there is one join per batch. A batch whose
 runs all go to torch is not cut: torch already splits each run, and a torch
 copy from a pool thread would start a second team of intra-op threads.
 
-Torch's own ``index_select`` is not used: on rows of 32 KiB and more it opens
-a parallel region per row, which stalls badly when other processes share the
-cores.
+Torch's own ``index_select`` is used for nothing else: on rows of 32 KiB and
+more it opens a parallel region per row, which stalls badly when other
+processes share the cores.
 """
 
 from __future__ import annotations
@@ -83,6 +84,15 @@ TORCH_RUN_MIN_BYTES = 256 << 10
 torch call costs some 3 us more than numpy's, which its second thread wins back only from
 a few hundred KiB (warm rows of 16 KiB on 2 cores: 32 rows 31 us against 32 us, 8 rows
 11 us against 10 us)."""
+
+TORCH_REVERSED_MAX_ROW_BYTES = 16 << 10
+"""Widest row that the *runs* plan copies with torch (``index_select``, on the caller's
+thread) in a large run that counts down. Loading 8 MiB of such a run over 4 regions (cold,
+2 cores, median of 60 alternating, against the best contiguous copy): rows of 4, 8 and
+16 KiB 1.45, 1.53 and 1.93 times by ``index_select`` against 1.99, 2.09 and 2.58 by numpy's
+reversed slices (a run that counts up, by ``copy_``: 1.60, 1.57, 2.03); rows of 32 and
+64 KiB 1.82 and 1.81 against numpy's 1.40 and 1.54. Storing such a run of 16 KiB rows
+into a host column: 2.07 against 3.10 (``copy_`` of a run that counts up: 2.03)."""
 
 PIECES_PER_THREAD = 4
 """Pieces a large batch is cut into per thread; threads take pieces as they finish, so one
@@ -236,8 +246,10 @@ class RowCopier:
         )
         self._record_bytes = sum(int(engine.shape[1]) for engine, _ in regions)
         self._narrowest = min(int(engine.shape[1]) for engine, _ in regions)
-        widest = max(int(engine.shape[1]) for engine, _ in regions)
-        self._staging = [np.empty(max(CHUNK_BYTES, widest), dtype=np.uint8) for _ in range(threads)]
+        self._widest = max(int(engine.shape[1]) for engine, _ in regions)
+        self._staging = [
+            np.empty(max(CHUNK_BYTES, self._widest), dtype=np.uint8) for _ in range(threads)
+        ]
         self._pool = ThreadPoolExecutor(threads - 1, "kvtier-copy") if threads > 1 else None
 
     def copy(self, direction: Direction, blocks: np.ndarray, slots: np.ndarray) -> None:
@@ -325,7 +337,7 @@ class RowCopier:
         if self._pool is None or rows * self._record_bytes < PARALLEL_MIN_BYTES:
             return True
         return runs is not None and all(
-            step == 1 and size * self._narrowest >= TORCH_RUN_MIN_BYTES for size, step in runs
+            _torch_run(size, step, self._narrowest, self._widest) for size, step in runs
         )
 
     def _copy_slice(
@@ -383,12 +395,25 @@ class RowCopier:
             )
             row_bytes = source.dtype.itemsize
             for into, first, count, step in spans:
-                if step == 1 and by_torch and count * row_bytes >= TORCH_RUN_MIN_BYTES:
-                    target_rows[into : into + count].copy_(source_rows[first : first + count])
+                if by_torch and _torch_run(count, step, row_bytes, row_bytes):
+                    out = target_rows[into : into + count]
+                    if step == 1:
+                        out.copy_(source_rows[first : first + count])
+                    else:
+                        rows = torch.arange(first, first - count, -1)
+                        torch.index_select(source_rows, 0, rows, out=out)
                 elif step == 1:
                     target[into : into + count] = source[first : first + count]
                 else:
                     target[into : into + count] = source[first - count + 1 : first + 1][::-1]
+
+
+def _torch_run(count: int, step: int, narrowest: int, widest: int) -> bool:
+    """Whether the caller's thread copies a run of ``count`` rows of ``narrowest`` to
+    ``widest`` bytes (over the regions), counting up (``step`` 1) or down, with torch."""
+    if count * narrowest < TORCH_RUN_MIN_BYTES:
+        return False
+    return step == 1 or widest <= TORCH_REVERSED_MAX_ROW_BYTES
 
 
 def _span(

@@ -101,7 +101,12 @@ class EvictionPolicy(ABC):
 
 
 class PolicyIndex(BlockIndex):
-    """Slot table with free, writing and readable states, pins, and a policy for victims."""
+    """Slot table with free, writing and readable states, pins, and a policy for victims.
+
+    The slots one :meth:`reserve` grants count up along its keys, whichever
+    order they were freed in, so a chain stored together lies in as few runs
+    of consecutive slots as the free slots allow.
+    """
 
     def __init__(self, num_slots: int, policy: EvictionPolicy) -> None:
         if num_slots <= 0:
@@ -211,6 +216,16 @@ class PolicyIndex(BlockIndex):
                 self._writing[key] = (slot, parent)
                 slots.append(slot)
             parent = key
+        granted = [position for position, slot in enumerate(slots) if slot is not None]
+        if len(granted) > 1:
+            # Slots freed by evictions come back in the victims' order (a prefix-aware
+            # policy frees a chain last block first); any free slot will do for any key,
+            # so the chain gets them counting up, and a copy of it is a few long runs.
+            ascending = sorted(slots[position] for position in granted)
+            for position, slot in zip(granted, ascending, strict=True):
+                slots[position] = slot
+                key = keys[position]
+                self._writing[key] = (slot, self._writing[key][1])
         return slots
 
     def commit(self, keys: Sequence[BlockKey]) -> None:

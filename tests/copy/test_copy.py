@@ -142,15 +142,20 @@ def test_each_cpu_plan_is_chosen_and_copies_correctly(
 
 
 @pytest.mark.parametrize(
-    "slots, cut",
-    [(np.arange(64), False), (np.arange(63, -1, -1), True)],
-    ids=["slots_count_up-torch", "slots_count_down-pool"],
+    "slots, reversed_max_row_bytes, cut",
+    [
+        (np.arange(64), 0, False),
+        (np.arange(63, -1, -1), 1024, False),
+        (np.arange(63, -1, -1), 512, True),
+    ],
+    ids=["slots_count_up-torch", "slots_count_down-torch", "slots_count_down_wide_rows-pool"],
 )
 def test_a_batch_of_torch_runs_is_not_cut_over_the_pool(
-    slots: np.ndarray, cut: bool, monkeypatch: pytest.MonkeyPatch
+    slots: np.ndarray, reversed_max_row_bytes: int, cut: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr("kvtier.copy.cpu_rows.PARALLEL_MIN_BYTES", 0)
     monkeypatch.setattr("kvtier.copy.cpu_rows.TORCH_RUN_MIN_BYTES", 16 << 10)
+    monkeypatch.setattr("kvtier.copy.cpu_rows.TORCH_REVERSED_MAX_ROW_BYTES", reversed_max_row_bytes)
     engine = torch.randint(0, 256, (128, 1024), dtype=torch.uint8)
     host = torch.zeros((64, 2048), dtype=torch.uint8)[:, 1024:]
     copier = RowCopier([(engine, host)], threads=2)

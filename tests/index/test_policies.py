@@ -308,3 +308,17 @@ def test_prefix_arc_eviction_rule_can_be_fixed() -> None:
     recency = PrefixARCPolicy(8, eviction="recency")
     one_shot_scan_with_hot_keys(recency)
     assert recency.recency
+
+
+def test_a_chain_gets_its_slots_counting_up_whatever_order_they_were_freed_in() -> None:
+    index = PolicyIndex(4, LRUPolicy())
+    old = new_keys("old", 4)
+    store(index, old)
+    assert [index.slot_of(key) for key in old] == [0, 1, 2, 3]
+    hit(index, old[::-1])  # least recent is now old[3]: evictions free slots 3, 2, 1
+    chain = new_keys("chain", 3)
+    slots = index.reserve([chain[0], old[0], chain[1], chain[2]])
+    assert evicted(index) == [old[3], old[2], old[1]]
+    assert slots == [1, None, 2, 3]
+    index.commit(chain)
+    assert [index.slot_of(key) for key in chain] == [1, 2, 3]
