@@ -1,10 +1,16 @@
-"""What every test folder shares: where the checkout is, and loading a script of it."""
+"""What every test folder shares: where the checkout is, loading a script of it, and a
+directory of its own for vLLM's sockets."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,3 +22,23 @@ def load_script(path: Path, name: str | None = None) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_socket_directory() -> Iterator[None]:
+    """Point ``VLLM_RPC_BASE_PATH`` at a directory removed after the session.
+
+    vLLM opens its ZMQ sockets there (the system's temporary directory by
+    default) and leaves some behind: each ``make test`` left 37 in ``/tmp``.
+    Engines the tests start in other processes inherit the setting. One that
+    is already set is kept.
+    """
+    if "VLLM_RPC_BASE_PATH" in os.environ:
+        yield
+        return
+    with tempfile.TemporaryDirectory(prefix="kvtier-tests-vllm-") as directory:
+        os.environ["VLLM_RPC_BASE_PATH"] = directory
+        try:
+            yield
+        finally:
+            del os.environ["VLLM_RPC_BASE_PATH"]
