@@ -647,9 +647,6 @@ def main() -> int:
         "load_average_start": os.getloadavg(),
     }
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as scratch:
-        # vLLM opens its ZMQ sockets here (engine processes started below inherit it), not
-        # in the system's temporary directory, where it leaves some behind.
-        os.environ.setdefault("VLLM_RPC_BASE_PATH", scratch)
         model_dir = write_tiny_llama(Path(scratch) / "model", MODEL)
         if "ttft" in parts:
             prompt_bytes = MODEL.kv_bytes_per_token() * args.prompt_tokens
