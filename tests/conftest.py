@@ -36,9 +36,9 @@ def vllm_socket_directory() -> Iterator[None]:
     if "VLLM_RPC_BASE_PATH" in os.environ:
         yield
         return
-    with tempfile.TemporaryDirectory(prefix="kvtier-tests-vllm-") as directory:
-        os.environ["VLLM_RPC_BASE_PATH"] = directory
-        try:
-            yield
-        finally:
-            del os.environ["VLLM_RPC_BASE_PATH"]
+    with (
+        tempfile.TemporaryDirectory(prefix="kvtier-tests-vllm-") as directory,
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        patch.setenv("VLLM_RPC_BASE_PATH", directory)
+        yield
