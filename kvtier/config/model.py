@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, PrivateAttr, SerializeAsAny, ValidationInfo, field_validator
 
 from kvtier.config import sizes
-from kvtier.config.sizes import ByteCount
+from kvtier.config.sizes import ByteBudget, ByteCount
 from kvtier.kinds import KINDS, Kind
 from kvtier.models import KVTierModel, PluginConfig
 
@@ -28,6 +28,7 @@ DEFAULT_CPU_BYTES = 8 * sizes.GiB
 DEFAULT_COPY_DEADLINE_S = 10.0
 DEFAULT_REPORT_DEADLINE_S = 30.0
 DEFAULT_CLOSE_TIMEOUT_S = 10.0
+DEFAULT_SAME_STEP_LOAD_BYTES = 16 << 20
 DEFAULT_SOURCE = "default"
 """What :meth:`KVTierConfig.source_of` answers for a value no source set."""
 
@@ -109,6 +110,17 @@ class RootSettings(KVTierModel):
         description=(
             "When blocks are copied to the host tier: 'eager' stores every newly computed full "
             "block; 'lazy' stores blocks only as the engine is about to evict them."
+        ),
+    )
+    same_step_load_bytes: ByteBudget = Field(
+        DEFAULT_SAME_STEP_LOAD_BYTES,
+        description=(
+            "Host-tier hits of up to this many bytes per rank in all, each engine step, are "
+            "copied to the device at the start of the step that schedules their requests, "
+            "before its forward, so those requests compute in that step; larger hits, hits "
+            "read from the tiers below, and all hits of models with several kv-cache groups "
+            "are loaded a step ahead while their requests wait. 0 loads every hit a step "
+            "ahead. Accepts sizes such as '16MiB'."
         ),
     )
     copy_deadline_s: float = Field(

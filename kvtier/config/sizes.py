@@ -102,22 +102,26 @@ _BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 _DECIMAL_UNITS = ("KB", "MB", "GB", "TB", "PB", "EB")
 
 
-ByteCount = Annotated[
-    int,
-    BeforeValidator(parse_bytes),
-    Field(gt=0, le=MAX_BYTES),
-    WithJsonSchema(
+def _byte_schema(minimum: int) -> WithJsonSchema:
+    return WithJsonSchema(
         {
             "anyOf": [
-                {"type": "integer", "minimum": 1, "maximum": MAX_BYTES},
+                {"type": "integer", "minimum": minimum, "maximum": MAX_BYTES},
                 {"type": "string", "pattern": SIZE_PATTERN},
             ]
         }
-    ),
-]
+    )
+
+
+ByteCount = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0, le=MAX_BYTES), _byte_schema(1)]
 """A positive number of bytes that fits a signed 64-bit size (what torch and CUDA take);
 strings with a unit (``"8GiB"``, ``"1.5GiB"``, ``"64G"``, ``"512MB"``) are accepted. Its
 JSON Schema checks a string's form; the value a string stands for is checked on loading."""
+
+ByteBudget = Annotated[
+    int, BeforeValidator(parse_bytes), Field(ge=0, le=MAX_BYTES), _byte_schema(0)
+]
+"""A :data:`ByteCount` that may be 0, for a budget that 0 turns off."""
 
 
 def available_memory_bytes(meminfo: str | os.PathLike[str] = MEMINFO) -> int | None:

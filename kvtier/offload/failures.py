@@ -23,6 +23,9 @@ class FailureCause(str, enum.Enum):
     """A rank's copy backend raised something other than ``CopyError``; counted by that rank."""
     COPY_DEADLINE = "copy_deadline"
     """A rank stopped waiting for a copy past ``copy_deadline_s``; counted by that rank."""
+    LOAD_NOT_STARTED = "load_not_started"
+    """A rank's engine ran a step's forward before copying that step's same-step loads (it
+    never called the worker's ``load_same_step``); their blocks are recomputed."""
     CLOSE_TIMEOUT = "close_timeout"
     """A copy was still running when its rank closed, after ``close_timeout_s``."""
     REPORT_DEADLINE = "report_deadline"

@@ -243,6 +243,8 @@ class _Request:
     """Block position after the last one loaded from the tier."""
     admitted: bool = False
     """Whether its tier hit since it (re)started was counted in the observations."""
+    same_step: bool = False
+    """Its pending loads are for the step that runs it (:meth:`OffloadManager.allocated`)."""
 
     def __post_init__(self) -> None:
         if not self.block_ids:
@@ -536,6 +538,8 @@ class OffloadManager:
         block_ids: GroupBlockIds,
         num_computed_tokens: int,
         num_external_tokens: int,
+        *,
+        same_step: bool = False,
     ) -> None:
         """Record the engine's allocation; queue a load of ``num_external_tokens`` from the tier.
 
@@ -547,13 +551,29 @@ class OffloadManager:
         (recompute) by the next plan. The engine's own hits are touched in the
         tier's policy.
 
+        With ``same_step`` the engine runs the request in the step whose plan
+        carries the load, so the load must be copied before that step's
+        forward (:attr:`TransferPlan.same_step`); the engine then learns of a
+        failed block from that step's output, not from a finished load. Only
+        with one kv-cache group: block ids name blocks of one group alone.
+
         Args:
             request_id: The request.
             block_hashes: The engine's hash of each full block of the request.
             block_ids: The request's device block ids per group, from position 0.
             num_computed_tokens: Tokens the engine held before the tier's hits.
             num_external_tokens: Tokens accepted from :meth:`lookup` (0 for none).
+            same_step: The engine runs the request in the step of the next plan.
+
+        Raises:
+            ValueError: ``same_step`` with several kv-cache groups, or ``block_ids``
+                that do not cover the accepted blocks.
         """
+        if same_step and self.num_groups > 1:
+            raise ValueError(
+                f"request {request_id}: a same-step load needs one kv-cache group, but there "
+                f"are {self.num_groups}; load it a step ahead"
+            )
         self._promoting.pop(request_id, None)
         state = self._state(request_id)
         state.block_hashes = block_hashes
@@ -568,6 +588,7 @@ class OffloadManager:
             return
         self._hit_tokens += count * self.block_tokens
         state.load_end = first + count
+        state.same_step = same_step
         hashes = block_hashes[first : first + count]
         for group in range(self.num_groups):
             group_ids = block_ids[group][first : first + count] if group < len(block_ids) else []
@@ -704,7 +725,11 @@ class OffloadManager:
         now = self._clock()
         loads: list[Transfer] = []
         unavailable: dict[str, tuple[int, ...]] = {}
+        same_step: set[str] = set()
         for state in self._requests.values():
+            if state.same_step:
+                state.same_step = False
+                same_step.add(state.request_id)
             for pending in state.pending_loads:
                 transfer = Transfer(
                     self._new_batch_id(),
@@ -748,6 +773,7 @@ class OffloadManager:
             unavailable=unavailable,
             promotions=promotions,
             demotions=self._take_demotions() if self._demotions else (),
+            same_step=frozenset(same_step),
         )
         self._flush = False
         return plan
@@ -1020,6 +1046,7 @@ class OffloadManager:
         for pending in state.pending_loads:
             self.index.unpin(pending.keys)
         state.pending_loads.clear()
+        state.same_step = False
 
     def _has_unstored_blocks(self, state: _Request) -> bool:
         if self.store_mode != "eager":

@@ -84,9 +84,10 @@ class TransferPlan:
 
     Workers execute it in this order: if ``flush``, wait for every copy already
     in flight (requests were preempted and their device blocks are about to be
-    reused); then copy ``demotions`` out of their slots (the plan's stores and
-    promotions may reuse those slots); then submit ``stores``, ``loads`` and
-    ``promotions``; then report.
+    reused); before the step's forward, copy the loads of the ``same_step``
+    requests and wait for them; after it, copy ``demotions`` out of their slots
+    (the plan's stores and promotions may reuse those slots), then submit
+    ``stores``, the other ``loads`` and ``promotions``; then report.
     """
 
     stores: tuple[Transfer, ...] = ()
@@ -103,6 +104,10 @@ class TransferPlan:
     """Lower-tier reads into host slots, for requests waiting on their lookup."""
     demotions: tuple[Demotion, ...] = ()
     """Blocks evicted from the host tier, to write to the lower tiers."""
+    same_step: frozenset[str] = frozenset()
+    """Requests the engine runs in this very step, on the blocks their loads write: workers
+    copy those loads (and report those requests' ``unavailable`` blocks as failed) before
+    the step's forward, and never name the requests among finished loads."""
 
     @property
     def empty(self) -> bool:

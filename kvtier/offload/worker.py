@@ -9,18 +9,21 @@ order each step:
 1. :meth:`OffloadWorker.bind` — this step's :class:`TransferPlan`.
 2. :meth:`OffloadWorker.handle_preemptions` — before the engine reuses any
    device block: if the plan asks for a flush, wait for every copy in flight.
-3. (the engine runs its model)
-4. :meth:`OffloadWorker.get_finished` — hands the plan's demotions to the
+3. :meth:`OffloadWorker.load_same_step` — before the model runs: copy the
+   loads of the plan's ``same_step`` requests, whose tokens this step
+   computes on the loaded blocks, and wait for them.
+4. (the engine runs its model)
+5. :meth:`OffloadWorker.get_finished` — hands the plan's demotions to the
    lower tiers (copies of their slots), submits the plan's stores and loads
    (behind the model's work on the current stream) and promotions (reads from
    the lower tiers, on their threads), polls copies and promotions in flight,
    and returns the finished requests whose held blocks may be freed and the
    requests whose loads completed.
-5. :meth:`OffloadWorker.take_load_failures` — what of those loads failed, for
+6. :meth:`OffloadWorker.take_load_failures` — what of those loads failed, for
    the engine to recompute: device blocks with one kv-cache group, whole
    requests with several (block ids repeat across groups, so a block id alone
    does not say which block failed).
-6. :meth:`OffloadWorker.take_report` — the :class:`WorkerReport` for the
+7. :meth:`OffloadWorker.take_report` — the :class:`WorkerReport` for the
    scheduler-side :class:`~kvtier.offload.OffloadManager`.
 
 No wait is unbounded. A copy still running ``copy_deadline_s`` after its
@@ -172,6 +175,10 @@ class OffloadWorker:
         self._holds: dict[str, set[int]] = {}
         self._failed_load_blocks: set[int] = set()
         self._failed_load_requests: set[str] = set()
+        # Same-step loads of the bound plan, copied by load_same_step(); and the batch ids
+        # of such loads until they are recorded, whose requests are never named as loaded.
+        self._same_step: list[Transfer] = []
+        self._same_step_batches: set[int] = set()
         self.chain = chain
         self._host_bytes = tier.buffer.numpy()
         self._fetches: dict[int, tuple[Promotion, Fetch]] = {}
@@ -257,11 +264,16 @@ class OffloadWorker:
         self._flush_pending = plan.flush
         for transfer in plan.loads:
             assert transfer.request_id is not None
-            self._loads_by_request.setdefault(transfer.request_id, set()).add(transfer.batch_id)
+            if transfer.request_id in plan.same_step:
+                self._same_step.append(transfer)
+                self._same_step_batches.add(transfer.batch_id)
+            else:
+                self._loads_by_request.setdefault(transfer.request_id, set()).add(transfer.batch_id)
         for request_id, blocks in plan.unavailable.items():
             self._failed_load_blocks.update(blocks)
-            self._failed_load_requests.add(request_id)
-            self._loads_by_request.setdefault(request_id, set())
+            if request_id not in plan.same_step:
+                self._failed_load_requests.add(request_id)
+                self._loads_by_request.setdefault(request_id, set())
         for request_id, batch_ids in plan.holds.items():
             self._holds[request_id] = set(batch_ids)
 
@@ -275,6 +287,27 @@ class OffloadWorker:
         self._flush_pending = False
         self._wait(until=None)
 
+    def load_same_step(self) -> None:
+        """Copy the bound plan's same-step loads and wait for them, before the model runs.
+
+        The step's forward reads the blocks they write. Each copy is waited for
+        until its deadline at most; the blocks of one that failed or was
+        abandoned are in :meth:`take_failed_load_blocks` for the engine to
+        recompute. Other copies in flight are polled but not waited for.
+        """
+        if self._flush_pending:
+            self.flush()
+        transfers, self._same_step = self._same_step, []
+        for transfer in transfers:
+            self._submit(transfer)
+        batch_ids = {transfer.batch_id for transfer in transfers}
+        pause = _FIRST_PAUSE_S
+        while batch_ids & self._inflight.keys():
+            self._poll()
+            if batch_ids & self._inflight.keys():
+                self._sleep(pause)
+                pause = min(2 * pause, _LONGEST_PAUSE_S)
+
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Submit the bound plan, poll copies in flight, and say which requests are done.
 
@@ -287,10 +320,18 @@ class OffloadWorker:
         if self._flush_pending:
             self.flush()
         plan, self._plan = self._plan, None
+        for transfer in self._same_step:  # the model ran before load_same_step() was called
+            self._fail(
+                transfer,
+                FailureCause.LOAD_NOT_STARTED,
+                "the step's forward ran before its same-step load was copied",
+            )
+        self._same_step = []
         if plan is not None and not plan.empty:
             self._demote(plan)
             for transfer in (*plan.stores, *plan.loads):
-                self._submit(transfer)
+                if transfer.request_id not in plan.same_step:
+                    self._submit(transfer)
             for promotion in plan.promotions:
                 assert self.chain is not None
                 fetch = self.chain.fetch(promotion.group, promotion.block_hashes)
@@ -565,8 +606,12 @@ class OffloadWorker:
         counts[transfer.batch_id] = counts.get(transfer.batch_id, 0) + 1
         if not ok and transfer.direction is Direction.LOAD:
             self._load_failed(transfer)
+        self._same_step_batches.discard(transfer.batch_id)
 
     def _load_failed(self, transfer: Transfer) -> None:
         self._failed_load_blocks.update(transfer.device_blocks)
-        if transfer.request_id is not None:
+        if transfer.batch_id in self._same_step_batches:
+            # the engine runs the request already: it learns of the blocks alone
+            self._same_step_batches.discard(transfer.batch_id)
+        elif transfer.request_id is not None:
             self._failed_load_requests.add(transfer.request_id)

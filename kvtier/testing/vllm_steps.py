@@ -8,7 +8,8 @@ and runs engine steps by hand, as vLLM's connector unit tests do:
 
 1. ``Scheduler.schedule()``;
 2. the worker connector's calls in the model runner's order
-   (``handle_preemptions``, ``bind_connector_metadata``, the "forward",
+   (``handle_preemptions``, ``bind_connector_metadata``, ``start_load_kv``
+   on steps with same-step loads, the "forward",
    ``get_transfer_results``, ``get_block_ids_with_load_errors``,
    ``build_connector_worker_meta``);
 3. a ``ModelRunnerOutput`` built by hand (one sampled token per request that
@@ -275,11 +276,15 @@ class VllmSteps:
         worker.bind_connector_metadata(metadata)
         for transfer in metadata.plan.loads:
             self._loads.setdefault(transfer.request_id, []).extend(transfer.device_blocks)
+        if output.has_sync_kv_loads:  # as vLLM's model runner: before the forward
+            worker.start_load_kv(None)
         sampled = self._forward(output)
         worker.wait_for_save()
         results = worker.get_transfer_results(output.finished_req_ids)
         invalid = worker.get_block_ids_with_load_errors()
         self.failed_blocks += len(invalid)
+        for request_id in metadata.plan.same_step:  # the forward wrote none of their blocks
+            self._check_loaded(request_id, invalid)
         for request_id in results.finished_recving or ():
             if request_id in (results.failed_recving or ()):
                 self._loads.pop(request_id, None)

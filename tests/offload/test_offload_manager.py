@@ -137,6 +137,30 @@ def test_load_pins_slots_until_every_worker_finished() -> None:
     assert (stats.hit_tokens, stats.loaded_blocks, stats.loaded_bytes) == (3 * BT, 3, 600)
 
 
+def test_a_same_step_load_is_marked_in_its_plan_only() -> None:
+    m = manager()
+    m.process(done(store_blocks(m, "a", 3)))
+    m.finished("a")
+    m.allocated("b", HASHES[:3], [[10, 11, 12, 13]], 0, 2 * BT, same_step=True)
+    m.allocated("c", HASHES[:3], [[20, 21, 22, 23]], 0, 3 * BT)
+    plan = m.build_plan()
+    assert plan.same_step == {"b"}
+    assert {load.request_id: load.device_blocks for load in plan.loads} == {
+        "b": (10, 11),
+        "c": (20, 21, 22),
+    }
+    assert m.process(done(plan)).loaded_requests == ("b", "c")
+    assert m.index.stats().pinned == 0
+    m.scheduled("b", num_computed_tokens=3 * BT)
+    assert m.build_plan().same_step == frozenset()
+
+
+def test_a_same_step_load_needs_one_kv_cache_group() -> None:
+    m = manager(num_groups=2)
+    with pytest.raises(ValueError, match="one kv-cache group"):
+        m.allocated("b", HASHES[:2], [[1, 2], [3, 4]], 0, 2 * BT, same_step=True)
+
+
 def test_failed_load_is_a_recompute() -> None:
     m = manager()
     m.process(done(store_blocks(m, "a", 2)))

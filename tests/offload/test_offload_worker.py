@@ -101,6 +101,62 @@ def test_store_then_load_moves_the_bytes() -> None:
     worker.close()
 
 
+def test_same_step_loads_are_copied_before_the_forward_and_never_named_as_loaded() -> None:
+    layout = make_layout()
+    worker, _ = make_worker(layout, delay_polls=2)
+    original = block_bytes(layout, 2)
+    worker.bind(TransferPlan(stores=(store(0, (2,), (1,)),)))
+    worker.get_finished()
+    worker.flush()
+    worker.take_report()
+    worker.bind(
+        TransferPlan(
+            loads=(load(1, (6,), (1,), "now"), load(2, (7,), (1,), "later")),
+            same_step=frozenset({"now"}),
+        )
+    )
+    worker.load_same_step()
+    assert block_bytes(layout, 6) == original, "copied before the step's forward"
+    assert worker.num_inflight == 0, "the asynchronous load waits for get_finished"
+    assert worker.take_report() == WorkerReport(done={1: 1})
+    assert worker.get_finished() == (set(), set())
+    worker.flush()
+    assert worker.get_finished() == (set(), {"later"})
+    assert worker.take_report() == WorkerReport(done={2: 1})
+    assert worker.take_failed_load_blocks() == set()
+
+
+def test_failed_same_step_loads_are_blocks_alone() -> None:
+    worker, _ = make_worker(make_layout(), fail=True)
+    worker.bind(
+        TransferPlan(
+            loads=(load(0, (4, 5), (2, 3), "now"),),
+            unavailable={"now": (6,)},
+            same_step=frozenset({"now"}),
+        )
+    )
+    worker.load_same_step()
+    _, loaded = worker.get_finished()
+    assert loaded == set()
+    assert worker.take_report() == WorkerReport(failed={0: 1})
+    assert worker.take_load_failures(loaded) == LoadFailures(blocks=frozenset({4, 5, 6}))
+    worker.bind(TransferPlan())
+    assert worker.get_finished() == (set(), set()), "the request is never named afterwards"
+
+
+def test_a_same_step_load_not_copied_before_the_forward_fails_its_blocks() -> None:
+    layout = make_layout()
+    worker, backends = make_worker(layout)
+    before = block_bytes(layout, 6)
+    worker.bind(TransferPlan(loads=(load(0, (6,), (1,), "now"),), same_step=frozenset({"now"})))
+    assert worker.get_finished() == (set(), set())
+    assert backends[0].submitted == 0, "too late to copy: the forward read the block already"
+    assert block_bytes(layout, 6) == before
+    assert worker.take_report() == WorkerReport(failed={0: 1})
+    assert worker.take_failed_load_blocks() == {6}
+    assert worker.failure_counts == {FailureCause.LOAD_NOT_STARTED: 1}
+
+
 def test_slow_copies_are_reported_when_they_finish() -> None:
     layout = make_layout()
     worker, _ = make_worker(layout, delay_polls=2)

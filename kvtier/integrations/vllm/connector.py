@@ -231,9 +231,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[int | None, bool]:
         if self.scheduler is None:
             return 0, False
-        hit_tokens = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-        # None: the lower tiers are being searched; vLLM asks again at a later step.
-        return hit_tokens, hit_tokens is not None and hit_tokens > 0
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -316,10 +314,13 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.bind(connector_metadata.plan)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        """Nothing to start: loads run between steps while their requests wait."""
+        """Copy this step's same-step loads and wait for them; other loads run after the
+        forward, while their requests wait."""
+        if self.worker is not None:
+            self.worker.load_same_step()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: no load targets a block the running forward reads."""
+        """Nothing to wait for: same-step loads completed in :meth:`start_load_kv`."""
 
     def save_kv_layer(
         self,

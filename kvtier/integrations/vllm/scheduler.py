@@ -4,12 +4,14 @@ Call sequence in one engine step, inside ``Scheduler.schedule()``:
 
 1. :meth:`KVTierScheduler.get_num_new_matched_tokens` — for a waiting request
    whose ``num_computed_tokens`` is 0 (new, or preempted and restarting), after
-   vLLM's own prefix-cache lookup; the hit is loaded asynchronously. vLLM may
-   ask again for the same request if allocation fails.
+   vLLM's own prefix-cache lookup. A hit within this step's same-step budget
+   is loaded at the start of this step and the request runs in it; a larger
+   one is loaded asynchronously. vLLM may ask again for the same request if
+   allocation fails.
 2. :meth:`KVTierScheduler.update_state_after_alloc` — after vLLM allocated
-   device blocks; a request that loads gets a second call once its load
-   finished and it is scheduled. It waits in ``WAITING_FOR_REMOTE_KVS``
-   until every worker reported its load.
+   device blocks; a request that loads asynchronously gets a second call once
+   its load finished and it is scheduled. It waits in
+   ``WAITING_FOR_REMOTE_KVS`` until every worker reported its load.
 3. :meth:`KVTierScheduler.build_plan` — once per step, after scheduling:
    preemptions, every scheduled request's new blocks and computed tokens,
    lazy-mode candidates from vLLM's free block queue, then the plan.
@@ -183,24 +185,50 @@ class KVTierScheduler:
         # that can change them, so the steps that change nothing skip building them.
         self._stats_stale = True
         self._capacity_bytes = host_bytes_per_rank(config, world_size)
+        # Same-step loads: bytes per rank left this step, and the requests given one. vLLM's
+        # invalid-block reports, by which a failed same-step load is recomputed, name blocks
+        # of one kv-cache group only.
+        self._same_step_budget = config.same_step_load_bytes if num_groups == 1 else 0
+        self._same_step_left = self._same_step_budget
+        self._same_step: set[str] = set()
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """Keep vLLM's block pool: lazy mode reads its free queue and protects blocks in it."""
         self._block_pool = gpu_block_pool
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int | None:
-        """Tokens past vLLM's own hit that the tier loads (asynchronously when positive).
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens past vLLM's own hit that the tier loads, and whether asynchronously.
 
-        ``None`` while the lower tiers are searched for the request's blocks.
+        ``(None, False)`` while the lower tiers are searched for the request's
+        blocks. A hit that fits in what is left of this step's
+        ``same_step_load_bytes`` is loaded before this step's forward, which
+        then computes the request's remaining tokens; so it stops short of
+        the request's last token, which the forward must compute. Only the
+        block holding that token is then given up: a hit of that block alone
+        is left to the forward too, rather than loaded a step ahead.
         """
-        self._lookup_base[request.request_id] = num_computed_tokens
+        request_id = request.request_id
+        self._lookup_base[request_id] = num_computed_tokens
         self._stats_stale = True
         # The manager leaves the last token to the engine. vLLM recomputes the last token of
         # a fully loaded request itself (it rewinds num_computed_tokens by one after an
-        # asynchronous load), so the tier may also serve the block holding that token.
-        return self.manager.lookup(
-            request.request_id, request.block_hashes, num_computed_tokens, request.num_tokens + 1
+        # asynchronous load), so an asynchronous hit may also cover the block holding it.
+        hit = self.manager.lookup(
+            request_id, request.block_hashes, num_computed_tokens, request.num_tokens + 1
         )
+        if not hit or not self._same_step_budget:
+            return hit, bool(hit)
+        block = self.block_tokens
+        same_step_hit = min(hit, (request.num_tokens - 1 - num_computed_tokens) // block * block)
+        cost = same_step_hit // block * self.record_bytes
+        if cost > self._same_step_left:
+            return hit, True
+        self._same_step_left -= cost
+        if same_step_hit:
+            self._same_step.add(request_id)
+        return same_step_hit, False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -209,16 +237,21 @@ class KVTierScheduler:
         self._stats_stale = True
         self.tokens.track(request.request_id, request.block_hashes, request.all_token_ids)
         base = self._lookup_base.pop(request.request_id, request.num_computed_tokens)
+        same_step = request.request_id in self._same_step
+        self._same_step.discard(request.request_id)
         self.manager.allocated(
             request.request_id,
             request.block_hashes,
             blocks.get_block_ids(),
             num_computed_tokens=base,
             num_external_tokens=num_external_tokens,
+            same_step=same_step and num_external_tokens > 0,
         )
 
     def build_plan(self, scheduler_output: SchedulerOutput) -> TransferPlan:
         """This step's plan for every worker."""
+        self._same_step_left = self._same_step_budget
+        self._same_step.clear()
         manager = self.manager
         if scheduler_output.preempted_req_ids:
             manager.preempted(scheduler_output.preempted_req_ids)

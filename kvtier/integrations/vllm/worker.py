@@ -7,16 +7,20 @@ Call sequence in one engine step, inside ``GPUModelRunner.execute_model``
    prepared: if requests were preempted, wait for copies still reading their
    blocks.
 2. :meth:`KVTierWorker.bind` — the plan for this step.
-3. (the forward pass; loads run between steps while their requests wait, and
-   stores copy whole blocks after it, so nothing happens per layer)
-4. :meth:`KVTierWorker.get_transfer_results` — submits the plan's stores and
+3. :meth:`KVTierWorker.load_same_step` — before the forward, on steps that
+   run a request in the step that loads its tier hit: copy those loads and
+   wait for them.
+4. (the forward pass; other loads run between steps while their requests
+   wait, and stores copy whole blocks after it, so nothing happens per layer)
+5. :meth:`KVTierWorker.get_transfer_results` — submits the plan's stores and
    loads (behind the forward on the device) and names finished loads and
    finished requests whose blocks may be freed; with several kv-cache groups,
    requests whose load failed.
-5. :meth:`KVTierWorker.get_block_ids_with_load_errors` — with one group, the
-   device blocks whose loads failed, so vLLM recomputes them.
-6. :meth:`KVTierWorker.stats` — the worker's failures by cause, for vLLM's metrics.
-7. :meth:`KVTierWorker.take_report` — the worker's report for the scheduler.
+6. :meth:`KVTierWorker.get_block_ids_with_load_errors` — with one group, the
+   device blocks whose loads failed (same-step loads included), so vLLM
+   recomputes them.
+7. :meth:`KVTierWorker.stats` — the worker's failures by cause, for vLLM's metrics.
+8. :meth:`KVTierWorker.take_report` — the worker's report for the scheduler.
 
 With sleep mode (vLLM 0.33), :meth:`KVTierWorker.suspend` runs before the KV
 cache is unmapped.
@@ -134,6 +138,11 @@ class KVTierWorker:
         """Take this step's plan (submitted in :meth:`get_transfer_results`)."""
         if self.offload is not None:
             self.offload.bind(plan)
+
+    def load_same_step(self) -> None:
+        """Before the forward: copy the loads of requests this step runs, and wait for them."""
+        if self.offload is not None:
+            self.offload.load_same_step()
 
     def get_transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """Submit the plan; return finished sending, finished receiving and failed receiving.

@@ -88,7 +88,7 @@ def test_a_request_waits_for_its_load_before_it_runs(
 ) -> None:
     from vllm.v1.request import RequestStatus
 
-    engine = engine_factory()
+    engine = engine_factory({"cpu_bytes": 4 * MIB, "same_step_load_bytes": 0})
     (prompt,) = prompts(2, 1, 70, 71)
     engine.generate([prompt])
     reset_device_cache(engine)
@@ -99,6 +99,69 @@ def test_a_request_waits_for_its_load_before_it_runs(
     assert [len(t) for t in first.kv_connector_metadata.plan.loads] == [len(prompt) // BLOCK]
     engine.run()
     assert engine.loaded_blocks == len(prompt) // BLOCK and engine.mismatches == []
+
+
+def test_a_hit_within_the_same_step_budget_runs_in_the_step_that_loads_it(
+    engine_factory: Callable[..., VllmSteps],
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    engine = engine_factory()
+    (prompt,) = prompts(2, 1, 70, 71)
+    cold = engine.generate([prompt], max_tokens=3)
+    reset_device_cache(engine)
+    request_id = engine.add(prompt, max_tokens=3)
+    first = engine.step()
+    assert first.num_scheduled_tokens == {request_id: len(prompt) - 4 * BLOCK}
+    assert first.kv_connector_metadata.plan.same_step == {request_id}
+    assert [len(t) for t in first.kv_connector_metadata.plan.loads] == [4]
+    assert engine.scheduler.requests[request_id].status == RequestStatus.RUNNING
+    assert engine.loaded_blocks == 4 and engine.mismatches == []
+    engine.run()
+    assert engine.outputs[request_id] == cold[0]
+    assert engine.connector.manager.stats().loaded_blocks == 4
+
+
+def test_a_same_step_hit_leaves_the_block_of_the_last_token_to_the_forward(
+    engine_factory: Callable[..., VllmSteps],
+) -> None:
+    engine = engine_factory()
+    (prompt,) = prompts(3, 1, 64, 65)
+    engine.generate([prompt])
+    reset_device_cache(engine)
+    request_id = engine.add(prompt)
+    first = engine.step()
+    assert first.num_scheduled_tokens == {request_id: BLOCK}
+    assert [len(t) for t in first.kv_connector_metadata.plan.loads] == [3]
+    # vLLM's own cache holds the first three blocks: the last one is computed, not loaded
+    request_id = engine.add(prompt)
+    first = engine.step()
+    assert first.num_scheduled_tokens == {request_id: BLOCK}
+    assert not first.kv_connector_metadata.plan.loads
+    engine.run()
+    assert engine.mismatches == []
+
+
+def test_hits_past_the_same_step_budget_are_loaded_a_step_ahead(
+    engine_factory: Callable[..., VllmSteps],
+) -> None:
+    from vllm.v1.request import RequestStatus
+
+    record_bytes = engine_factory().connector.scheduler.record_bytes
+    engine = engine_factory({"cpu_bytes": 4 * MIB, "same_step_load_bytes": 5 * record_bytes})
+    batch = [prompt[:70] for prompt in prompts(4, 2, 70, 71)]
+    cold = engine.generate(batch, max_tokens=2)
+    reset_device_cache(engine)
+    first_id, second_id = (engine.add(prompt, max_tokens=2) for prompt in batch)
+    first = engine.step()
+    assert first.kv_connector_metadata.plan.same_step == {first_id}
+    assert first.num_scheduled_tokens == {first_id: 70 - 4 * BLOCK}
+    assert engine.scheduler.requests[second_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    second = engine.step()
+    assert second.kv_connector_metadata.plan.same_step == frozenset()
+    engine.run()
+    assert [engine.outputs[first_id], engine.outputs[second_id]] == cold
+    assert engine.loaded_blocks == 8 and engine.mismatches == []
 
 
 def test_preempted_requests_keep_their_outputs(engine_factory: Callable[..., VllmSteps]) -> None:
@@ -126,18 +189,29 @@ def test_finished_requests_are_held_until_their_stores_complete(
     assert engine.connector.manager.stats().stored_blocks == len(prompt) // BLOCK
 
 
+@pytest.mark.parametrize("same_step_load_bytes", [0, 4 * MIB], ids=["a_step_ahead", "same_step"])
 def test_failed_loads_are_recomputed(
-    engine_factory: Callable[..., VllmSteps], monkeypatch: pytest.MonkeyPatch
+    engine_factory: Callable[..., VllmSteps],
+    monkeypatch: pytest.MonkeyPatch,
+    same_step_load_bytes: int,
 ) -> None:
     failing_loads = flaky_copy_registry(fail=lambda batch: batch.direction is Direction.LOAD)
     monkeypatch.setattr(kvtier.plugins, "_default_registry", failing_loads)
-    engine = engine_factory({"cpu_bytes": 4 * MIB, "copy": {"type": "flaky"}})
+    engine = engine_factory(
+        {
+            "cpu_bytes": 4 * MIB,
+            "copy": {"type": "flaky"},
+            "same_step_load_bytes": same_step_load_bytes,
+        }
+    )
     batch = prompts(5, 3, 40, 100)
     cold = engine.generate(batch, max_tokens=4)
     reset_device_cache(engine)
     assert engine.generate(batch, max_tokens=4) == cold
     stats = engine.connector.manager.stats()
-    full_blocks = sum(len(p) // BLOCK for p in batch)
+    # a same-step hit leaves the block holding the prompt's last token to the forward
+    last_token = 1 if same_step_load_bytes else 0
+    full_blocks = sum((len(p) - last_token) // BLOCK for p in batch)
     assert stats.hit_tokens == full_blocks * BLOCK
     assert stats.loaded_blocks == 0
     assert stats.failed_loads == engine.failed_blocks == full_blocks
