@@ -544,7 +544,9 @@ class OffloadManager:
         """Record the engine's allocation; queue a load of ``num_external_tokens`` from the tier.
 
         The blocks at positions ``num_computed_tokens // block_tokens`` onwards
-        (``num_external_tokens // block_tokens`` of them) are loaded into
+        (``num_external_tokens / block_tokens`` of them, rounded up: a same-step
+        hit may end one token short of a block, whose last token the engine
+        computes again) are loaded into
         ``block_ids[group][position]`` in every group. Their host slots are
         pinned now, so no store can evict them before the load ran; a block
         that is no longer readable is reported to the engine as a failed load
@@ -578,7 +580,7 @@ class OffloadManager:
         state = self._state(request_id)
         state.block_hashes = block_hashes
         first = num_computed_tokens // self.block_tokens
-        count = num_external_tokens // self.block_tokens
+        count = -(-num_external_tokens // self.block_tokens)
         for group in range(self.num_groups):
             self.index.touch(self.namespace.keys(block_hashes[:first], group))
         if not state.admitted:

@@ -278,13 +278,19 @@ class VllmSteps:
             self._loads.setdefault(transfer.request_id, []).extend(transfer.device_blocks)
         if output.has_sync_kv_loads:  # as vLLM's model runner: before the forward
             worker.start_load_kv(None)
+        # what same-step loads wrote, before the forward writes the last token's block again
+        loaded_now = {
+            block: [self.block_views[name][block].clone() for name in self.layer_names]
+            for request_id in metadata.plan.same_step
+            for block in self._loads.get(request_id, ())
+        }
         sampled = self._forward(output)
         worker.wait_for_save()
         results = worker.get_transfer_results(output.finished_req_ids)
         invalid = worker.get_block_ids_with_load_errors()
         self.failed_blocks += len(invalid)
-        for request_id in metadata.plan.same_step:  # the forward wrote none of their blocks
-            self._check_loaded(request_id, invalid)
+        for request_id in metadata.plan.same_step:
+            self._check_loaded(request_id, invalid, loaded_now)
         for request_id in results.finished_recving or ():
             if request_id in (results.failed_recving or ()):
                 self._loads.pop(request_id, None)
@@ -367,7 +373,14 @@ class VllmSteps:
             target = self.block_views[name][block]
             target.copy_(block_values(block_hash, index, tuple(target.shape), target.dtype))
 
-    def _check_loaded(self, request_id: str, failed: set[int]) -> None:
+    def _check_loaded(
+        self,
+        request_id: str,
+        failed: set[int],
+        copies: Mapping[int, list[torch.Tensor]] | None = None,
+    ) -> None:
+        """Compare the blocks loaded for a request (or ``copies`` of them, per layer, taken
+        right after the load) with what they must hold."""
         request = self.scheduler.requests.get(request_id)
         loaded = self._loads.pop(request_id, [])
         if request is None:
@@ -378,7 +391,9 @@ class VllmSteps:
                 continue
             block_hash = request.block_hashes[block_ids.index(block)]
             for index, name in enumerate(self.layer_names):
-                actual = self.block_views[name][block].contiguous()
+                actual = (
+                    copies[block][index] if copies else self.block_views[name][block]
+                ).contiguous()
                 expected = block_values(block_hash, index, tuple(actual.shape), actual.dtype)
                 if not torch.equal(actual.view(torch.uint8), expected.view(torch.uint8)):
                     self.mismatches.append(f"{request_id} block {block} layer {name}")

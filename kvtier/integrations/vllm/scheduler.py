@@ -204,10 +204,10 @@ class KVTierScheduler:
         ``(None, False)`` while the lower tiers are searched for the request's
         blocks. A hit that fits in what is left of this step's
         ``same_step_load_bytes`` is loaded before this step's forward, which
-        then computes the request's remaining tokens; so it stops short of
-        the request's last token, which the forward must compute. Only the
-        block holding that token is then given up: a hit of that block alone
-        is left to the forward too, rather than loaded a step ahead.
+        then computes the request's remaining tokens; so it stops one token
+        short of the request's last, which the forward must compute, and the
+        block holding that token is still loaded whole (the forward writes
+        the token's KV into it again).
         """
         request_id = request.request_id
         self._lookup_base[request_id] = num_computed_tokens
@@ -220,15 +220,12 @@ class KVTierScheduler:
         )
         if not hit or not self._same_step_budget:
             return hit, bool(hit)
-        block = self.block_tokens
-        same_step_hit = min(hit, (request.num_tokens - 1 - num_computed_tokens) // block * block)
-        cost = same_step_hit // block * self.record_bytes
+        cost = hit // self.block_tokens * self.record_bytes
         if cost > self._same_step_left:
             return hit, True
         self._same_step_left -= cost
-        if same_step_hit:
-            self._same_step.add(request_id)
-        return same_step_hit, False
+        self._same_step.add(request_id)
+        return min(hit, request.num_tokens - 1 - num_computed_tokens), False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

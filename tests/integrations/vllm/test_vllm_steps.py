@@ -122,24 +122,29 @@ def test_a_hit_within_the_same_step_budget_runs_in_the_step_that_loads_it(
     assert engine.connector.manager.stats().loaded_blocks == 4
 
 
-def test_a_same_step_hit_leaves_the_block_of_the_last_token_to_the_forward(
+def test_a_same_step_hit_of_a_whole_prompt_leaves_only_its_last_token_to_the_forward(
     engine_factory: Callable[..., VllmSteps],
 ) -> None:
     engine = engine_factory()
     (prompt,) = prompts(3, 1, 64, 65)
-    engine.generate([prompt])
+    cold = engine.generate([prompt], max_tokens=2)
     reset_device_cache(engine)
-    request_id = engine.add(prompt)
+    request_id = engine.add(prompt, max_tokens=2)
     first = engine.step()
-    assert first.num_scheduled_tokens == {request_id: BLOCK}
-    assert [len(t) for t in first.kv_connector_metadata.plan.loads] == [3]
-    # vLLM's own cache holds the first three blocks: the last one is computed, not loaded
-    request_id = engine.add(prompt)
-    first = engine.step()
-    assert first.num_scheduled_tokens == {request_id: BLOCK}
-    assert not first.kv_connector_metadata.plan.loads
+    assert first.num_scheduled_tokens == {request_id: 1}
+    assert [len(t) for t in first.kv_connector_metadata.plan.loads] == [4]
     engine.run()
-    assert engine.mismatches == []
+    assert engine.outputs[request_id] == cold[0]
+    # vLLM's own cache holds the first three blocks (never the last token's): the tier the last
+    request_id = engine.add(prompt, max_tokens=2)
+    first = engine.step()
+    assert first.num_scheduled_tokens == {request_id: 1}
+    assert [t.device_blocks for t in first.kv_connector_metadata.plan.loads] == [
+        (engine.scheduler.kv_cache_manager.get_blocks(request_id).get_block_ids()[0][3],)
+    ]
+    engine.run()
+    assert engine.outputs[request_id] == cold[0]
+    assert engine.loaded_blocks == 5 and engine.mismatches == []
 
 
 def test_hits_past_the_same_step_budget_are_loaded_a_step_ahead(
@@ -209,9 +214,7 @@ def test_failed_loads_are_recomputed(
     reset_device_cache(engine)
     assert engine.generate(batch, max_tokens=4) == cold
     stats = engine.connector.manager.stats()
-    # a same-step hit leaves the block holding the prompt's last token to the forward
-    last_token = 1 if same_step_load_bytes else 0
-    full_blocks = sum((len(p) - last_token) // BLOCK for p in batch)
+    full_blocks = sum(len(p) // BLOCK for p in batch)
     assert stats.hit_tokens == full_blocks * BLOCK
     assert stats.loaded_blocks == 0
     assert stats.failed_loads == engine.failed_blocks == full_blocks
