@@ -106,6 +106,8 @@ class OffloadStats:
     """Bytes of those blocks, all ranks together."""
     loaded_blocks: int = 0
     """Blocks whose loads completed on every worker."""
+    same_step_loaded_blocks: int = 0
+    """Of ``loaded_blocks``, those loaded in the step that ran their request."""
     loaded_bytes: int = 0
     """Bytes of those blocks, all ranks together."""
     evicted_blocks: int = 0
@@ -184,6 +186,8 @@ class _Batch:
     settled: int = 0
     reset: bool = False
     """A reset came while the batch was in flight: its store is never committed."""
+    same_step: bool = False
+    """A load copied before the forward of the step that runs its request."""
 
     @property
     def reported(self) -> int:
@@ -364,6 +368,7 @@ class OffloadManager:
         self._hit_tokens = 0
         self._stored_blocks = 0
         self._loaded_blocks = 0
+        self._same_step_loaded_blocks = 0
         self._evicted_blocks = 0
         self._failed_stores = 0
         self._failed_loads = 0
@@ -742,7 +747,11 @@ class OffloadManager:
                     state.request_id,
                 )
                 self._batches[transfer.batch_id] = _Batch(
-                    transfer, pending.keys, (state.request_id,), now
+                    transfer,
+                    pending.keys,
+                    (state.request_id,),
+                    now,
+                    same_step=state.request_id in same_step,
                 )
                 state.batches.add(transfer.batch_id)
                 state.load_batches.add(transfer.batch_id)
@@ -924,6 +933,7 @@ class OffloadManager:
             stored_blocks=self._stored_blocks,
             stored_bytes=self._stored_blocks * bytes_per_block,
             loaded_blocks=self._loaded_blocks,
+            same_step_loaded_blocks=self._same_step_loaded_blocks,
             loaded_bytes=self._loaded_blocks * bytes_per_block,
             evicted_blocks=self._evicted_blocks,
             failed_stores=self._failed_stores,
@@ -1268,6 +1278,8 @@ class OffloadManager:
         else:
             if ok:
                 self._loaded_blocks += len(transfer)
+                if batch.same_step:
+                    self._same_step_loaded_blocks += len(transfer)
             else:
                 # What could not be read once is not offered as a hit again.
                 self.index.discard(batch.keys)

@@ -151,6 +151,7 @@ def test_a_same_step_load_is_marked_in_its_plan_only() -> None:
     }
     assert m.process(done(plan)).loaded_requests == ("b", "c")
     assert m.index.stats().pinned == 0
+    assert (m.stats().loaded_blocks, m.stats().same_step_loaded_blocks) == (5, 2)
     m.scheduled("b", num_computed_tokens=3 * BT)
     assert m.build_plan().same_step == frozenset()
 

@@ -101,6 +101,11 @@ METRICS: Mapping[str, MetricSpec] = {
     "loaded_blocks": MetricSpec(
         MetricKind.COUNTER, "Blocks whose load from the host tier completed on every rank."
     ),
+    "same_step_loaded_blocks": MetricSpec(
+        MetricKind.COUNTER,
+        "Of the loaded blocks, those copied in the step that ran their request "
+        "(same_step_load_bytes).",
+    ),
     "stored_bytes": MetricSpec(
         MetricKind.COUNTER, "Bytes copied from the device KV cache to the host tier, all ranks."
     ),
@@ -212,6 +217,7 @@ OFFLOAD_COUNTERS: Mapping[str, str] = {
     "stored_blocks": "stored_blocks",
     "stored_bytes": "stored_bytes",
     "loaded_blocks": "loaded_blocks",
+    "same_step_loaded_blocks": "same_step_loaded_blocks",
     "loaded_bytes": "loaded_bytes",
     "evicted_blocks": "evicted_blocks",
     "store_failures": "failed_stores",

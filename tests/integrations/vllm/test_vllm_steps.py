@@ -99,6 +99,7 @@ def test_a_request_waits_for_its_load_before_it_runs(
     assert [len(t) for t in first.kv_connector_metadata.plan.loads] == [len(prompt) // BLOCK]
     engine.run()
     assert engine.loaded_blocks == len(prompt) // BLOCK and engine.mismatches == []
+    assert engine.connector.manager.stats().same_step_loaded_blocks == 0
 
 
 def test_a_hit_within_the_same_step_budget_runs_in_the_step_that_loads_it(
@@ -119,7 +120,7 @@ def test_a_hit_within_the_same_step_budget_runs_in_the_step_that_loads_it(
     assert engine.loaded_blocks == 4 and engine.mismatches == []
     engine.run()
     assert engine.outputs[request_id] == cold[0]
-    assert engine.connector.manager.stats().loaded_blocks == 4
+    assert engine.counter("loaded_blocks") == engine.counter("same_step_loaded_blocks") == 4
 
 
 def test_a_same_step_hit_of_a_whole_prompt_leaves_only_its_last_token_to_the_forward(
@@ -167,6 +168,8 @@ def test_hits_past_the_same_step_budget_are_loaded_a_step_ahead(
     engine.run()
     assert [engine.outputs[first_id], engine.outputs[second_id]] == cold
     assert engine.loaded_blocks == 8 and engine.mismatches == []
+    stats = engine.connector.manager.stats()
+    assert (stats.loaded_blocks, stats.same_step_loaded_blocks) == (8, 4)
 
 
 def test_preempted_requests_keep_their_outputs(engine_factory: Callable[..., VllmSteps]) -> None:
