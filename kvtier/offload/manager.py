@@ -498,9 +498,9 @@ class OffloadManager:
         reserved: list[tuple[int, list[BlockKey], list[int | None]]] = []
         count = len(missing)
         for group in range(self.num_groups):
-            keys = self.namespace.keys(missing, group)
-            # blocks of this prefix still in the host tier are not the ones to make room with
-            self.index.touch(keys)
+            # blocks of this prefix still in the host tier, before the missing ones or among
+            # them, are not the ones to make room with
+            self.index.touch(self.namespace.keys(wanted, group))
         for group in range(self.num_groups):
             keys = self.namespace.keys(missing, group)
             parent = self.namespace.key(wanted[hits - 1], group) if hits else None
@@ -720,13 +720,16 @@ class OffloadManager:
 
     # ---------------------------------------------------------------------- steps
 
-    def build_plan(self, lazy_candidates: Sequence[LazyCandidate] = ()) -> TransferPlan:
+    def build_plan(
+        self, lazy_candidates: Sequence[LazyCandidate] = (), *, idle: bool = False
+    ) -> TransferPlan:
         """Return this step's plan for every worker.
 
         Args:
             lazy_candidates: In lazy mode, cached device blocks near the
                 engine's eviction frontier, in eviction order; those not yet in
                 the tier are stored while slots last. Ignored in eager mode.
+            idle: The engine computes nothing this step (see :attr:`TransferPlan.idle`).
         """
         self._drain_index_events()
         now = self._clock()
@@ -785,6 +788,7 @@ class OffloadManager:
             promotions=promotions,
             demotions=self._take_demotions() if self._demotions else (),
             same_step=frozenset(same_step),
+            idle=idle and bool(self._promotions),
         )
         self._flush = False
         return plan

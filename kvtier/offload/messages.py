@@ -108,6 +108,10 @@ class TransferPlan:
     """Requests the engine runs in this very step, on the blocks their loads write: workers
     copy those loads (and report those requests' ``unavailable`` blocks as failed) before
     the step's forward, and never name the requests among finished loads."""
+    idle: bool = False
+    """The engine computes nothing this step and steps again at once: a worker with lower-tier
+    reads in flight waits a little for them instead of returning, so that the tiers' threads
+    get the interpreter rather than a loop of empty steps."""
 
     @property
     def empty(self) -> bool:

@@ -55,6 +55,10 @@ class Fetch:
         """Whether the search is over."""
         return self._done.is_set()
 
+    def wait(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the search to end; whether it has."""
+        return self._done.wait(timeout_s)
+
     def _ask(self, position: int) -> None:
         start = len(self.records)
         if start == len(self._hashes) or position == len(self._chain.tiers):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
 import torch
 
+import kvtier.offload.worker
 from kvtier.copy.base import CopyBackend
 from kvtier.index.base import BlockKey
 from kvtier.index.lru import LRUPolicy
@@ -176,6 +178,36 @@ def test_a_promotion_no_worker_reports_answers_the_lookup_at_the_report_deadline
     assert index.lookup(manager.namespace.keys(hashes)) == 2
 
 
+def test_a_promotion_makes_room_with_other_blocks_than_the_prefix_it_completes() -> None:
+    manager = OffloadManager(
+        PolicyIndex(8, LRUPolicy()), block_tokens=BLOCK_TOKENS, record_bytes=64, lower_tiers=True
+    )
+    wanted, other = (hash_token_blocks(prompt(seed), BLOCK_TOKENS) for seed in (1, 2))
+
+    def store(request_id: str, hashes: list[bytes]) -> None:
+        manager.scheduled(
+            request_id,
+            num_computed_tokens=0,
+            new_block_ids=[list(range(len(hashes)))],
+            block_hashes=hashes,
+        )
+        manager.scheduled(request_id, num_computed_tokens=len(hashes) * BLOCK_TOKENS)
+        plan = manager.build_plan()
+        manager.process(WorkerReport(done={t.batch_id: 1 for t in plan.stores}))
+        manager.finished(request_id)
+
+    store("a", wanted[:3])  # the prefix's first blocks, the least recently used of the tier
+    store("b", other[:5])  # and the tier is full
+    assert manager.lookup("r", wanted, 0, len(prompt(1))) is None
+    plan = manager.build_plan(idle=True)
+    assert plan.idle, "workers wait for the promotion in a step without work"
+    (promotion,) = plan.promotions
+    assert promotion.block_hashes == tuple(wanted[3:PROMPT_BLOCKS])
+    manager.process(WorkerReport(promoted={promotion.batch_id: (1, 2)}))
+    assert manager.lookup("r", wanted, 0, len(prompt(1))) == PROMPT_BLOCKS * BLOCK_TOKENS
+    assert not manager.build_plan(idle=True).idle, "nothing to wait for"
+
+
 def test_impossible_promotion_reports_are_rejected() -> None:
     manager = OffloadManager(
         PolicyIndex(8, LRUPolicy()), block_tokens=BLOCK_TOKENS, record_bytes=64, lower_tiers=True
@@ -206,4 +238,31 @@ def test_a_worker_without_tiers_refuses_a_plan_with_promotions() -> None:
     worker.chain = None
     with pytest.raises(ValueError, match="lower tiers"):
         worker.bind(TransferPlan(promotions=(Promotion(0, 0, (b"h",), (0,)),)))
+    engine.close()
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_in_an_idle_step_a_worker_waits_for_a_lower_tier_read_in_flight(
+    idle: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(kvtier.offload.worker, "IDLE_FETCH_WAIT_S", 30.0)
+    fleet = Fleet()
+    engine = fleet.engine()
+    worker = engine.workers[0]
+    (tier,) = fleet.tiers
+    tier.gate.clear()
+    opener = threading.Timer(0.05, tier.gate.set) if idle else None
+    started = time.monotonic()
+    worker.bind(TransferPlan(promotions=(Promotion(7, 0, (b"h",), (0,)),), idle=idle))
+    if opener is not None:
+        opener.start()
+    worker.get_finished()
+    report = worker.take_report()
+    if opener is not None:
+        assert report is not None and report.promoted == {7: (1, 0)}
+        assert time.monotonic() - started < 10, "the wait ends with the read, not at its bound"
+        opener.join()
+    else:
+        assert report is None or not report.promoted, "a step with work does not wait"
+    tier.gate.set()
     engine.close()

@@ -270,7 +270,9 @@ class KVTierScheduler:
                 block_hashes=self.tokens.block_hashes(req_id),
                 resumed=req_id in cached.resumed_req_ids,
             )
-        plan = manager.build_plan(self._lazy_candidates())
+        plan = manager.build_plan(
+            self._lazy_candidates(), idle=scheduler_output.total_num_scheduled_tokens == 0
+        )
         for block_hash, candidate in self._lazy_offered:
             if manager.holds(candidate.block_hash, candidate.group):
                 self._lazy_held[candidate.block_id] = block_hash

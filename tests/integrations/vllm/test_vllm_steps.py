@@ -285,7 +285,9 @@ def test_lazy_mode_offers_a_frontier_block_again_only_after_the_tier_lost_blocks
     monkeypatch.setattr(
         manager,
         "build_plan",
-        lambda candidates=(): offered.append(list(candidates)) or build_plan(manager, candidates),
+        lambda candidates=(), **options: (
+            offered.append(list(candidates)) or build_plan(manager, candidates, **options)
+        ),
     )
     for _ in range(3):
         engine.step()
