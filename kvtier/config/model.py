@@ -117,10 +117,10 @@ class RootSettings(KVTierModel):
         description=(
             "Host-tier hits of up to this many bytes per rank in all, each engine step, are "
             "copied to the device at the start of the step that schedules their requests, "
-            "before its forward, so those requests compute in that step; larger hits, hits "
-            "read from the tiers below, and all hits of models with several kv-cache groups "
-            "are loaded a step ahead while their requests wait. 0 loads every hit a step "
-            "ahead. Accepts sizes such as '16MiB'."
+            "before its forward, so those requests compute in that step (a hit in a tier "
+            "below is one once it was read into the host tier); larger hits, and all hits "
+            "of models with several kv-cache groups, are loaded a step ahead while their "
+            "requests wait. 0 loads every hit a step ahead. Accepts sizes such as '16MiB'."
         ),
     )
     copy_deadline_s: float = Field(
