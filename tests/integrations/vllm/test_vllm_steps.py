@@ -102,18 +102,23 @@ def test_a_request_waits_for_its_load_before_it_runs(
     assert engine.connector.manager.stats().same_step_loaded_blocks == 0
 
 
+@pytest.mark.parametrize(
+    ("length", "computed"),
+    [(70, 70 - 4 * BLOCK), (64, 1)],
+    ids=["a_partial_last_block", "a_whole_prompt_leaves_its_last_token"],
+)
 def test_a_hit_within_the_same_step_budget_runs_in_the_step_that_loads_it(
-    engine_factory: Callable[..., VllmSteps],
+    engine_factory: Callable[..., VllmSteps], length: int, computed: int
 ) -> None:
     from vllm.v1.request import RequestStatus
 
     engine = engine_factory()
-    (prompt,) = prompts(2, 1, 70, 71)
+    (prompt,) = prompts(2, 1, length, length + 1)
     cold = engine.generate([prompt], max_tokens=3)
     reset_device_cache(engine)
     request_id = engine.add(prompt, max_tokens=3)
     first = engine.step()
-    assert first.num_scheduled_tokens == {request_id: len(prompt) - 4 * BLOCK}
+    assert first.num_scheduled_tokens == {request_id: computed}
     assert first.kv_connector_metadata.plan.same_step == {request_id}
     assert [len(t) for t in first.kv_connector_metadata.plan.loads] == [4]
     assert engine.scheduler.requests[request_id].status == RequestStatus.RUNNING
@@ -123,19 +128,12 @@ def test_a_hit_within_the_same_step_budget_runs_in_the_step_that_loads_it(
     assert engine.counter("loaded_blocks") == engine.counter("same_step_loaded_blocks") == 4
 
 
-def test_a_same_step_hit_of_a_whole_prompt_leaves_only_its_last_token_to_the_forward(
+def test_after_a_device_hit_the_last_tokens_block_is_loaded_in_the_same_step(
     engine_factory: Callable[..., VllmSteps],
 ) -> None:
     engine = engine_factory()
     (prompt,) = prompts(3, 1, 64, 65)
     cold = engine.generate([prompt], max_tokens=2)
-    reset_device_cache(engine)
-    request_id = engine.add(prompt, max_tokens=2)
-    first = engine.step()
-    assert first.num_scheduled_tokens == {request_id: 1}
-    assert [len(t) for t in first.kv_connector_metadata.plan.loads] == [4]
-    engine.run()
-    assert engine.outputs[request_id] == cold[0]
     # vLLM's own cache holds the first three blocks (never the last token's): the tier the last
     request_id = engine.add(prompt, max_tokens=2)
     first = engine.step()
@@ -145,7 +143,7 @@ def test_a_same_step_hit_of_a_whole_prompt_leaves_only_its_last_token_to_the_for
     ]
     engine.run()
     assert engine.outputs[request_id] == cold[0]
-    assert engine.loaded_blocks == 5 and engine.mismatches == []
+    assert engine.loaded_blocks == 1 and engine.mismatches == []
 
 
 def test_hits_past_the_same_step_budget_are_loaded_a_step_ahead(
