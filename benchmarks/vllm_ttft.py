@@ -8,7 +8,7 @@ output is JSON with ratios against the peers and a verdict against each target.
 The Redis arm needs ``redis-server`` on the PATH and is left out without it.
 
     python benchmarks/vllm_ttft.py [--prompt-tokens 4096] [--repeats 7] [--throughput-pairs 6]
-        [--throughput-rounds 6] [--breakdown]
+        [--throughput-rounds 30] [--breakdown]
 
 On a shared machine other processes slow some repeats down many times over,
 so every repeat is reported; the headline TTFT ratios use the best (least
@@ -22,8 +22,9 @@ in its own process, and times one batch of new prompts on each per round, in
 ABBA order (without, with, with, without, ...). An engine process keeps a speed
 of its own for its whole life (where its memory landed, how its threads share
 the cores with other processes): two engines *without* the connector differ by
-5 to 10% on a shared 2-core machine, steadily over their rounds, so each pair
-of processes runs a few rounds and is replaced by a fresh pair. Every round
+up to a few percent on a shared 2-core machine, steadily over their rounds, so
+each pair of processes runs :data:`ROUNDS_PER_PAIR` rounds and is replaced by a
+fresh pair. Every round
 gives one ratio by wall time and one by CPU time (every thread of the engine's
 process, and its children); the JSON holds their median and a 95% interval of
 that median from a two-level bootstrap (pairs, then rounds within each pair).
@@ -59,6 +60,13 @@ MODEL = TinyLlamaSpec(
     num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1024
 )
 BLOCK_TOKENS = 32
+
+ROUNDS_PER_PAIR = 30
+"""Default rounds per pair of throughput engines. A round of the default shape lasts about
+a quarter of a second, and its ratio wanders by 10 to 13% (standard deviation) on a shared
+2-core machine, while pairs of processes differ by about 2.5% beyond that; starting a
+pair costs some 20 s. Thirty rounds spend about as long measuring as starting, which
+gives the narrowest interval per minute (six rounds needed about twice the minutes)."""
 
 TARGETS = {
     "tier_hit_over_device_hit_max": 1.5,
@@ -696,7 +704,9 @@ def main() -> int:
         "--busy-repeats", type=int, default=6, help="repeats per engine of each busy arm"
     )
     parser.add_argument("--throughput-pairs", type=int, default=6)
-    parser.add_argument("--throughput-rounds", type=int, default=6, help="rounds per pair")
+    parser.add_argument(
+        "--throughput-rounds", type=int, default=ROUNDS_PER_PAIR, help="rounds per pair"
+    )
     parser.add_argument("--throughput-prompts", type=int, default=4)
     parser.add_argument("--throughput-prompt-tokens", type=int, default=256)
     parser.add_argument("--output-tokens", type=int, default=16)
