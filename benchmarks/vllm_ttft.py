@@ -24,10 +24,10 @@ of its own for its whole life (where its memory landed, how its threads share
 the cores with other processes): two engines *without* the connector differ by
 up to a few percent on a shared 2-core machine, steadily over their rounds, so
 each pair of processes runs :data:`ROUNDS_PER_PAIR` rounds and is replaced by a
-fresh pair. Every round
-gives one ratio by wall time and one by CPU time (every thread of the engine's
-process, and its children); the JSON holds their median and a 95% interval of
-that median from a two-level bootstrap (pairs, then rounds within each pair).
+fresh pair. Every round gives one ratio by wall time and one by CPU time (every
+thread of the engine's process, and its children); the JSON holds their median
+and a 95% interval of that median from a two-level bootstrap (pairs, then
+rounds within each pair).
 
 ``--breakdown`` wraps the connector's methods, the host copies and vLLM's
 engine step and scheduler (in the benchmark's processes only; without the flag
