@@ -63,7 +63,7 @@ BLOCK_TOKENS = 32
 
 ROUNDS_PER_PAIR = 30
 """Default rounds per pair of throughput engines. A round of the default shape lasts about
-a quarter of a second, and its ratio wanders by 10 to 13% (standard deviation) on a shared
+a quarter of a second, and its ratio wanders by 10 to 14% (standard deviation) on a shared
 2-core machine, while pairs of processes differ by about 2.5% beyond that; starting a
 pair costs some 20 s. Thirty rounds spend about as long measuring as starting, which
 gives the narrowest interval per minute (six rounds needed about twice the minutes)."""

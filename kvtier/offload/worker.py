@@ -310,7 +310,7 @@ class OffloadWorker:
         while batch_ids & self._inflight.keys():
             self._poll()
             if batch_ids & self._inflight.keys():
-                self._sleep(_FIRST_PAUSE_S)  # the forward waits for these: no longer pauses
+                self._sleep(_FIRST_PAUSE_S)  # the forward waits: poll at the shortest pause
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Submit the bound plan, poll copies in flight, and say which requests are done.
