@@ -1,11 +1,12 @@
 """A vLLM KV connector that does nothing: vLLM's connector plumbing with no store behind it.
 
-``vllm_ttft.py --throughput-baseline null`` runs its engine without kvtier
-with this connector instead of none, so the 0%-hit ratio measures kvtier's
-own cost on top of what any connector costs in vLLM (the metadata every step,
-the connector hooks around the forward, the transfer-result checks). vLLM
-loads it by module path (``kv_connector_module_path="null_connector"``); the
-benchmark's directory is on the engine process's ``sys.path``.
+It tells kvtier's own cost apart from what any connector costs in vLLM (the
+metadata every step, the connector hooks around the forward, the
+transfer-result checks): ``vllm_ttft.py``'s swapped engines take turns with it
+(``zero_hit_kvtier_over_null_*``), and ``--throughput-method pairs
+--throughput-baseline null`` runs the engine without kvtier with it instead of
+none. vLLM loads it by module path (``kv_connector_module_path="null_connector"``);
+the benchmark's directory is on the engine process's ``sys.path``.
 """
 
 from __future__ import annotations

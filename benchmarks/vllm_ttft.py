@@ -7,8 +7,8 @@ storing every block is visible. All arms run the same random-weight model; the
 output is JSON with ratios against the peers and a verdict against each target.
 The Redis arm needs ``redis-server`` on the PATH and is left out without it.
 
-    python benchmarks/vllm_ttft.py [--prompt-tokens 4096] [--repeats 7] [--throughput-pairs 6]
-        [--throughput-rounds 30] [--breakdown]
+    python benchmarks/vllm_ttft.py [--prompt-tokens 4096] [--repeats 7]
+        [--throughput-method swap|pairs] [--breakdown]
 
 On a shared machine other processes slow some repeats down many times over,
 so every repeat is reported; the headline TTFT ratios use the best (least
@@ -16,18 +16,24 @@ disturbed) repeat of each arm, in eager and in lazy store mode, next to the
 physical limit: the prompt's KV bytes over the bandwidth of one contiguous
 host copy of as many bytes, measured in the same run.
 
-Throughput runs pairs of engines, one with and one without the connector (or,
-with ``--throughput-baseline null``, with a connector that does nothing), each
-in its own process, and times one batch of new prompts on each per round, in
-ABBA order (without, with, with, without, ...). An engine process keeps a speed
-of its own for its whole life (where its memory landed, how its threads share
-the cores with other processes): two engines *without* the connector differ by
-up to a few percent on a shared 2-core machine, steadily over their rounds, so
-each pair of processes runs :data:`ROUNDS_PER_PAIR` rounds and is replaced by a
-fresh pair. Every round gives one ratio by wall time and one by CPU time (every
-thread of the engine's process, and its children); the JSON holds their median
-and a 95% interval of that median from a two-level bootstrap (pairs, then
-rounds within each pair).
+Throughput (``--throughput-method swap``, the default) runs engines with kvtier, one process
+at a time, each of which takes turns between rounds with kvtier, the do-nothing connector of
+``null_connector.py`` and no connector at all (:class:`ConnectorSwitch`), and times one
+batch of new prompts per round: a kvtier round, then the other two kinds in alternating
+order. Rounds next to each other in one process share its speed (where its memory landed,
+how its threads share the cores with other processes), so their ratios do not carry the few
+percent by which two engine processes differ on a shared 2-core machine, and the interval
+narrows faster per minute than with pairs of processes. In lazy store mode an untimed kvtier
+round comes first: lazy stores take the cached blocks at vLLM's eviction frontier, and the
+other kinds' rounds leave theirs unstored. What a swap cannot see is a cost kvtier adds to
+its process for the whole run rather than per round; ``--throughput-method pairs`` measures
+that too: pairs of engines, one with and one without the connector (or, with
+``--throughput-baseline null``, with the do-nothing connector), each in its own process,
+time one batch per round in ABBA order (without, with, with, without, ...), and each pair
+runs :data:`ROUNDS_PER_PAIR` rounds and is replaced by a fresh pair. Every round gives one
+ratio by wall time and one by CPU time (every thread of the engine's process, and its
+children); the JSON holds their median and a 95% interval of that median from a two-level
+bootstrap (processes, then rounds within each process).
 
 ``--breakdown`` wraps the connector's methods, the host copies and vLLM's
 engine step and scheduler (in the benchmark's processes only; without the flag
@@ -520,27 +526,18 @@ def ratio_interval(with_kvtier: list[list[float]], without: list[list[float]]) -
     }
 
 
-def _serve_arm(
-    conn: Connection,
+def _throughput_engine(
     model_dir: Path,
     kvtier: dict[str, Any] | None,
     shape: tuple[int, int, int],
-    breakdown: bool,
-    null_connector: bool,
-) -> None:
-    """One throughput engine, in a process of its own: a batch per ``"run"``, until ``"stop"``.
-
-    Without kvtier, ``null_connector`` gives the engine the do-nothing connector of
-    ``null_connector.py`` instead of no connector.
-    """
-    _engine_env()
-    probes = Probes() if breakdown else None
-    if probes:
-        probes.install()
+    null_connector: bool = False,
+) -> Any:
+    """An in-process engine for the throughput rounds. Without kvtier, ``null_connector``
+    gives it the do-nothing connector of ``null_connector.py`` instead of no connector."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from kvtier.integrations.vllm.offline import engine_kwargs, generate, settle, shutdown
+    from kvtier.integrations.vllm.offline import engine_kwargs
 
     prompts, prompt_tokens, output_tokens = shape
     overrides: dict[str, Any] = {}
@@ -550,7 +547,7 @@ def _serve_arm(
             kv_connector_module_path="null_connector",
             kv_role="kv_both",
         )
-    llm = LLM(
+    return LLM(
         **engine_kwargs(
             model_dir,
             kvtier=kvtier,
@@ -559,27 +556,204 @@ def _serve_arm(
             **overrides,
         )
     )
+
+
+def _throughput_round(
+    llm: Any, rng: random.Random, shape: tuple[int, int, int], probes: Probes | None
+) -> tuple[float, float, dict[str, Any] | None]:
+    """One batch of new prompts: tokens per wall second, per CPU second, and its breakdown.
+
+    Work the engine does after the batch returned (stores still in flight) finishes
+    outside the timed batch, as between bursts of requests.
+    """
+    from kvtier.integrations.vllm.offline import generate, settle
+
+    prompts, prompt_tokens, output_tokens = shape
+    batch = [_prompt(rng, prompt_tokens) for _ in range(prompts)]
+    if probes:
+        probes.take()
+    wall, cpu = time.perf_counter(), _cpu_s()
+    generate(llm, batch, output_tokens)
+    wall, cpu = time.perf_counter() - wall, _cpu_s() - cpu
+    settle(llm)
+    tokens = prompts * (prompt_tokens + output_tokens)
+    return tokens / wall, tokens / cpu, probes.take() if probes else None
+
+
+def _serve_arm(
+    conn: Connection,
+    model_dir: Path,
+    kvtier: dict[str, Any] | None,
+    shape: tuple[int, int, int],
+    breakdown: bool,
+    null_connector: bool,
+) -> None:
+    """One throughput engine, in a process of its own: a batch per ``"run"``, until ``"stop"``."""
+    _engine_env()
+    probes = Probes() if breakdown else None
+    if probes:
+        probes.install()
+    from kvtier.integrations.vllm.offline import shutdown
+
+    llm = _throughput_engine(model_dir, kvtier, shape, null_connector)
     rng = random.Random(1)  # both arms draw the same prompts, round by round
     # A warm-up batch of the rounds' shape: the first batch of that size touches vLLM's
     # KV-cache pages for the first time, which made every pair's first round 20-30% slower.
-    generate(llm, [_prompt(rng, prompt_tokens) for _ in range(prompts)], output_tokens)
-    settle(llm)
+    _throughput_round(llm, rng, shape, None)
     conn.send("ready")
     breakdowns = []
     while conn.recv() == "run":
-        batch = [_prompt(rng, prompt_tokens) for _ in range(prompts)]
-        if probes:
-            probes.take()
-        wall, cpu = time.perf_counter(), _cpu_s()
-        generate(llm, batch, output_tokens)
-        wall, cpu = time.perf_counter() - wall, _cpu_s() - cpu
-        settle(llm)  # stores still in flight finish outside the timed batch, as between bursts
-        if probes:
-            breakdowns.append(probes.take())
-        tokens = prompts * (prompt_tokens + output_tokens)
-        conn.send((tokens / wall, tokens / cpu))
+        *speeds, round_breakdown = _throughput_round(llm, rng, shape, probes)
+        if round_breakdown is not None:
+            breakdowns.append(round_breakdown)
+        conn.send(tuple(speeds))
     shutdown(llm)
     conn.send(breakdowns)
+
+
+SWAP_KINDS = ("kvtier", "null", "none")
+"""The connectors one engine of ``--throughput-method swap`` takes turns with: kvtier, the
+do-nothing connector of ``null_connector.py``, and none."""
+
+
+class ConnectorSwitch:
+    """Takes kvtier out of an in-process engine between rounds, and puts it back.
+
+    vLLM reaches its connector through two references: the scheduler's
+    ``connector`` attribute and the worker side's process-wide connector agent
+    (``has_kv_transfer_group()`` is whether it is set). With both ``None`` the
+    scheduler and the model runner take the paths they take in an engine
+    started without a connector; with both set to a :class:`NullConnector`
+    they run vLLM's connector plumbing with nothing behind it. The scheduler's
+    two connector-only statistics follow the connector. Swapping is safe only
+    between rounds, when no request is alive and kvtier has nothing in flight:
+    :meth:`use` checks both.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        from null_connector import NullConnector
+        from vllm.distributed.kv_transfer import kv_transfer_state
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+        if core is None:
+            raise RuntimeError(
+                "--throughput-method swap needs an in-process engine "
+                "(VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            )
+        scheduler = core.scheduler
+        self._scheduler, self._state = scheduler, kv_transfer_state
+        kept = ("connector", "connector_prefix_cache_stats", "_kv_fetch_stages")
+        missing = [name for name in kept if not hasattr(scheduler, name)]
+        if not hasattr(kv_transfer_state, "_KV_CONNECTOR_AGENT"):
+            missing.append("kv_transfer_state._KV_CONNECTOR_AGENT")
+        if missing or scheduler.connector is None:
+            raise RuntimeError(
+                f"this vLLM keeps its connector elsewhere ({', '.join(missing) or 'no connector'}"
+                "); use --throughput-method pairs"
+            )
+        self.kvtier = scheduler.connector
+        stats = (scheduler.connector_prefix_cache_stats, scheduler._kv_fetch_stages)
+        null = [
+            NullConnector(scheduler.vllm_config, role, scheduler.kv_cache_config)
+            for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER)
+        ]
+        self._kinds = {
+            "kvtier": (self.kvtier, kv_transfer_state._KV_CONNECTOR_AGENT, *stats),
+            "null": (*null, *stats),
+            "none": (None, None, None, None),
+        }
+
+    def use(self, kind: str) -> None:
+        """Run the next rounds with ``kind`` (one of :data:`SWAP_KINDS`)."""
+        scheduler = self._scheduler
+        if scheduler.has_requests() or not self.kvtier.manager.settled:
+            raise RuntimeError("connectors can only be swapped between rounds")
+        (
+            scheduler.connector,
+            self._state._KV_CONNECTOR_AGENT,
+            scheduler.connector_prefix_cache_stats,
+            scheduler._kv_fetch_stages,
+        ) = self._kinds[kind]
+
+
+def _serve_swapped(
+    conn: Connection,
+    model_dir: Path,
+    kvtier: dict[str, Any],
+    shape: tuple[int, int, int],
+    triples: int,
+    breakdown: bool,
+) -> None:
+    """One engine with kvtier, in a process of its own, running ``triples`` rounds of each of
+    :data:`SWAP_KINDS`; sends each kind's speeds, round by round, and its breakdowns."""
+    _engine_env()
+    probes = Probes() if breakdown else None
+    if probes:
+        probes.install()
+    from kvtier.integrations.vllm.offline import shutdown
+
+    llm = _throughput_engine(model_dir, kvtier, shape)
+    switch = ConnectorSwitch(llm)
+    rng = random.Random(1)
+    for kind in SWAP_KINDS:  # warm-up, as in _serve_arm
+        switch.use(kind)
+        _throughput_round(llm, rng, shape, None)
+    speeds: dict[str, list[tuple[float, float]]] = {kind: [] for kind in SWAP_KINDS}
+    breakdowns: dict[str, list[dict[str, Any]]] = {kind: [] for kind in SWAP_KINDS}
+    for triple in range(triples):
+        switch.use("kvtier")
+        if kvtier["store_mode"] == "lazy":
+            # Lazy stores take the cached blocks at vLLM's eviction frontier, which the
+            # other kinds' rounds left unstored: this untimed round stores them, so the
+            # timed one stores what one round of a lazy engine does (about its own blocks).
+            _throughput_round(llm, rng, shape, None)
+        others = SWAP_KINDS[1:] if triple % 2 == 0 else SWAP_KINDS[:0:-1]
+        for kind in ("kvtier", *others):
+            switch.use(kind)
+            *speed, round_breakdown = _throughput_round(llm, rng, shape, probes)
+            speeds[kind].append(tuple(speed))  # type: ignore[arg-type]
+            if round_breakdown is not None:
+                breakdowns[kind].append(round_breakdown)
+    switch.use("kvtier")  # vLLM's shutdown closes the connector it started with
+    shutdown(llm)
+    conn.send((speeds, breakdowns))
+
+
+def measure_swapped_throughput(
+    model_dir: Path,
+    processes: int,
+    triples: int,
+    shape: tuple[int, int, int],
+    store_mode: str,
+    breakdown: bool,
+) -> tuple[dict[str, list[list[tuple[float, float]]]], dict[str, list[dict[str, Any]]]]:
+    """Per engine process, per kind of :data:`SWAP_KINDS`, each round's tokens per wall and
+    CPU second; and each kind's breakdowns. Processes run one after the other."""
+    speeds: dict[str, list[list[tuple[float, float]]]] = {kind: [] for kind in SWAP_KINDS}
+    breakdowns: dict[str, list[dict[str, Any]]] = {kind: [] for kind in SWAP_KINDS}
+    context = multiprocessing.get_context("spawn")
+    kvtier = {"cpu_bytes": "1GiB", "store_mode": store_mode}
+    for _ in range(processes):
+        receiver, sender = context.Pipe(duplex=False)
+        process = context.Process(
+            target=_serve_swapped, args=(sender, model_dir, kvtier, shape, triples, breakdown)
+        )
+        process.start()
+        sender.close()
+        try:
+            process_speeds, process_breakdowns = receiver.recv()
+        except EOFError:
+            raise RuntimeError(
+                f"the throughput engine's process exited with {process.exitcode}; "
+                "its traceback is in the log above"
+            ) from None
+        finally:
+            process.join(timeout=60)
+        for kind in SWAP_KINDS:
+            speeds[kind].append(process_speeds[kind])
+            breakdowns[kind] += process_breakdowns[kind]
+    return speeds, breakdowns
 
 
 class Arm:
@@ -703,9 +877,25 @@ def main() -> int:
     parser.add_argument(
         "--busy-repeats", type=int, default=6, help="repeats per engine of each busy arm"
     )
-    parser.add_argument("--throughput-pairs", type=int, default=6)
     parser.add_argument(
-        "--throughput-rounds", type=int, default=ROUNDS_PER_PAIR, help="rounds per pair"
+        "--throughput-method",
+        choices=("swap", "pairs"),
+        default="swap",
+        help="one engine per process taking turns with kvtier, a do-nothing connector and "
+        "none (default), or pairs of engine processes with and without kvtier",
+    )
+    parser.add_argument(
+        "--throughput-processes", type=int, default=6, help="swap: engine processes"
+    )
+    parser.add_argument(
+        "--throughput-triples",
+        type=int,
+        default=50,
+        help="swap: rounds of each connector kind per process",
+    )
+    parser.add_argument("--throughput-pairs", type=int, default=6, help="pairs: pairs")
+    parser.add_argument(
+        "--throughput-rounds", type=int, default=ROUNDS_PER_PAIR, help="pairs: rounds per pair"
     )
     parser.add_argument("--throughput-prompts", type=int, default=4)
     parser.add_argument("--throughput-prompt-tokens", type=int, default=256)
@@ -715,7 +905,8 @@ def main() -> int:
         "--throughput-baseline",
         choices=("none", "null"),
         default="none",
-        help="the arm without kvtier: no connector (default), or a connector that does nothing",
+        help="pairs: the arm without kvtier: no connector (default), or a connector that "
+        "does nothing",
     )
     parser.add_argument(
         "--only",
@@ -776,51 +967,88 @@ def main() -> int:
             for name, arms in lower.items():
                 result[f"{name}_hit_over_cold"] = min(arms["hit"]) / min(arms["cold"])
         if "throughput" in parts:
-            shape = (args.throughput_prompts, args.throughput_prompt_tokens, args.output_tokens)
-            rounds, breakdowns = measure_throughput(
-                model_dir,
-                args.throughput_pairs,
-                args.throughput_rounds,
-                shape,
-                args.throughput_store_mode,
-                args.breakdown,
-                null_connector=args.throughput_baseline == "null",
-            )
-            result["zero_hit_store_mode"] = args.throughput_store_mode
-            result["zero_hit_baseline"] = (
-                "null_connector" if args.throughput_baseline == "null" else "no_connector"
-            )
-            result["zero_hit_shape"] = dict(
-                zip(("prompts", "prompt_tokens", "output_tokens"), shape, strict=True)
-            )
-            for kind, name in enumerate(("wall", "cpu")):
-                per_arm = {
-                    arm: [[r[kind] for r in pair] for pair in rounds[arm]] for arm in (False, True)
-                }
-                result[f"zero_hit_tokens_per_{name}_s"] = {
-                    "without": per_arm[False],
-                    "with": per_arm[True],
-                }
-                result[f"zero_hit_throughput_ratio_{name}"] = ratio_interval(
-                    per_arm[True], per_arm[False]
-                )
-            walls = result["zero_hit_tokens_per_wall_s"]
-            result["zero_hit_throughput_ratio_best"] = max(map(max, walls["with"])) / max(
-                map(max, walls["without"])
-            )
-            if args.breakdown:
-                merged = {arm: _merge_breakdowns(breakdowns[arm]) for arm in (False, True)}
-                result["zero_hit_breakdown"] = {"without": merged[False], "with": merged[True]}
-                # The connector's own share of the engine's step time: what other processes
-                # on the machine cannot blur the way they blur whole rounds.
-                result["zero_hit_connector_share_of_step_s"] = (
-                    merged[True]["connector_total_s"] / merged[True]["step_s"]
-                )
+            result.update(throughput_report(model_dir, args))
     result["load_average_end"] = os.getloadavg()
     result["targets"] = TARGETS
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0
+
+
+def _speeds(rounds: list[list[tuple[float, float]]], kind: int) -> list[list[float]]:
+    """Tokens per second by wall (``kind`` 0) or CPU time (1), one list per process."""
+    return [[r[kind] for r in process] for process in rounds]
+
+
+def throughput_report(model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The 0%-hit throughput part's fields, by ``--throughput-method``."""
+    shape = (args.throughput_prompts, args.throughput_prompt_tokens, args.output_tokens)
+    result: dict[str, Any] = {
+        "zero_hit_method": args.throughput_method,
+        "zero_hit_store_mode": args.throughput_store_mode,
+        "zero_hit_shape": dict(
+            zip(("prompts", "prompt_tokens", "output_tokens"), shape, strict=True)
+        ),
+    }
+    if args.throughput_method == "swap":
+        rounds, breakdowns = measure_swapped_throughput(
+            model_dir,
+            args.throughput_processes,
+            args.throughput_triples,
+            shape,
+            args.throughput_store_mode,
+            args.breakdown,
+        )
+        arms = {"with": rounds["kvtier"], "without": rounds["none"], "null": rounds["null"]}
+        breakdown_arms = {
+            "with": breakdowns["kvtier"],
+            "without": breakdowns["none"],
+            "null_connector": breakdowns["null"],
+        }
+        result["zero_hit_baseline"] = "no_connector"
+    else:
+        by_arm, by_arm_breakdowns = measure_throughput(
+            model_dir,
+            args.throughput_pairs,
+            args.throughput_rounds,
+            shape,
+            args.throughput_store_mode,
+            args.breakdown,
+            null_connector=args.throughput_baseline == "null",
+        )
+        arms = {"with": by_arm[True], "without": by_arm[False]}
+        breakdown_arms = {"with": by_arm_breakdowns[True], "without": by_arm_breakdowns[False]}
+        result["zero_hit_baseline"] = (
+            "null_connector" if args.throughput_baseline == "null" else "no_connector"
+        )
+    for kind, name in enumerate(("wall", "cpu")):
+        speeds = {arm: _speeds(rounds, kind) for arm, rounds in arms.items()}
+        result[f"zero_hit_tokens_per_{name}_s"] = speeds
+        result[f"zero_hit_throughput_ratio_{name}"] = ratio_interval(
+            speeds["with"], speeds["without"]
+        )
+        if "null" in speeds:
+            # Not targets: where kvtier's cost lies, in vLLM's plumbing or kvtier's own calls.
+            for field, over, under in (
+                ("null_over_none", "null", "without"),
+                ("kvtier_over_null", "with", "null"),
+            ):
+                split = ratio_interval(speeds[over], speeds[under])
+                del split["ok"]
+                result[f"zero_hit_{field}_{name}"] = split
+    walls = result["zero_hit_tokens_per_wall_s"]
+    result["zero_hit_throughput_ratio_best"] = max(map(max, walls["with"])) / max(
+        map(max, walls["without"])
+    )
+    if args.breakdown:
+        merged = {arm: _merge_breakdowns(rounds) for arm, rounds in breakdown_arms.items()}
+        result["zero_hit_breakdown"] = merged
+        # The connector's own share of the engine's step time: what other processes on the
+        # machine cannot blur the way they blur whole rounds.
+        result["zero_hit_connector_share_of_step_s"] = (
+            merged["with"]["connector_total_s"] / merged["with"]["step_s"]
+        )
+    return result
 
 
 def measure_lower_tiers(

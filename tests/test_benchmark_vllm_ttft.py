@@ -1,11 +1,15 @@
-"""The vLLM TTFT benchmark's statistics: per-round ratios, their interval and the verdict."""
+"""The vLLM TTFT benchmark: per-round ratios, their interval, the verdicts, and the engine whose
+connector is swapped between rounds."""
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
 from tests.conftest import REPO_ROOT, load_script
 
 
@@ -90,3 +94,59 @@ def test_the_tier_hit_verdict_needs_the_whole_interval_of_the_median_difference(
     assert report["tier_hit_extra_max_s"] == pytest.approx(0.0012)
     assert report["tier_hit_extra_verdict"] == verdict
     assert report["tier_hit_extra_ok"] == (verdict != "missed")
+
+
+@pytest.mark.vllm
+def test_the_swap_method_takes_kvtier_out_of_the_engine_and_puts_it_back(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only rounds run with kvtier store blocks; vLLM sees its connector, the do-nothing one or
+    none, as the round's kind says; and no swap happens while a request is alive."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    from kvtier.integrations.vllm.connector import KVTierConnector
+    from kvtier.integrations.vllm.offline import settle, shutdown
+
+    for name, value in {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_ATTN_SPLIT_KV": "0",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
+    from null_connector import NullConnector
+
+    shape = (2, 64, 4)  # two prompts of two full blocks each
+    model_dir = write_tiny_llama(tmp_path / "model", TinyLlamaSpec())
+    llm = bench._throughput_engine(model_dir, {"cpu_bytes": "64MiB", "store_mode": "eager"}, shape)
+    try:
+        switch = bench.ConnectorSwitch(llm)
+        manager = switch.kvtier.manager
+        rng = random.Random(0)
+        stored = []
+        for kind, agent in (
+            ("none", None),
+            ("null", NullConnector),
+            ("kvtier", KVTierConnector),
+            ("none", None),
+            ("null", NullConnector),
+        ):
+            switch.use(kind)
+            assert has_kv_transfer_group() == (agent is not None)
+            if agent is not None:
+                assert isinstance(get_kv_transfer_group(), agent)
+            before = manager.stats().stored_blocks
+            bench._throughput_round(llm, rng, shape, None)
+            stored.append(manager.stats().stored_blocks - before)
+        assert stored == [0, 0, 4, 0, 0]
+
+        llm.llm_engine.add_request("alive", {"prompt_token_ids": [1] * 40}, SamplingParams())
+        with pytest.raises(RuntimeError, match="between rounds"):
+            switch.use("kvtier")
+        settle(llm)
+        switch.use("kvtier")
+    finally:
+        shutdown(llm)
+    assert not has_kv_transfer_group()
