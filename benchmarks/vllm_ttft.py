@@ -742,18 +742,24 @@ def measure_swapped_throughput(
         process.start()
         sender.close()
         try:
-            process_speeds, process_breakdowns = receiver.recv()
-        except EOFError:
-            raise RuntimeError(
-                f"the throughput engine's process exited with {process.exitcode}; "
-                "its traceback is in the log above"
-            ) from None
+            process_speeds, process_breakdowns = _receive(receiver, process)
         finally:
             process.join(timeout=60)
         for kind in SWAP_KINDS:
             speeds[kind].append(process_speeds[kind])
             breakdowns[kind] += process_breakdowns[kind]
     return speeds, breakdowns
+
+
+def _receive(conn: Connection, process: multiprocessing.process.BaseProcess) -> Any:
+    """The next message of a throughput engine's process; its exit code if it died instead."""
+    try:
+        return conn.recv()
+    except EOFError:
+        raise RuntimeError(
+            f"the throughput engine's process exited with {process.exitcode}; "
+            "its traceback is in the log above"
+        ) from None
 
 
 class Arm:
@@ -793,13 +799,7 @@ class Arm:
         return breakdowns
 
     def _receive(self) -> Any:
-        try:
-            return self._conn.recv()
-        except EOFError:
-            raise RuntimeError(
-                f"the throughput engine's process exited with {self._process.exitcode}; "
-                "its traceback is in the log above"
-            ) from None
+        return _receive(self._conn, self._process)
 
 
 def measure_throughput(
