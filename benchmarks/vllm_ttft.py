@@ -999,12 +999,9 @@ def throughput_report(model_dir: Path, args: argparse.Namespace) -> dict[str, An
             args.throughput_store_mode,
             args.breakdown,
         )
-        arms = {"with": rounds["kvtier"], "without": rounds["none"], "null": rounds["null"]}
-        breakdown_arms = {
-            "with": breakdowns["kvtier"],
-            "without": breakdowns["none"],
-            "null_connector": breakdowns["null"],
-        }
+        kinds = {"with": "kvtier", "without": "none", "null": "null"}
+        arms = {arm: rounds[kind] for arm, kind in kinds.items()}
+        breakdown_arms = {arm: breakdowns[kind] for arm, kind in kinds.items()}
         result["zero_hit_baseline"] = "no_connector"
     else:
         by_arm, by_arm_breakdowns = measure_throughput(
