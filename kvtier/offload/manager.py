@@ -57,6 +57,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
 
 from kvtier.config.model import DEFAULT_REPORT_DEADLINE_S
@@ -173,6 +174,9 @@ class Progress:
 
 _NO_PROGRESS = Progress()
 
+_NO_PLAN = TransferPlan()
+"""The plan of a step that asks nothing of the workers (shared: plans are never changed)."""
+
 
 @dataclass
 class _Batch:
@@ -249,6 +253,8 @@ class _Request:
     """Whether its tier hit since it (re)started was counted in the observations."""
     same_step: bool = False
     """Its pending loads are for the step that runs it (:meth:`OffloadManager.allocated`)."""
+    seq: int = 0
+    """Order of arrival: plans take requests' loads and stores in this order."""
 
     def __post_init__(self) -> None:
         if not self.block_ids:
@@ -350,6 +356,11 @@ class OffloadManager:
         self.report_deadline_s = report_deadline_s
         self._clock = clock
         self._requests: dict[str, _Request] = {}
+        # Requests that may give the next plan work (loads to queue, blocks to store, a
+        # hold to announce); a plan looks at these only, so a decode step in which no
+        # request filled a block costs the same whatever the number of running requests.
+        self._due: set[str] = set()
+        self._next_seq = 0
         self._batches: dict[int, _Batch] = {}
         # Failed batches whose copies may still run on some worker: their slots stay held.
         self._quarantine: dict[int, _Batch] = {}
@@ -596,6 +607,7 @@ class OffloadManager:
         self._hit_tokens += count * self.block_tokens
         state.load_end = first + count
         state.same_step = same_step
+        self._due.add(request_id)
         hashes = block_hashes[first : first + count]
         for group in range(self.num_groups):
             group_ids = block_ids[group][first : first + count] if group < len(block_ids) else []
@@ -667,6 +679,8 @@ class OffloadManager:
                     state.block_ids[group].extend(ids)
         state.computed_tokens = num_computed_tokens
         self._note_window_blocks(state)
+        if self._has_unstored_blocks(state):
+            self._due.add(request_id)
 
     def preempted(self, request_ids: Iterable[str]) -> None:
         """The engine took these requests' device blocks back.
@@ -714,6 +728,7 @@ class OffloadManager:
             self._note_window_blocks(state)
         state.finished = True
         if state.batches or self._has_unstored_blocks(state):
+            self._due.add(request_id)  # its hold is announced by the next plan
             return True
         del self._requests[request_id]
         return False
@@ -732,11 +747,21 @@ class OffloadManager:
             idle: The engine computes nothing this step (see :attr:`TransferPlan.idle`).
         """
         self._drain_index_events()
+        if not (
+            self._due
+            or self._flush
+            or lazy_candidates
+            or self._promotions_to_plan
+            or self._demotions
+            or (idle and self._promotions)
+        ):
+            return _NO_PLAN  # most decode steps
         now = self._clock()
+        due = self._take_due()
         loads: list[Transfer] = []
         unavailable: dict[str, tuple[int, ...]] = {}
         same_step: set[str] = set()
-        for state in self._requests.values():
+        for state in due:
             if state.same_step:
                 state.same_step = False
                 same_step.add(state.request_id)
@@ -766,19 +791,19 @@ class OffloadManager:
                 self._unavailable[state.request_id] = tuple(state.unavailable)
                 state.unavailable.clear()
         if self.store_mode == "eager":
-            stores = self._plan_eager_stores(now)
+            stores = self._plan_eager_stores(due, now)
         else:
             stores = self._plan_lazy_stores(lazy_candidates, now)
         self._drain_index_events()
         promotions, self._promotions_to_plan = tuple(self._promotions_to_plan), []
         holds: dict[str, tuple[int, ...]] = {}
-        for request_id, state in list(self._requests.items()):
+        for state in due:
             if not state.finished or state.hold_announced:
                 continue
             state.hold_announced = True
-            holds[request_id] = tuple(sorted(state.batches))
+            holds[state.request_id] = tuple(sorted(state.batches))
             if not state.batches:
-                self._release(request_id)
+                self._release(state.request_id)
         plan = TransferPlan(
             stores=tuple(stores),
             loads=tuple(loads),
@@ -792,6 +817,13 @@ class OffloadManager:
         )
         self._flush = False
         return plan
+
+    def _take_due(self) -> list[_Request]:
+        """The requests marked as possibly having work, in order of arrival; unmarks them."""
+        due = [self._requests[r] for r in self._due if r in self._requests]
+        self._due.clear()
+        due.sort(key=attrgetter("seq"))
+        return due
 
     def _take_demotions(self) -> tuple[Demotion, ...]:
         """Blocks evicted since the last plan, per group, with the slots that still hold them."""
@@ -1003,7 +1035,8 @@ class OffloadManager:
     def _state(self, request_id: str) -> _Request:
         state = self._requests.get(request_id)
         if state is None:
-            state = _Request(request_id, self.num_groups)
+            state = _Request(request_id, self.num_groups, seq=self._next_seq)
+            self._next_seq += 1
             self._requests[request_id] = state
             self.index.request_started(request_id)
         elif state.finished:
@@ -1073,14 +1106,15 @@ class OffloadManager:
             for group in range(self.num_groups)
         )
 
-    def _plan_eager_stores(self, now: float) -> list[Transfer]:
+    def _plan_eager_stores(self, due: Sequence[_Request], now: float) -> list[Transfer]:
         per_group: list[tuple[list[int], list[int], list[BlockKey], set[str]]] = []
         out_of_space = False
         reserved_now: set[BlockKey] = set()
-        for state in self._requests.values():
-            if out_of_space:
-                break
+        for state in due:
             if state.hold_announced:
+                continue
+            if out_of_space:
+                self._due.add(state.request_id)  # retried next step
                 continue
             ready = min(len(state.block_hashes), state.computed_tokens // self.block_tokens)
             for group in range(self.num_groups):
@@ -1121,6 +1155,7 @@ class OffloadManager:
                         out_of_space = True
                 state.store_cursor[group] = cursor
                 if out_of_space:
+                    self._due.add(state.request_id)
                     break
         return self._store_transfers(per_group, now)
 

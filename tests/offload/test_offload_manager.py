@@ -294,6 +294,27 @@ def test_stores_stop_when_every_slot_is_pinned_or_written() -> None:
     assert m.build_plan().stores[0].device_blocks == (2, 3)
 
 
+def test_a_plan_stores_what_filled_since_the_last_one_in_the_order_requests_came() -> None:
+    m = manager(num_slots=64)
+    names = [f"r{i}" for i in range(40)]
+    for i, name in enumerate(names):
+        m.scheduled(name, num_computed_tokens=1, new_block_ids=[[i]], block_hashes=[HASHES[i % 16]])
+    assert m.build_plan().empty
+    for step in range(BT - 2):  # decode steps inside everyone's first block
+        for name in names:
+            m.scheduled(name, num_computed_tokens=2 + step)
+        assert m.build_plan().empty
+    m.scheduled("r30", num_computed_tokens=BT)
+    m.scheduled("r3", num_computed_tokens=BT)
+    (store,) = m.build_plan().stores
+    assert store.device_blocks == (3, 30), "stores follow the requests' arrival"
+    assert m.build_plan().empty, "a block is planned once"
+    m.finished("r5", BT)
+    plan = m.build_plan()
+    assert plan.stores[0].device_blocks == (5,) and set(plan.holds) == {"r5"}
+    assert m.build_plan().empty
+
+
 def test_reset_waits_for_copies_and_drops_their_results() -> None:
     m = manager(record_events=True)
     m.process(done(store_blocks(m, "a", 2)))
