@@ -80,8 +80,10 @@ Run = tuple[int, int, int, int]
 ``first_slot + step * k`` for ``k`` below ``count``; ``step`` is 1 or -1."""
 
 
-def batch_runs(batch: CopyBatch, num_blocks: int, num_slots: int) -> list[Run] | None:
-    """The batch as at most :data:`MAX_RUNS` valid runs in which blocks and slots each count
+def batch_runs(
+    batch: CopyBatch, num_blocks: int, num_slots: int, max_runs: int = MAX_RUNS
+) -> list[Run] | None:
+    """The batch as at most ``max_runs`` valid runs in which blocks and slots each count
     by one, else ``None``.
 
     The common batch, a request's blocks to or from consecutive slots, is one
@@ -98,7 +100,7 @@ def batch_runs(batch: CopyBatch, num_blocks: int, num_slots: int) -> list[Run] |
     runs: list[Run] = []
     start = 0
     while start < count:
-        if len(runs) == MAX_RUNS:
+        if len(runs) == max_runs:
             return None
         first_block, first_slot = int(blocks[start]), int(slots[start])
         block_step = slot_step = 1

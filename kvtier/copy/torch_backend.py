@@ -105,7 +105,9 @@ class TorchCopyBackend(CopyBackend):
             raise CopyError("the torch copy backend is closed; build a new one")
         rows = self._rows
         runs = (
-            batch_runs(batch, self.layout.num_blocks, self.num_slots) if rows is not None else None
+            batch_runs(batch, self.layout.num_blocks, self.num_slots, rows.max_runs(len(batch)))
+            if rows is not None
+            else None
         )
         if runs is None:
             blocks, slots = batch_arrays(batch, self.layout.num_blocks, self.num_slots)

@@ -10,6 +10,7 @@ import torch
 
 from kvtier.copy.base import CopyBatch, CopyError, CopyHandle, Direction
 from kvtier.copy.cpu_rows import RowCopier, choose_plan, pair_runs, run_starts, sort_ids
+from kvtier.copy.planner import MAX_RUNS, batch_arrays
 from kvtier.copy.torch_backend import TorchCopyBackend, TorchCopyConfig
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
@@ -204,6 +205,39 @@ def test_a_batch_of_a_few_runs_is_copied_without_id_arrays(
 
     monkeypatch.setattr("kvtier.copy.torch_backend.batch_arrays", refuse)
     _store_then_load(backend, host, tuple(blocks), tuple(slots))
+
+
+def test_a_fragmented_batch_goes_run_by_run_while_that_is_estimated_cheaper(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layout = _layout(num_blocks=128, num_layers=2, block_tokens=4)
+    host = torch.zeros((80, layout.record_bytes), dtype=torch.uint8)
+    backend = TorchCopyBackend(TorchCopyConfig(), layout, host)
+    copier = backend._rows
+    assert copier is not None
+    limit = copier.max_runs(32)
+    assert MAX_RUNS < limit < 32, "32 rows in a few regions: more runs than the floor, not all"
+    assert copier.max_runs(256) > limit, "planning from id arrays costs the same for more rows"
+    rows = torch.zeros((8, 64), dtype=torch.uint8)
+    many = RowCopier([(rows, rows.clone()) for _ in range(160)], threads=1)
+    assert many.max_runs(32) == MAX_RUNS, "a call per run in each of many regions costs more"
+    arrays = batch_arrays
+    used: list[int] = []
+
+    def counted(batch: CopyBatch, *limits: int) -> object:
+        used.append(len(batch))
+        return arrays(batch, *limits)
+
+    monkeypatch.setattr("kvtier.copy.torch_backend.batch_arrays", counted)
+    # runs of two blocks each, as many runs as the limit for 32 rows
+    blocks = [block for first in range(0, 4 * limit, 4) for block in (first, first + 1)]
+    _store_then_load(backend, host, tuple(blocks), tuple(range(len(blocks))))
+    assert used == [], "a batch within the limit was planned from id arrays"
+    blocks = list(range(0, 2 * (limit + 8), 2))  # runs of one block each
+    assert copier.max_runs(len(blocks)) < len(blocks)
+    backend = TorchCopyBackend(TorchCopyConfig(), layout, host)
+    _store_then_load(backend, host, tuple(blocks), tuple(range(len(blocks))))
+    assert used == [len(blocks), len(blocks)], "a store and a load past the limit"
 
 
 def test_the_plan_of_least_estimated_cost_is_chosen() -> None:
