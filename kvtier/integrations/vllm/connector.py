@@ -309,9 +309,19 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.handle_preemptions(kv_connector_metadata.plan)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
+        """Hand the step's plan to the worker half (see :meth:`has_connector_metadata`)."""
         if self.worker is not None and isinstance(connector_metadata, KVTierMetadata):
             self.worker.bind(connector_metadata.plan)
+
+    def has_connector_metadata(self) -> bool:
+        """Always ``False``: nothing of the plan is for the attention layers.
+
+        vLLM asks this in every attention layer's forward and, on ``True``, calls
+        :meth:`wait_for_layer_load` before the layer and :meth:`save_kv_layer`
+        after it; kvtier copies whole blocks between steps, so the step's plan
+        stays with the worker half and vLLM skips both calls.
+        """
+        return False
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Copy this step's same-step loads and wait for them; other loads run after the
@@ -320,7 +330,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.load_same_step()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: same-step loads completed in :meth:`start_load_kv`."""
+        """Not called (see :meth:`has_connector_metadata`): same-step loads completed in
+        :meth:`start_load_kv`."""
 
     def save_kv_layer(
         self,
@@ -329,7 +340,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
-        """Nothing per layer: whole blocks are stored after the forward."""
+        """Not called (see :meth:`has_connector_metadata`): whole blocks are stored after
+        the forward."""
 
     def wait_for_save(self) -> None:
         """Nothing to wait for: stores are submitted in :meth:`get_transfer_results`."""

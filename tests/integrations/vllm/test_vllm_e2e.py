@@ -197,6 +197,23 @@ class TestEagerEngine:
         assert grew("vllm:kvtier_loaded_blocks") == full_blocks
         assert grew("vllm:external_prefix_cache_hits") == full_blocks * BLOCK
 
+    def test_attention_layers_make_no_per_layer_call(
+        self, eager_engine: object, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        from kvtier.integrations.vllm.connector import KVTierConnector
+        from kvtier.integrations.vllm.offline import generate, reset_device_cache
+
+        calls: list[str] = []
+        for hook in ("wait_for_layer_load", "save_kv_layer"):
+            monkeypatch.setattr(
+                KVTierConnector, hook, lambda self, name, *_, **__: calls.append(name)
+            )
+        prompts = _random_prompts(random.Random(9), 2, 100, 200)
+        cold = generate(eager_engine, prompts, max_tokens=4)
+        reset_device_cache(eager_engine)
+        assert generate(eager_engine, prompts, max_tokens=4) == cold
+        assert calls == [], "vLLM called a per-layer hook"
+
     def test_block_completed_in_the_finishing_step_is_stored(self, eager_engine: object) -> None:
         """Output token 63 fills block 1 in the request's last step; the tier must still get it."""
         from kvtier.integrations.vllm.offline import generate, reset_device_cache, settle
