@@ -49,15 +49,19 @@ class _Tracked:
 class RequestTokens:
     """The live requests' block hashes and token ids, to describe the tier's events."""
 
-    def __init__(self, block_tokens: int) -> None:
+    def __init__(self, block_tokens: int, *, keep_forgotten: bool = True) -> None:
         """Args:
         block_tokens: Tokens per block (the engine's block size).
+        keep_forgotten: Keep requests passed to :meth:`forget` until the next
+            :meth:`describe` (events of that step may name their blocks); without
+            it they are dropped at once, for engines that publish no events.
         """
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
         self.block_tokens = block_tokens
         self._requests: dict[str, _Tracked] = {}
         self._forget: list[str] = []
+        self._keep_forgotten = keep_forgotten
 
     def track(
         self, request_id: str, block_hashes: Sequence[bytes], token_ids: Sequence[int]
@@ -71,8 +75,10 @@ class RequestTokens:
         return tracked.block_hashes if tracked is not None else None
 
     def forget(self, request_ids: Iterable[str]) -> None:
-        """Drop these requests after the next :meth:`describe`."""
+        """Drop these requests after the next :meth:`describe` (or now, see ``keep_forgotten``)."""
         self._forget.extend(request_ids)
+        if not self._keep_forgotten:
+            self._drop_forgotten()
 
     def describe(self, events: Sequence[IndexEvent], namespace: KeyNamespace) -> list[BlockEvent]:
         """Tell ``events`` (keys made by ``namespace``) in the engine's terms, in order.

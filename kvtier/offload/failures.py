@@ -43,6 +43,8 @@ class FailureLog:
     def __init__(self, logger: logging.Logger) -> None:
         self._logger = logger
         self._counts: dict[FailureCause, int] = {}
+        self.total = 0
+        """Failures so far, of every cause."""
 
     @property
     def counts(self) -> Mapping[FailureCause, int]:
@@ -55,6 +57,7 @@ class FailureLog:
         """Count and log one failure; ``message`` and ``args`` are a ``logging`` format."""
         seen = cause in self._counts
         self._counts[cause] = self._counts.get(cause, 0) + 1
+        self.total += 1
         if seen:
             self._logger.debug(message, *args, exc_info=exc_info)
             return

@@ -303,6 +303,8 @@ class OffloadWorker:
         """
         if self._flush_pending:
             self.flush()
+        if not self._same_step:  # most steps
+            return
         transfers, self._same_step = self._same_step, []
         for transfer in transfers:
             self._submit(transfer)
@@ -435,6 +437,11 @@ class OffloadWorker:
     def failure_counts(self) -> Mapping[FailureCause, int]:
         """This worker's failures so far, by cause."""
         return self._failures.counts
+
+    @property
+    def num_failures(self) -> int:
+        """This worker's failures so far, of every cause."""
+        return self._failures.total
 
     @property
     def num_abandoned(self) -> int:

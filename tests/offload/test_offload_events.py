@@ -44,6 +44,14 @@ def test_requests_are_read_live_and_forgotten_after_the_next_events() -> None:
     ]
 
 
+def test_without_events_forgotten_requests_are_dropped_at_once() -> None:
+    tokens = RequestTokens(block_tokens=2, keep_forgotten=False)
+    tokens.track("r", HASHES, [1, 2, 3, 4])
+    tokens.track("s", HASHES, [5, 6, 7, 8])
+    tokens.forget(["r"])
+    assert tokens.num_requests == 1 and tokens.block_hashes("r") is None
+
+
 def test_keys_of_another_namespace_are_refused() -> None:
     with pytest.raises(ValueError, match="namespace"):
         RequestTokens(2).describe([stored(b"h0")], KeyNamespace("other"))

@@ -167,7 +167,7 @@ class KVTierScheduler:
             group_windows=group_windows_of(kv_cache_config, block_tokens),
         )
         self.guard = LazyStoreGuard(self.manager)
-        self.tokens = RequestTokens(block_tokens)
+        self.tokens = RequestTokens(block_tokens, keep_forgotten=self.record_events)
         self._block_pool: BlockPool | None = None
         self._lookup_base: dict[str, int] = {}
         # Requests finished while waiting for their load: vLLM frees their blocks itself.
@@ -177,6 +177,9 @@ class KVTierScheduler:
         self._lazy_held: dict[int, BlockHashWithGroupId] = {}
         self._lazy_departures = -1
         self._lazy_offered: list[tuple[BlockHashWithGroupId, LazyCandidate]] = []
+        # The free queue as the last scan of its frontier saw it (free blocks, first block),
+        # or None when that scan offered a block the tier did not take.
+        self._lazy_seen: tuple[int, int] | None = None
         self._lazy_target = lazy_frontier_blocks(
             num_groups, vllm_config.scheduler_config.max_num_batched_tokens, block_tokens
         )
@@ -276,8 +279,11 @@ class KVTierScheduler:
         for block_hash, candidate in self._lazy_offered:
             if manager.holds(candidate.block_hash, candidate.group):
                 self._lazy_held[candidate.block_id] = block_hash
-        if not plan.empty:
-            self._stats_stale = True
+            else:
+                self._lazy_seen = None  # offer it again next step
+        if plan.empty:
+            return plan
+        self._stats_stale = True
         protect = self.guard.protect(plan)
         if protect:
             # Keep vLLM from reusing the blocks until their stores are over.
@@ -293,7 +299,16 @@ class KVTierScheduler:
         return plan
 
     def _lazy_candidates(self) -> list[LazyCandidate]:
-        """Cached blocks near vLLM's eviction frontier, less those the tier held last time."""
+        """Cached blocks near vLLM's eviction frontier, less those the tier held last time.
+
+        The frontier is not read again while vLLM's free queue keeps its length
+        and first block and the tier took every block offered last time: the
+        same blocks are there, all held. (A block taken out of the middle and
+        another freed onto the end in one step leave both unchanged; the block
+        that moved into the frontier is offered once the queue next changes,
+        which happens before it can be reused: reaching the front takes more
+        allocations than one step makes.)
+        """
         offered = self._lazy_offered
         offered.clear()
         if self.config.store_mode != "lazy" or self._block_pool is None:
@@ -302,9 +317,18 @@ class KVTierScheduler:
         if departures != self._lazy_departures:
             self._lazy_held.clear()
             self._lazy_departures = departures
+            self._lazy_seen = None
         held = self._lazy_held
-        frontier = self._block_pool.free_block_queue.iter_blocks_after(None)
-        for block in itertools.islice(frontier, self._lazy_target):
+        queue = self._block_pool.free_block_queue
+        frontier = queue.iter_blocks_after(None)
+        first = next(frontier, None)
+        seen = (queue.num_free_blocks, first.block_id if first is not None else -1)
+        if seen == self._lazy_seen:
+            return []
+        self._lazy_seen = seen
+        if first is None:
+            return []
+        for block in itertools.islice(itertools.chain((first,), frontier), self._lazy_target):
             block_hash = block.block_hash
             if block_hash is None or block.is_null or held.get(block.block_id) == block_hash:
                 continue
@@ -375,6 +399,8 @@ class KVTierScheduler:
 
     def take_events(self) -> list[KVCacheEvent]:
         """This step's KV-cache events of the tier (none unless vLLM publishes events)."""
+        if not self.record_events:
+            return []  # vLLM asks every step
         described = self.tokens.describe(self.manager.take_events(), self.manager.namespace)
         return [self._vllm_event(event) for event in described]
 

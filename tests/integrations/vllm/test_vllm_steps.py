@@ -81,6 +81,7 @@ def test_stored_blocks_are_loaded_back_byte_for_byte(
     assert engine.counter("hit_tokens") == full_blocks * BLOCK
     assert engine.counter("loaded_blocks") == full_blocks
     assert manager.num_requests == 0 and manager.index.stats().pinned == 0
+    assert engine.connector.scheduler.tokens.num_requests == 0, "finished requests' tokens kept"
 
 
 def test_a_request_waits_for_its_load_before_it_runs(
@@ -294,6 +295,35 @@ def test_lazy_mode_offers_a_frontier_block_again_only_after_the_tier_lost_blocks
     manager.reset()
     engine.step()
     assert offered[-1], "after the tier lost its blocks, the frontier was not offered again"
+
+
+def test_lazy_mode_reads_the_frontier_again_only_when_vllms_free_queue_changed(
+    engine_factory: Callable[..., VllmSteps], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = engine_factory({"cpu_bytes": 8 * MIB, "store_mode": "lazy"}, num_blocks=40)
+    engine.generate(prompts(7, 3, 60, 120), max_tokens=2)
+    queue = engine.scheduler.kv_cache_manager.block_pool.free_block_queue
+    read: list[int] = []
+    iter_blocks_after = queue.iter_blocks_after
+
+    def counted(cursor: Any) -> Iterator[Any]:
+        for block in iter_blocks_after(cursor):
+            read[-1] += 1
+            yield block
+
+    monkeypatch.setattr(queue, "iter_blocks_after", counted)
+
+    def step() -> int:
+        read.append(0)
+        engine.step()
+        return read[-1]
+
+    engine.add(prompts(9, 1, BLOCK + 4, BLOCK + 5)[0], max_tokens=8)
+    assert step() > 1, "the prompt's blocks came off the free queue: the frontier is read"
+    decode = [step() for _ in range(6)]  # inside the prompt's second block: no allocation
+    assert decode[-3:] == [1, 1, 1], f"an unchanged frontier was read again: {decode}"
+    engine.connector.manager.reset()
+    assert step() > 1, "after the tier lost its blocks, the frontier was not read again"
 
 
 def test_events_name_stored_blocks_with_their_tokens(
