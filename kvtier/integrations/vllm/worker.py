@@ -88,7 +88,6 @@ class KVTierWorker:
         self.offload: OffloadWorker | None = None
         self._failed_blocks: frozenset[int] = frozenset()
         self._reported_failures: Mapping[FailureCause, int] = {}
-        self._reported_total = 0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Resolve vLLM's KV tensors, per kv-cache group, and build the offload worker.
@@ -168,9 +167,10 @@ class KVTierWorker:
 
     def stats(self) -> KVTierStats | None:
         """This rank's failures since the last call, by cause, or ``None`` if there were none."""
-        if self.offload is None or self.offload.num_failures == self._reported_total:
+        if self.offload is None or self.offload.num_failures == sum(
+            self._reported_failures.values()
+        ):
             return None  # most steps
-        self._reported_total = self.offload.num_failures
         counts = self.offload.failure_counts
         stats = KVTierStats()
         for cause, count in counts.items():
