@@ -8,7 +8,7 @@ output is JSON with ratios against the peers and a verdict against each target.
 The Redis arm needs ``redis-server`` on the PATH and is left out without it.
 
     python benchmarks/vllm_ttft.py [--prompt-tokens 4096] [--repeats 7]
-        [--throughput-method swap|pairs] [--breakdown]
+        [--hit-pairs 10] [--throughput-method swap|pairs] [--breakdown]
 
 On a shared machine other processes slow some repeats down many times over,
 so every repeat is reported; the headline TTFT ratios use the best (least
@@ -221,14 +221,24 @@ class Probes:
 
 
 def measure_ttft(
-    model_dir: Path, prompt_tokens: int, repeats: int, store_mode: str, probes: Probes | None
+    model_dir: Path,
+    prompt_tokens: int,
+    repeats: int,
+    pairs: int,
+    store_mode: str,
+    probes: Probes | None,
 ) -> dict[str, Any]:
-    """Seconds to the first token of each repeat, for each kind of prefix.
+    """Seconds to the first token of each kind of prefix, for ``repeats`` prompts.
 
-    In eager mode the prompt's blocks are stored as they are computed and
-    vLLM's cache is then emptied; in lazy mode they are stored only as the
-    engine is about to evict them, so a filler prompt first pushes them to the
-    front of vLLM's free queue; then vLLM's cache is emptied in both modes.
+    Each prompt is timed once cold, then ``pairs`` times as a device hit and
+    as a tier hit, the two one after the other and in alternating order
+    (device first, tier first, device first, ...), so that whatever drifts
+    between them falls on both alike. A tier hit follows an emptying of vLLM's
+    cache, and leaves the prompt's blocks in it for the next device hit. In
+    eager mode the prompt's blocks are stored as they are computed; in lazy
+    mode they are stored only as the engine is about to evict them, so before
+    the prompt's first tier hit a filler prompt pushes them to the front of
+    vLLM's free queue. Later tier hits find the blocks still in the tier.
     """
     from vllm import LLM
 
@@ -246,34 +256,37 @@ def measure_ttft(
     )
     rng = random.Random(0)
     _timed(llm, [_prompt(rng, prompt_tokens)], 1)  # warm-up
-    cold, device, tier = [], [], []
+    times: dict[str, list[float]] = {"cold": [], "device_hit": [], "tier_hit": []}
     breakdown: dict[str, list[dict[str, Any]]] = {"device_hit": [], "tier_hit": []}
+
+    def timed(kind: str, prompt: list[int]) -> None:
+        if probes:
+            probes.take()
+        times[kind].append(_timed(llm, [prompt], 1))
+        if probes and kind in breakdown:
+            breakdown[kind].append(probes.take())
+
     for _ in range(repeats):
         prompt = _prompt(rng, prompt_tokens)
-        cold.append(_timed(llm, [prompt], 1))
+        timed("cold", prompt)
         settle(llm)
-        if probes:
-            probes.take()
-        device.append(_timed(llm, [prompt], 1))
-        if probes:
-            breakdown["device_hit"].append(probes.take())
-        if lazy:
-            # One more prompt's blocks bring this one's to the front of vLLM's free queue,
-            # within the window lazy mode stores.
-            _timed(llm, [_prompt(rng, prompt_tokens)], 1)
-        reset_device_cache(llm)
-        if probes:
-            probes.take()
-        tier.append(_timed(llm, [prompt], 1))
-        if probes:
-            breakdown["tier_hit"].append(probes.take())
+        for pair in range(pairs):
+            order = ("device_hit", "tier_hit") if pair % 2 == 0 else ("tier_hit", "device_hit")
+            for kind in order:
+                if kind == "tier_hit":
+                    if lazy and pair == 0:
+                        # One more prompt's blocks bring this one's to the front of vLLM's
+                        # free queue, within the window lazy mode stores.
+                        _timed(llm, [_prompt(rng, prompt_tokens)], 1)
+                    reset_device_cache(llm)
+                timed(kind, prompt)
+                settle(llm)
     shutdown(llm)
-    result: dict[str, Any] = {"cold": cold, "device_hit": device, "tier_hit": tier}
+    result: dict[str, Any] = {**times, "pairs_per_prompt": pairs}
     if probes:
         # The repeat that made the best time, as the least disturbed one.
         result["breakdown_of_best"] = {
-            kind: rounds[result[kind].index(min(result[kind]))]
-            for kind, rounds in breakdown.items()
+            kind: rounds[times[kind].index(min(times[kind]))] for kind, rounds in breakdown.items()
         }
         result["tier_hit_copy_s"] = [
             repeat["calls"].get("copy", {}).get("total_s", 0.0) for repeat in breakdown["tier_hit"]
@@ -442,7 +455,9 @@ def ttft_report(ttft: dict[str, Any], limit_s: float) -> dict[str, Any]:
     differences = [t - d for t, d in zip(ttft["tier_hit"], ttft["device_hit"], strict=True)]
     extra_s = statistics.median(differences)
     extra_max_s = 1.5 * limit_s + 0.0003
-    extra_low_s, extra_high_s = median_interval(differences)
+    pairs = ttft.get("pairs_per_prompt", 1)
+    by_prompt = [differences[start : start + pairs] for start in range(0, len(differences), pairs)]
+    extra_low_s, extra_high_s = median_interval(by_prompt)
     report: dict[str, Any] = {
         "ttft_s": {kind: _summary(ttft[kind]) for kind in best},
         "ttft_rounds_s": {kind: ttft[kind] for kind in best},
@@ -453,6 +468,7 @@ def ttft_report(ttft: dict[str, Any], limit_s: float) -> dict[str, Any]:
         ),
         "tier_hit_extra_s": extra_s,
         "tier_hit_extra_best_s": best["tier_hit"] - best["device_hit"],
+        "hit_pairs_per_prompt": pairs,
         "tier_hit_extra_max_s": extra_max_s,
         "tier_hit_extra_ok": extra_s <= extra_max_s,
         "tier_hit_extra_ci95_s": [extra_low_s, extra_high_s],
@@ -481,40 +497,41 @@ def _percentiles_95(medians: list[float]) -> list[float]:
     return [ordered[int(0.025 * last)], ordered[int(math.ceil(0.975 * last))]]
 
 
-def median_interval(values: list[float]) -> list[float]:
-    """A 95% bootstrap interval of the median of ``values`` (resampled with replacement,
-    fixed seed)."""
+def median_interval(groups: list[list[float]]) -> list[float]:
+    """A 95% interval of the median of the values of ``groups``, from a two-level bootstrap.
+
+    Each of :data:`BOOTSTRAP_RESAMPLES` resamplings (with replacement, fixed
+    seed) draws groups, then values within each drawn group, so a group whose
+    values share an offset (one pair of engine processes, one prompt) weighs
+    on the interval as one sample, not as many; the interval is the 2.5th and
+    97.5th percentiles of the resamplings' medians.
+    """
     rng = random.Random(0)
     return _percentiles_95(
-        [statistics.median(rng.choices(values, k=len(values))) for _ in range(BOOTSTRAP_RESAMPLES)]
+        [
+            statistics.median(
+                value
+                for group in rng.choices(groups, k=len(groups))
+                for value in rng.choices(group, k=len(group))
+            )
+            for _ in range(BOOTSTRAP_RESAMPLES)
+        ]
     )
 
 
 def ratio_interval(with_kvtier: list[list[float]], without: list[list[float]]) -> dict[str, Any]:
-    """Median of the per-round ratios ``with / without`` and a 95% bootstrap interval of it.
+    """Median of the per-round ratios ``with / without`` and a 95% interval of it.
 
-    Both arguments hold one list of rounds per pair of engine processes. Each
-    of :data:`BOOTSTRAP_RESAMPLES` resamplings (with replacement, fixed seed) draws pairs,
-    then rounds within each drawn pair, so a pair whose processes were
-    steadily faster or slower weighs on the interval as one sample, not as
-    many; the interval is the 2.5th and 97.5th percentiles of their medians.
+    Both arguments hold one list of rounds per pair of engine processes; the
+    interval resamples pairs, then rounds within them (:func:`median_interval`),
+    so a pair whose processes were steadily faster or slower counts as one sample.
     """
     pairs = [
         [w / o for w, o in zip(pair_with, pair_without, strict=True)]
         for pair_with, pair_without in zip(with_kvtier, without, strict=True)
     ]
     ratios = [ratio for pair in pairs for ratio in pair]
-    rng = random.Random(0)
-    low, high = _percentiles_95(
-        [
-            statistics.median(
-                ratio
-                for pair in rng.choices(pairs, k=len(pairs))
-                for ratio in rng.choices(pair, k=len(pair))
-            )
-            for _ in range(BOOTSTRAP_RESAMPLES)
-        ]
-    )
+    low, high = median_interval(pairs)
     median = statistics.median(ratios)
     return {
         "rounds": ratios,
@@ -872,6 +889,12 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--lazy-repeats", type=int, default=5)
+    parser.add_argument(
+        "--hit-pairs",
+        type=int,
+        default=10,
+        help="device hits and tier hits timed per TTFT prompt (each repeat's prompt)",
+    )
     parser.add_argument("--lower-tier-repeats", type=int, default=3)
     parser.add_argument("--busy-hit-tokens", type=int, default=1024)
     parser.add_argument(
@@ -941,9 +964,13 @@ def main() -> int:
             result["prompt_kv_bytes"] = prompt_bytes
             result["copy_limit_s"] = limit_s
             result["copy_bandwidth_bytes_per_s"] = prompt_bytes / limit_s
-            eager = measure_ttft(model_dir, args.prompt_tokens, args.repeats, "eager", probes)
+            eager = measure_ttft(
+                model_dir, args.prompt_tokens, args.repeats, args.hit_pairs, "eager", probes
+            )
             result.update(ttft_report(eager, limit_s))
-            lazy = measure_ttft(model_dir, args.prompt_tokens, args.lazy_repeats, "lazy", probes)
+            lazy = measure_ttft(
+                model_dir, args.prompt_tokens, args.lazy_repeats, args.hit_pairs, "lazy", probes
+            )
             result["lazy"] = ttft_report(lazy, limit_s)
         if "busy" in parts:
             budgets = {"a_step_ahead": 0, "same_step": DEFAULT_SAME_STEP_LOAD_BYTES}

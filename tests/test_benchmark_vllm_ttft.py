@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -150,3 +151,54 @@ def test_the_swap_method_takes_kvtier_out_of_the_engine_and_puts_it_back(
     finally:
         shutdown(llm)
     assert not has_kv_transfer_group()
+
+
+def test_prompts_whose_differences_share_an_offset_count_as_one_sample_each(
+    bench: ModuleType,
+) -> None:
+    """Three prompts of twenty pairs: the pairs agree within each prompt, the prompts do not.
+    Resampled as sixty lone differences, the interval stays within the middle prompt and
+    meets the 1.2 ms target; drawn prompt by prompt, it spans the slow prompt's 1.6 ms and
+    cannot tell."""
+    jitter = [-0.05, 0.0, 0.05, 0.0] * 5
+    differences = [(offset + x) / 1000 for offset in (0.4, 1.0, 1.6) for x in jitter]
+    grouped = bench.ttft_report(repeats(differences) | {"pairs_per_prompt": 20}, 0.0006)
+    low, high = grouped["tier_hit_extra_ci95_s"]
+    assert low < 0.0005 and high > 0.0015
+    assert grouped["tier_hit_extra_verdict"] == "undetermined"
+    alone = bench.ttft_report(repeats(differences), 0.0006)
+    assert alone["tier_hit_extra_ci95_s"][1] < 0.0011
+    assert alone["tier_hit_extra_verdict"] == "met"
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("store_mode", ["eager", "lazy"])
+def test_each_prompt_times_its_device_and_tier_hits_in_turn(
+    bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store_mode: str
+) -> None:
+    """Every tier hit loads the whole prompt from the tier and every device hit only the block
+    of its last token, device hit first in every other pair."""
+    pytest.importorskip("vllm")
+    from kvtier.copy.base import Direction
+    from kvtier.copy.torch_backend import TorchCopyBackend
+
+    for name, value in {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_ATTN_SPLIT_KV": "0",
+    }.items():
+        monkeypatch.setenv(name, value)
+    loads: list[int] = []
+    submit = TorchCopyBackend.submit
+
+    def counted(backend: TorchCopyBackend, batch: Any) -> Any:
+        if batch.direction is Direction.LOAD:
+            loads.append(len(batch))
+        return submit(backend, batch)
+
+    monkeypatch.setattr(TorchCopyBackend, "submit", counted)
+    model_dir = write_tiny_llama(tmp_path / "model", bench.MODEL)
+    ttft = bench.measure_ttft(model_dir, 256, 2, 3, store_mode, None)
+    assert [len(ttft[kind]) for kind in ("cold", "device_hit", "tier_hit")] == [2, 6, 6]
+    assert ttft["pairs_per_prompt"] == 3
+    assert loads == [1, 8, 8, 1, 1, 8] * 2
