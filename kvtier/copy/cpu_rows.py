@@ -56,13 +56,27 @@ copy from a pool thread would start a second team of intra-op threads.
 Torch's own ``index_select`` is used for nothing else: on rows of 32 KiB and
 more it opens a parallel region per row, which stalls badly when other
 processes share the cores.
+
+Torch's intra-op threads only help while they are awake. Where OpenMP is told
+to put them to sleep as soon as a parallel region ends (``OMP_WAIT_POLICY=PASSIVE``,
+``GOMP_SPINCOUNT=0`` or ``KMP_BLOCKTIME=0``, as operators set when several
+processes share the cores), each torch call first wakes them, and numpy on
+the caller's thread alone is faster: with ``OMP_WAIT_POLICY=PASSIVE`` on a
+2-core machine, neither side in the CPU's cache, loading 128 blocks of 4
+regions of 16 KiB (8 MiB, runs counting up) took 1.97 times a contiguous
+copy of as many bytes by torch and 1.28 times by numpy, 32 blocks 2.02 and
+0.66 times, a store of 128 blocks 1.72 and 1.16 times (medians of 40,
+alternating); with OpenMP's default policy 1.26 and 1.32, 1.54 and 1.18,
+1.19 and 1.22 times. :func:`openmp_threads_sleep` reads those settings, and
+a copier built where they are set copies with numpy only.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -112,6 +126,17 @@ blocks of 64 KiB (4 regions) in more than 8 runs took 0.81 to 0.87 ms that way a
 0.50 ms run by run (medians over 40 batches), of which the copies took 0.37 to 0.42 ms. With
 the cache flushed before each copy, loads and stores of 32 and 128 such blocks in 12 to 36
 runs took 0.64 to 0.96 times as long run by run as planned from id arrays."""
+
+
+def openmp_threads_sleep(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``environ`` tells OpenMP's threads, torch's intra-op threads among them, to
+    sleep as soon as a parallel region ends: ``OMP_WAIT_POLICY=PASSIVE``,
+    ``GOMP_SPINCOUNT=0`` (GNU OpenMP) or ``KMP_BLOCKTIME=0`` (Intel OpenMP)."""
+    return (
+        environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
+        or environ.get("GOMP_SPINCOUNT", "").strip() == "0"
+        or environ.get("KMP_BLOCKTIME", "").strip() == "0"
+    )
 
 
 def void_rows(matrix: torch.Tensor) -> np.ndarray:
@@ -228,13 +253,22 @@ class RowCopier:
     One batch at a time: :meth:`copy` is not meant to be called from two threads at once.
     """
 
-    def __init__(self, regions: Sequence[tuple[torch.Tensor, torch.Tensor]], threads: int) -> None:
+    def __init__(
+        self,
+        regions: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        threads: int,
+        *,
+        torch_runs: bool | None = None,
+    ) -> None:
         """Bind the copier to its regions.
 
         Args:
             regions: Per region, ``(engine_rows, host_rows)``: two ``[rows, n]``
                 uint8 CPU tensors with contiguous rows (strided between rows).
             threads: Threads that copy one large batch (1: the caller's only).
+            torch_runs: Whether the caller's thread may copy large runs with torch
+                (see the module docstring); ``None``: unless
+                :func:`openmp_threads_sleep` says torch's threads sleep between calls.
 
         Raises:
             ValueError: If ``threads`` is not positive or a region pair disagrees on ``n``.
@@ -259,6 +293,7 @@ class RowCopier:
             np.empty(max(CHUNK_BYTES, self._widest), dtype=np.uint8) for _ in range(threads)
         ]
         self._pool = ThreadPoolExecutor(threads - 1, "kvtier-copy") if threads > 1 else None
+        self._torch_runs = not openmp_threads_sleep() if torch_runs is None else torch_runs
 
     def max_runs(self, rows: int) -> int:
         """Most runs for which a batch of ``rows`` rows is cheaper copied run by run
@@ -297,7 +332,7 @@ class RowCopier:
         sizes = [(end - start, step) for start, end, step in pairs] if plan == "runs" else None
         if self._caller_alone(count, sizes):
             runs = pairs if plan == "runs" else _runs_for(plan, src, dst)
-            self._copy_slice(direction, plan, 0, src, dst, runs, by_torch=True)
+            self._copy_slice(direction, plan, 0, src, dst, runs, by_torch=self._torch_runs)
             return
         pieces = min(count, PIECES_PER_THREAD * threads)
         bounds = np.linspace(0, count, pieces + 1).astype(np.int64).tolist()
@@ -335,7 +370,7 @@ class RowCopier:
         spans = [_span(direction, *run) for run in runs]
         sizes = [(size, step) for _, _, size, step in spans]
         if self._caller_alone(sum(size for size, _ in sizes), sizes):
-            self._copy_spans(direction, spans, by_torch=True)
+            self._copy_spans(direction, spans, by_torch=self._torch_runs)
             return
         blocks = np.concatenate([np.arange(block, block + size) for block, _, size, _ in runs])
         slots = np.concatenate([slot + step * np.arange(size) for _, slot, size, step in runs])
@@ -353,8 +388,10 @@ class RowCopier:
         its own threads); ``runs`` is ``None`` for a plan that does not copy by runs."""
         if self._pool is None or rows * self._record_bytes < PARALLEL_MIN_BYTES:
             return True
-        return runs is not None and all(
-            _torch_run(size, step, self._narrowest, self._widest) for size, step in runs
+        return (
+            self._torch_runs
+            and runs is not None
+            and all(_torch_run(size, step, self._narrowest, self._widest) for size, step in runs)
         )
 
     def _copy_slice(
@@ -370,7 +407,7 @@ class RowCopier:
     ) -> None:
         """Copy one piece of a sorted batch in every region, by the ``runs`` of its plan.
 
-        ``by_torch``: the caller's thread alone copies the batch, so the *runs*
+        ``by_torch``: the caller's thread alone copies the batch and may use torch, so the *runs*
         plan copies its large runs that count up with torch (see the module
         docstring).
         """

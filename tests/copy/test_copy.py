@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from kvtier.copy.base import CopyBatch, CopyError, CopyHandle, Direction
-from kvtier.copy.cpu_rows import RowCopier, choose_plan, pair_runs, run_starts, sort_ids
+from kvtier.copy.cpu_rows import (
+    RowCopier,
+    choose_plan,
+    openmp_threads_sleep,
+    pair_runs,
+    run_starts,
+    sort_ids,
+)
 from kvtier.copy.planner import MAX_RUNS, batch_arrays
 from kvtier.copy.torch_backend import TorchCopyBackend, TorchCopyConfig
 from kvtier.kinds import COPY_BACKEND
@@ -173,6 +180,57 @@ def test_a_batch_of_torch_runs_is_not_cut_over_the_pool(
     copier.copy(Direction.LOAD, blocks, np.arange(64))
     assert handed
     copier.close()
+
+
+@pytest.mark.parametrize(
+    "environ, asleep",
+    [
+        ({}, False),
+        ({"OMP_WAIT_POLICY": "ACTIVE"}, False),
+        ({"OMP_WAIT_POLICY": " passive "}, True),
+        ({"GOMP_SPINCOUNT": "0"}, True),
+        ({"GOMP_SPINCOUNT": "300000"}, False),
+        ({"KMP_BLOCKTIME": "0"}, True),
+        ({"KMP_BLOCKTIME": "5"}, False),
+    ],
+)
+def test_openmp_settings_that_put_threads_to_sleep_are_recognised(
+    environ: dict[str, str], asleep: bool
+) -> None:
+    assert openmp_threads_sleep(environ) is asleep
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_where_torchs_threads_sleep_large_runs_go_through_numpy(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of large runs that torch would copy on the caller's thread is cut over the
+    pool like any numpy batch, and a copier of one thread copies a run that counts down
+    without ``index_select``."""
+    monkeypatch.setattr("kvtier.copy.cpu_rows.PARALLEL_MIN_BYTES", 0)
+    monkeypatch.setattr("kvtier.copy.cpu_rows.TORCH_RUN_MIN_BYTES", 16 << 10)
+    if how == "environment":
+        monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    options = {"torch_runs": False} if how == "argument" else {}
+    engine = torch.randint(0, 256, (128, 1024), dtype=torch.uint8)
+    host = torch.zeros((64, 2048), dtype=torch.uint8)[:, 1024:]
+    copier = RowCopier([(engine, host)], threads=2, **options)
+    handed: list[object] = []
+    submit = copier._pool.submit  # type: ignore[union-attr]
+    monkeypatch.setattr(copier._pool, "submit", lambda *a: handed.append(a) or submit(*a))
+    copier.copy(Direction.STORE, np.arange(32, 96), np.arange(64))
+    assert torch.equal(host, engine[32:96])
+    assert handed
+    copier.close()
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("index_select was called")
+
+    monkeypatch.setattr(torch, "index_select", refused)
+    alone = RowCopier([(engine, host)], threads=1, **options)
+    alone.copy_runs(Direction.LOAD, [(0, 63, 64, -1)])
+    assert torch.equal(engine[:64], host.flip(0))
+    alone.close()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
