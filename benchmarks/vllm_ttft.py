@@ -85,15 +85,22 @@ TARGETS = {
 }
 
 
-def _engine_env() -> None:
+def _engine_env(*, throughput_process: bool = False) -> None:
+    """Settings for the engines of this process, before torch loads its OpenMP runtime.
+
+    The TTFT, busy and lower-tier parts run their engine in the benchmark's own
+    process with OpenMP's default wait policy, as vLLM runs. A throughput engine
+    process (``throughput_process``) shares the cores with the benchmark's other
+    processes, and its OpenMP threads sleep as soon as they wait: threads that spin
+    made whole rounds 10 to 20 times slower whenever another process (the idle
+    engine of the other arm included) held one of the two cores.
+    """
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     # vLLM logs to stdout, which carries the JSON result.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    # Engine processes started from here read it when their OpenMP runtime loads. Threads
-    # that spin while they wait made whole rounds 10 to 20 times slower whenever another
-    # process (the idle engine of the other arm included) held one of the two cores.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if throughput_process:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _prompt(rng: random.Random, tokens: int) -> list[int]:
@@ -606,7 +613,7 @@ def _serve_arm(
     null_connector: bool,
 ) -> None:
     """One throughput engine, in a process of its own: a batch per ``"run"``, until ``"stop"``."""
-    _engine_env()
+    _engine_env(throughput_process=True)
     probes = Probes() if breakdown else None
     if probes:
         probes.install()
@@ -704,7 +711,7 @@ def _serve_swapped(
 ) -> None:
     """One engine with kvtier, in a process of its own, running ``triples`` rounds of each of
     :data:`SWAP_KINDS`; sends each kind's speeds, round by round, and its breakdowns."""
-    _engine_env()
+    _engine_env(throughput_process=True)
     probes = Probes() if breakdown else None
     if probes:
         probes.install()
