@@ -10,11 +10,13 @@ The Redis arm needs ``redis-server`` on the PATH and is left out without it.
     python benchmarks/vllm_ttft.py [--prompt-tokens 4096] [--repeats 7]
         [--hit-pairs 10] [--throughput-method swap|pairs] [--breakdown]
 
-On a shared machine other processes slow some repeats down many times over,
-so every repeat is reported; the headline TTFT ratios use the best (least
-disturbed) repeat of each arm, in eager and in lazy store mode, next to the
-physical limit: the prompt's KV bytes over the bandwidth of one contiguous
-host copy of as many bytes, measured in the same run.
+On a shared machine other processes slow some timings down many times over,
+so every timing is reported; the headline TTFT ratios use the best (least
+disturbed) timing of each arm, in eager and in lazy store mode, and the verdict
+the median difference between a tier hit and the device hit timed next to it
+(``--hit-pairs`` pairs per prompt), next to the physical limit: the prompt's
+KV bytes over the bandwidth of one contiguous host copy of as many bytes,
+measured in the same run.
 
 Throughput (``--throughput-method swap``, the default) runs engines with kvtier, one process
 at a time, each of which takes turns between rounds with kvtier, the do-nothing connector of
@@ -291,7 +293,7 @@ def measure_ttft(
     shutdown(llm)
     result: dict[str, Any] = {**times, "pairs_per_prompt": pairs}
     if probes:
-        # The repeat that made the best time, as the least disturbed one.
+        # The hit that made the best time, as the least disturbed one.
         result["breakdown_of_best"] = {
             kind: rounds[times[kind].index(min(times[kind]))] for kind, rounds in breakdown.items()
         }
@@ -457,7 +459,7 @@ def _summary(values: list[float]) -> dict[str, float]:
 def ttft_report(ttft: dict[str, Any], limit_s: float) -> dict[str, Any]:
     """Ratios and the tier hit's extra time against the copy limit, for one store mode."""
     best = {kind: min(ttft[kind]) for kind in ("cold", "device_hit", "tier_hit")}
-    # Each repeat times its device hit and its tier hit a moment apart: their difference
+    # Each pair times its device hit and its tier hit a moment apart: their difference
     # is what the tier adds, while a step's time alone wanders by tens of milliseconds.
     differences = [t - d for t, d in zip(ttft["tier_hit"], ttft["device_hit"], strict=True)]
     extra_s = statistics.median(differences)
