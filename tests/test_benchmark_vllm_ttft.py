@@ -19,6 +19,16 @@ def bench() -> ModuleType:
     return load_script(REPO_ROOT / "benchmarks" / "vllm_ttft.py")
 
 
+def _in_process_engine_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small vLLM engine in the test's own process."""
+    for name, value in {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_ATTN_SPLIT_KV": "0",
+    }.items():
+        monkeypatch.setenv(name, value)
+
+
 def test_equal_arms_give_a_ratio_of_one_and_pass(bench: ModuleType) -> None:
     rounds = [100.0, 80.0, 120.0, 95.0]
     report = bench.ratio_interval([rounds], [rounds])
@@ -110,12 +120,7 @@ def test_the_swap_method_takes_kvtier_out_of_the_engine_and_puts_it_back(
     from kvtier.integrations.vllm.connector import KVTierConnector
     from kvtier.integrations.vllm.offline import settle, shutdown
 
-    for name, value in {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_ATTN_SPLIT_KV": "0",
-    }.items():
-        monkeypatch.setenv(name, value)
+    _in_process_engine_env(monkeypatch)
     monkeypatch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
     from null_connector import NullConnector
 
@@ -182,12 +187,7 @@ def test_each_prompt_times_its_device_and_tier_hits_in_turn(
     from kvtier.copy.base import Direction
     from kvtier.copy.torch_backend import TorchCopyBackend
 
-    for name, value in {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_ATTN_SPLIT_KV": "0",
-    }.items():
-        monkeypatch.setenv(name, value)
+    _in_process_engine_env(monkeypatch)
     loads: list[int] = []
     submit = TorchCopyBackend.submit
 
