@@ -155,31 +155,34 @@ class PolicyIndex(BlockIndex):
         self.policy.accessed_all([key for key in keys if key in readable])
 
     def pin(self, keys: Sequence[BlockKey]) -> list[int]:
-        for key in keys:
-            if key not in self._readable:
-                raise KeyError(f"block {key.hex()} is not readable in this tier")
-        slots = []
-        for key in keys:
-            slot = self._readable[key]
-            if self._pins[slot] == 0:
-                self._pinned += 1
-            self._pins[slot] += 1
-            slots.append(slot)
+        readable, pins = self._readable, self._pins
+        try:
+            slots = [readable[key] for key in keys]
+        except KeyError as exc:
+            raise KeyError(f"block {exc.args[0].hex()} is not readable in this tier") from None
+        pinned = 0
+        for slot in slots:
+            if not pins[slot]:
+                pinned += 1
+            pins[slot] += 1
+        self._pinned += pinned
         self.policy.accessed_all(keys)
         return slots
 
     def unpin(self, keys: Sequence[BlockKey]) -> None:
+        readable, discarded, pins = self._readable, self._discarded, self._pins
         for key in keys:
-            slot = self._readable.get(key)
+            slot = readable.get(key)
             if slot is None:
-                slot = self._discarded.get(key)
-            if slot is None or self._pins[slot] == 0:
+                slot = discarded.get(key)
+            if slot is None or not pins[slot]:
                 raise ValueError(f"block {key.hex()} is not pinned")
-            self._pins[slot] -= 1
-            if self._pins[slot] == 0:
+            left = pins[slot] - 1
+            pins[slot] = left
+            if not left:
                 self._pinned -= 1
-                if key in self._discarded:
-                    del self._discarded[key]
+                if key in discarded:
+                    del discarded[key]
                     self._free.append(slot)
 
     def discard(self, keys: Sequence[BlockKey]) -> None:

@@ -374,6 +374,9 @@ class OffloadManager:
         self._window_blocks: list[dict[int, BlockKey]] = [{} for _ in range(num_groups)]
         # Requests whose load failed recompute instead: asked again, they get no tier hit.
         self._load_failed: set[str] = set()
+        # The keys the last lookup() made, per group without a window, for allocated() to
+        # reuse when it follows for the same request and first block: (request, first, keys).
+        self._looked_up: tuple[str, int, dict[int, list[BlockKey]]] | None = None
         self._events: list[IndexEvent] = []
         self._failures = FailureLog(logger)
         self._hit_tokens = 0
@@ -485,9 +488,12 @@ class OffloadManager:
         if not wanted:
             return 0
         hits = len(wanted)
+        looked_up: dict[int, list[BlockKey]] = {}
         for group, window in enumerate(self.group_windows):
             if window is None and hits:
-                hits = min(hits, self.index.lookup(self.namespace.keys(wanted[:hits], group)))
+                keys = looked_up[group] = self.namespace.keys(wanted[:hits], group)
+                hits = min(hits, self.index.lookup(keys))
+        self._looked_up = (request_id, first, looked_up)
         for group, window in enumerate(self.group_windows):
             if window is not None:
                 hits = self._windowed_hits(wanted, hits, group, window)
@@ -596,6 +602,10 @@ class OffloadManager:
         state = self._state(request_id)
         state.block_hashes = block_hashes
         first = num_computed_tokens // self.block_tokens
+        looked_up: dict[int, list[BlockKey]] = {}
+        if self._looked_up is not None and self._looked_up[:2] == (request_id, first):
+            looked_up = self._looked_up[2]
+        self._looked_up = None
         count = -(-num_external_tokens // self.block_tokens)
         for group in range(self.num_groups):
             self.index.touch(self.namespace.keys(block_hashes[:first], group))
@@ -619,12 +629,13 @@ class OffloadManager:
                 )
             window = self.group_windows[group]
             skip = 0 if window is None else max(0, count - window)
-            keys, blocks = [], []
-            group_keys = self.namespace.keys(hashes[skip:], group)
-            for key, block_id in zip(group_keys, group_ids[skip:], strict=True):
-                if block_id != self.null_block_id:
-                    keys.append(key)
-                    blocks.append(block_id)
+            blocks = list(group_ids[skip:])
+            keys = looked_up.get(group, [])[:count] if window is None else []
+            if len(keys) < count:
+                keys = self.namespace.keys(hashes[skip:], group)
+            if self.null_block_id in blocks:
+                kept = [i for i, block_id in enumerate(blocks) if block_id != self.null_block_id]
+                keys, blocks = [keys[i] for i in kept], [blocks[i] for i in kept]
             readable = self.index.lookup(keys)
             if readable:
                 pinned = tuple(keys[:readable])

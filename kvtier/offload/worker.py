@@ -493,21 +493,22 @@ class OffloadWorker:
             )
         self._check_slots(transfer.host_slots, f"transfer {transfer.batch_id}")
         num_blocks = self.layouts[transfer.group].num_blocks
-        for block in transfer.device_blocks:
-            if not 0 <= block < num_blocks:
-                raise ValueError(
-                    f"transfer {transfer.batch_id} names device block {block}, but group "
-                    f"{transfer.group}'s layout has {num_blocks} blocks"
-                )
+        block = _out_of_range(transfer.device_blocks, num_blocks)
+        if block is not None:
+            raise ValueError(
+                f"transfer {transfer.batch_id} names device block {block}, but group "
+                f"{transfer.group}'s layout has {num_blocks} blocks"
+            )
 
     def _check_slots(self, slots: Sequence[int], what: str) -> None:
-        for slot in slots:
-            if not 0 <= slot < self.tier.num_slots:
-                raise ValueError(
-                    f"{what} names host slot {slot}, but this worker's tier has "
-                    f"{self.tier.num_slots} slots; size the manager and the workers from the "
-                    "same config and record size"
-                )
+        num_slots = self.tier.num_slots
+        slot = _out_of_range(slots, num_slots)
+        if slot is not None:
+            raise ValueError(
+                f"{what} names host slot {slot}, but this worker's tier has "
+                f"{num_slots} slots; size the manager and the workers from the "
+                "same config and record size"
+            )
 
     def _submit(self, transfer: Transfer) -> None:
         backend = self._group_backends[transfer.group]
@@ -629,3 +630,11 @@ class OffloadWorker:
             self._same_step_batches.discard(transfer.batch_id)
         elif transfer.request_id is not None:
             self._failed_load_requests.add(transfer.request_id)
+
+
+def _out_of_range(ids: Sequence[int], limit: int) -> int | None:
+    """The first of ``ids`` outside ``[0, limit)``, or ``None``; all in range costs two C
+    calls (``min``, ``max``) instead of a Python loop over a plan's blocks."""
+    if not ids or (0 <= min(ids) and max(ids) < limit):
+        return None
+    return next(i for i in ids if not 0 <= i < limit)

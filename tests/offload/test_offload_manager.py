@@ -137,6 +137,29 @@ def test_load_pins_slots_until_every_worker_finished() -> None:
     assert (stats.hit_tokens, stats.loaded_blocks, stats.loaded_bytes) == (3 * BT, 3, 600)
 
 
+def test_a_load_reads_its_own_requests_blocks_whichever_request_was_looked_up_last() -> None:
+    # allocated() reuses the keys lookup() made only for the same request and first block
+    m = manager()
+    m.process(done(store_blocks(m, "a", 4)))
+    m.finished("a")
+    assert m.lookup("other", HASHES[:4], 0, 4 * BT + 1) == 4 * BT
+    m.allocated("b", HASHES[:4], [[10, 11, 12, 13]], BT, 3 * BT)
+    assert m.lookup("c", HASHES[:4], 0, 4 * BT + 1) == 4 * BT
+    m.allocated("c", HASHES[:4], [[20, 21, 22, 23]], 2 * BT, 2 * BT)
+    assert m.lookup("d", HASHES[:4], 0, 4 * BT + 1) == 4 * BT
+    m.allocated("d", HASHES[:4], [[30, 31, 32, 33]], 0, 4 * BT)
+    loads = {load.request_id: load for load in m.build_plan().loads}
+    for request_id, first, blocks in (
+        ("b", 1, (11, 12, 13)),
+        ("c", 2, (22, 23)),
+        ("d", 0, (30, 31, 32, 33)),
+    ):
+        assert loads[request_id].device_blocks == blocks
+        assert loads[request_id].host_slots == tuple(
+            m.index.slot_of(m.namespace.key(h)) for h in HASHES[first:4]
+        )
+
+
 def test_a_same_step_load_is_marked_in_its_plan_only() -> None:
     m = manager()
     m.process(done(store_blocks(m, "a", 3)))

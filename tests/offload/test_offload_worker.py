@@ -255,6 +255,10 @@ def test_plans_are_validated_against_the_tier_and_layout() -> None:
         worker.bind(TransferPlan(stores=(store(0, (1,), (9,)),)))
     with pytest.raises(ValueError, match="device block 99"):
         worker.bind(TransferPlan(stores=(store(0, (99,), (1,)),)))
+    with pytest.raises(ValueError, match="host slot -1"):
+        worker.bind(TransferPlan(stores=(store(0, (1, 2, 3), (0, -1, 9)),)))
+    with pytest.raises(ValueError, match="device block 99"):
+        worker.bind(TransferPlan(stores=(store(0, (1, 99, -2), (1, 2, 3)),)))
     with pytest.raises(ValueError, match="group 2"):
         worker.bind(TransferPlan(stores=(Transfer(0, Direction.STORE, 2, (1,), (1,)),)))
     worker.bind(TransferPlan())
