@@ -15,8 +15,8 @@ so every timing is reported; the headline TTFT ratios use the best (least
 disturbed) timing of each arm, in eager and in lazy store mode, and the verdict
 the median difference between a tier hit and the device hit timed next to it
 (``--hit-pairs`` pairs per prompt), next to the physical limit: the prompt's
-KV bytes over the bandwidth of one contiguous host copy of as many bytes,
-measured in the same run.
+KV bytes over the bandwidth of the fastest contiguous host copy of as many
+bytes, timed in the same run before, between and after the two modes' hits.
 
 Throughput (``--throughput-method swap``, the default) runs engines with kvtier, one process
 at a time, each of which takes turns between rounds with kvtier, the do-nothing connector of
@@ -969,17 +969,23 @@ def main() -> int:
         model_dir = write_tiny_llama(Path(scratch) / "model", MODEL)
         if "ttft" in parts:
             prompt_bytes = MODEL.kv_bytes_per_token() * args.prompt_tokens
-            limit_s = copy_limit_s(prompt_bytes)
-            result["prompt_kv_bytes"] = prompt_bytes
-            result["copy_limit_s"] = limit_s
-            result["copy_bandwidth_bytes_per_s"] = prompt_bytes / limit_s
+            # The limit is timed before, between and after the two modes' hits, under what
+            # the machine did then too: the fastest copy of all is the limit.
+            limits = [copy_limit_s(prompt_bytes)]
             eager = measure_ttft(
                 model_dir, args.prompt_tokens, args.repeats, args.hit_pairs, "eager", probes
             )
-            result.update(ttft_report(eager, limit_s))
+            limits.append(copy_limit_s(prompt_bytes))
             lazy = measure_ttft(
                 model_dir, args.prompt_tokens, args.lazy_repeats, args.hit_pairs, "lazy", probes
             )
+            limits.append(copy_limit_s(prompt_bytes))
+            limit_s = min(limits)
+            result["prompt_kv_bytes"] = prompt_bytes
+            result["copy_limit_s"] = limit_s
+            result["copy_limit_timings_s"] = limits
+            result["copy_bandwidth_bytes_per_s"] = prompt_bytes / limit_s
+            result.update(ttft_report(eager, limit_s))
             result["lazy"] = ttft_report(lazy, limit_s)
         if "busy" in parts:
             budgets = {"a_step_ahead": 0, "same_step": DEFAULT_SAME_STEP_LOAD_BYTES}
