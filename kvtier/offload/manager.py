@@ -375,8 +375,9 @@ class OffloadManager:
         # Requests whose load failed recompute instead: asked again, they get no tier hit.
         self._load_failed: set[str] = set()
         # The keys the last lookup() made, per group without a window, for allocated() to
-        # reuse when it follows for the same request and first block: (request, first, keys).
-        self._looked_up: tuple[str, int, dict[int, list[BlockKey]]] | None = None
+        # reuse when it is given the same hashes (the same sequence) and first block:
+        # (hashes, first, keys).
+        self._looked_up: tuple[Sequence[bytes], int, dict[int, list[BlockKey]]] | None = None
         self._events: list[IndexEvent] = []
         self._failures = FailureLog(logger)
         self._hit_tokens = 0
@@ -493,7 +494,7 @@ class OffloadManager:
             if window is None and hits:
                 keys = looked_up[group] = self.namespace.keys(wanted[:hits], group)
                 hits = min(hits, self.index.lookup(keys))
-        self._looked_up = (request_id, first, looked_up)
+        self._looked_up = (block_hashes, first, looked_up)
         for group, window in enumerate(self.group_windows):
             if window is not None:
                 hits = self._windowed_hits(wanted, hits, group, window)
@@ -603,8 +604,9 @@ class OffloadManager:
         state.block_hashes = block_hashes
         first = num_computed_tokens // self.block_tokens
         looked_up: dict[int, list[BlockKey]] = {}
-        if self._looked_up is not None and self._looked_up[:2] == (request_id, first):
-            looked_up = self._looked_up[2]
+        last = self._looked_up
+        if last is not None and last[0] is block_hashes and last[1] == first:
+            looked_up = last[2]
         self._looked_up = None
         count = -(-num_external_tokens // self.block_tokens)
         for group in range(self.num_groups):

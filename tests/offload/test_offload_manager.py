@@ -137,22 +137,26 @@ def test_load_pins_slots_until_every_worker_finished() -> None:
     assert (stats.hit_tokens, stats.loaded_blocks, stats.loaded_bytes) == (3 * BT, 3, 600)
 
 
-def test_a_load_reads_its_own_requests_blocks_whichever_request_was_looked_up_last() -> None:
-    # allocated() reuses the keys lookup() made only for the same request and first block
+def test_a_load_reads_its_own_blocks_whatever_was_looked_up_last() -> None:
+    # allocated() reuses the keys lookup() made only for the same hashes and first block
     m = manager()
     m.process(done(store_blocks(m, "a", 4)))
     m.finished("a")
-    assert m.lookup("other", HASHES[:4], 0, 4 * BT + 1) == 4 * BT
-    m.allocated("b", HASHES[:4], [[10, 11, 12, 13]], BT, 3 * BT)
-    assert m.lookup("c", HASHES[:4], 0, 4 * BT + 1) == 4 * BT
-    m.allocated("c", HASHES[:4], [[20, 21, 22, 23]], 2 * BT, 2 * BT)
-    assert m.lookup("d", HASHES[:4], 0, 4 * BT + 1) == 4 * BT
-    m.allocated("d", HASHES[:4], [[30, 31, 32, 33]], 0, 4 * BT)
+    hashes = HASHES[:4]
+    for looked_up, request_id, first, blocks, looked_up_hashes in (
+        ("other", "b", 1, [10, 11, 12, 13], hashes),
+        ("c", "c", 2, [20, 21, 22, 23], hashes),
+        ("d", "d", 0, [30, 31, 32, 33], HASHES[8:12]),
+        ("e", "e", 0, [40, 41, 42, 43], hashes),
+    ):
+        m.lookup(looked_up, looked_up_hashes, 0, 4 * BT + 1)
+        m.allocated(request_id, hashes, [blocks], first * BT, (4 - first) * BT)
     loads = {load.request_id: load for load in m.build_plan().loads}
     for request_id, first, blocks in (
         ("b", 1, (11, 12, 13)),
         ("c", 2, (22, 23)),
         ("d", 0, (30, 31, 32, 33)),
+        ("e", 0, (40, 41, 42, 43)),
     ):
         assert loads[request_id].device_blocks == blocks
         assert loads[request_id].host_slots == tuple(
