@@ -107,6 +107,27 @@ def test_the_tier_hit_verdict_needs_the_whole_interval_of_the_median_difference(
     assert report["tier_hit_extra_ok"] == (verdict != "missed")
 
 
+def test_the_extra_time_is_split_by_part_pair_by_pair(bench: ModuleType) -> None:
+    """Each part's extra is the median over pairs of tier less device; a part that only the
+    tier hit ran counts from zero in the device hit."""
+
+    def round_(step_s: float, **calls: float) -> dict[str, Any]:
+        return {"step_s": step_s, "calls": {n: {"total_s": s} for n, s in calls.items()}}
+
+    device = [round_(5.0, **{"vllm.forward": 3.0}), round_(9.0, **{"vllm.forward": 6.0})]
+    device.append(round_(6.0, **{"vllm.forward": 4.0}))
+    tier = [
+        round_(5.7, copy=0.5, **{"vllm.forward": 3.1}),
+        round_(9.9, copy=0.7, **{"vllm.forward": 6.1}),
+        round_(6.6, copy=0.6, **{"vllm.forward": 4.3}),
+    ]
+    parts = bench.extra_by_part(device, tier, [6.0, 10.0, 7.0], [6.8, 11.0, 7.6])
+    assert parts["copy"] == pytest.approx(0.6)
+    assert parts["vllm.forward"] == pytest.approx(0.1)
+    assert parts["step"] == pytest.approx(0.7)
+    assert parts["outside_steps"] == pytest.approx(0.1)  # 0.1, 0.1 and 0.0 outside the steps
+
+
 @pytest.mark.vllm
 def test_the_swap_method_takes_kvtier_out_of_the_engine_and_puts_it_back(
     bench: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
