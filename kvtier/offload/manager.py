@@ -255,6 +255,8 @@ class _Request:
     """Its pending loads are for the step that runs it (:meth:`OffloadManager.allocated`)."""
     seq: int = 0
     """Order of arrival: plans take requests' loads and stores in this order."""
+    seen: tuple[int, int] = (-1, -1)
+    """Full blocks computed and block hashes known when a step last gave it work to check."""
 
     def __post_init__(self) -> None:
         if not self.block_ids:
@@ -264,6 +266,7 @@ class _Request:
         """Forget the request's device blocks and restart store progress in every group."""
         self.block_ids = [[] for _ in range(self.num_groups)]
         self.store_cursor = [0] * self.num_groups
+        self.seen = (-1, -1)
 
 
 class OffloadManager:
@@ -681,6 +684,19 @@ class OffloadManager:
             resumed: The request resumes after a preemption: ``new_block_ids``
                 replace its block ids.
         """
+        state = self._requests.get(request_id)
+        if (
+            state is not None
+            and not resumed
+            and not state.finished
+            and (new_block_ids is None or not any(new_block_ids))
+            and (block_hashes is None or block_hashes is state.block_hashes)
+            and (num_computed_tokens // self.block_tokens, len(state.block_hashes)) == state.seen
+        ):
+            # Most decode steps: no block filled, no hash or block came, so nothing read
+            # below can have changed but the exact token count.
+            state.computed_tokens = num_computed_tokens
+            return
         state = self._state(request_id)
         if block_hashes is not None:
             state.block_hashes = block_hashes
@@ -691,6 +707,7 @@ class OffloadManager:
                 if ids:
                     state.block_ids[group].extend(ids)
         state.computed_tokens = num_computed_tokens
+        state.seen = (num_computed_tokens // self.block_tokens, len(state.block_hashes))
         self._note_window_blocks(state)
         if self._has_unstored_blocks(state):
             self._due.add(request_id)

@@ -342,6 +342,22 @@ def test_a_plan_stores_what_filled_since_the_last_one_in_the_order_requests_came
     assert m.build_plan().empty
 
 
+def test_a_block_whose_hash_comes_late_is_stored_on_the_step_the_hash_comes() -> None:
+    """The engine's hash list grows in place; a step that brings a hash and nothing else
+    (no new block, no block filled) still makes the block a store candidate."""
+    m = manager()
+    hashes = [HASHES[0]]
+    m.scheduled("a", num_computed_tokens=2 * BT, new_block_ids=[[1, 2]], block_hashes=hashes)
+    (store,) = m.build_plan().stores
+    assert store.device_blocks == (1,), "only the block with a hash"
+    m.scheduled("a", num_computed_tokens=2 * BT + 1, block_hashes=hashes)
+    assert m.build_plan().empty
+    hashes.append(HASHES[1])
+    m.scheduled("a", num_computed_tokens=2 * BT + 2, block_hashes=hashes)
+    (store,) = m.build_plan().stores
+    assert store.device_blocks == (2,)
+
+
 def test_reset_waits_for_copies_and_drops_their_results() -> None:
     m = manager(record_events=True)
     m.process(done(store_blocks(m, "a", 2)))
