@@ -114,8 +114,11 @@ def test_the_extra_time_is_split_by_part_pair_by_pair(bench: ModuleType) -> None
     def round_(step_s: float, **calls: float) -> dict[str, Any]:
         return {"step_s": step_s, "calls": {n: {"total_s": s} for n, s in calls.items()}}
 
-    device = [round_(5.0, **{"vllm.forward": 3.0}), round_(9.0, **{"vllm.forward": 6.0})]
-    device.append(round_(6.0, **{"vllm.forward": 4.0}))
+    device = [
+        round_(5.0, **{"vllm.forward": 3.0}),
+        round_(9.0, **{"vllm.forward": 6.0}),
+        round_(6.0, **{"vllm.forward": 4.0}),
+    ]
     tier = [
         round_(5.7, copy=0.5, **{"vllm.forward": 3.1}),
         round_(9.9, copy=0.7, **{"vllm.forward": 6.1}),
