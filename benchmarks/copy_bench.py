@@ -1,6 +1,6 @@
 """Copy-backend bandwidth, 4 KiB to 2 MiB per block, against a contiguous copy in the same run.
 
-A thin wrapper over :mod:`kvtier.copy.bench` (the same as ``kvtier bench copy``)
+A thin wrapper over :mod:`kvtier.cli.bench` (the same as ``kvtier bench copy``)
 that prints JSON to stdout (and a progress bar on stderr when it is a terminal). Any option of
 ``kvtier bench copy`` is accepted, e.g.::
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvtier.copy import bench
+from kvtier.cli import bench
 
 
 def main() -> int:

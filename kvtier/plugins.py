@@ -32,10 +32,10 @@ ENTRY_POINT_GROUP = "kvtier"
 LOAD_PLUGINS_ENV = "KVTIER_LOAD_PLUGINS"
 
 DEFAULT_PLUGINS: tuple[str, ...] = (
-    "kvtier.index.plugin",
-    "kvtier.copy.plugin",
-    "kvtier.layout.plugin",
-    "kvtier.tiers.plugin",
+    "kvtier.default_plugins.eviction_policies",
+    "kvtier.default_plugins.copy_backends",
+    "kvtier.default_plugins.layout_resolvers",
+    "kvtier.default_plugins.storage_tiers",
 )
 """Modules of the built-in plugins, registered through the same hooks as any other plugin."""
 

@@ -4,7 +4,8 @@ The package is split by concern; every public name is importable from
 ``kvtier.config`` itself:
 
 - :mod:`kvtier.config.model`: :class:`KVTierConfig` and its sections as plain
-  data; building one loads no plugin.
+  data, and the host tier's capacity rules (its bytes per rank, its slot count,
+  the memory check); building one loads no plugin.
 - :mod:`kvtier.config.schema`: :func:`config_model`, the validating model for
   a registry's plugins, and :func:`config_json_schema`, the JSON Schema
   ``kvtier config schema`` prints.
@@ -13,8 +14,7 @@ The package is split by concern; every public name is importable from
 - :mod:`kvtier.config.load`: :func:`load_config`, which merges the sources and
   validates them against a registry.
 - :mod:`kvtier.config.errors`: :class:`ConfigError` and its one-line problems.
-- :mod:`kvtier.config.sizes`: byte sizes, the memory available, and the host
-  tier's slot count.
+- :mod:`kvtier.config.units`: byte sizes read and written, importing nothing of kvtier.
 """
 
 from kvtier.config.errors import ConfigError, Problem
@@ -30,15 +30,9 @@ from kvtier.config.model import (
     RootSettings,
     Section,
     SectionConfig,
+    available_memory_bytes,
 )
 from kvtier.config.schema import config_json_schema, config_model
-from kvtier.config.sizes import (
-    ByteCount,
-    GiB,
-    available_memory_bytes,
-    format_bytes,
-    parse_bytes,
-)
 from kvtier.config.sources import (
     CONFIG_FILE_ENV,
     CONFIG_FILE_KEY,
@@ -50,6 +44,7 @@ from kvtier.config.sources import (
     RESERVED_ENV,
     read_config_file,
 )
+from kvtier.config.units import ByteCount, GiB, format_bytes, parse_bytes
 from kvtier.models import KVTierModel, PluginConfig
 
 __all__ = [

@@ -11,6 +11,7 @@ They are checked against the plugin's own model where a registry is at hand:
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,15 +20,17 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, SerializeAsAny, ValidationInfo, field_validator
 
-from kvtier.config import sizes
-from kvtier.config.sizes import ByteBudget, ByteCount
+from kvtier.config.errors import ConfigError, Problem
+from kvtier.config.units import ByteBudget, ByteCount, GiB
 from kvtier.kinds import KINDS, Kind
 from kvtier.models import KVTierModel, PluginConfig
 
-DEFAULT_CPU_BYTES = 8 * sizes.GiB
+DEFAULT_CPU_BYTES = 8 * GiB
 DEFAULT_COPY_DEADLINE_S = 10.0
 DEFAULT_REPORT_DEADLINE_S = 30.0
 DEFAULT_CLOSE_TIMEOUT_S = 10.0
+MEMINFO = "/proc/meminfo"
+"""Where Linux reports memory; ``MemAvailable`` is what new allocations can get."""
 DEFAULT_SAME_STEP_LOAD_BYTES = 16 << 20
 DEFAULT_SOURCE = "default"
 """What :meth:`KVTierConfig.source_of` answers for a value no source set."""
@@ -272,7 +275,11 @@ with warnings.catch_warnings():
             Returns:
                 ``cpu_bytes_per_rank`` when set, else ``cpu_bytes // world_size``.
             """
-            return sizes.host_bytes_per_rank(self, world_size)
+            if world_size < 1:
+                raise ValueError(f"world_size must be at least 1, got {world_size}")
+            if self.cpu_bytes_per_rank is not None:
+                return self.cpu_bytes_per_rank
+            return self.cpu_bytes // world_size
 
         def host_slots(self, record_bytes: int, world_size: int = 1) -> int:
             """Return how many block records fit in one rank's host tier.
@@ -291,7 +298,26 @@ with warnings.catch_warnings():
                 ConfigError: One rank's share is smaller than one block record; the
                     line names ``cpu_bytes`` or ``cpu_bytes_per_rank`` and its source.
             """
-            return sizes.host_slots(self, record_bytes, world_size)
+            if record_bytes < 1:
+                raise ValueError(f"record_bytes must be at least 1, got {record_bytes}")
+            per_rank = self.host_bytes_per_rank(world_size)
+            slots = per_rank // record_bytes
+            if slots >= 1:
+                return slots
+            if self.cpu_bytes_per_rank is not None:
+                field, value = "cpu_bytes_per_rank", self.cpu_bytes_per_rank
+                message = (
+                    f"below one block record of {record_bytes} bytes; "
+                    f"set it to at least {record_bytes}"
+                )
+            else:
+                field, value = "cpu_bytes", self.cpu_bytes
+                message = (
+                    f"{per_rank} bytes per rank over {world_size} rank(s) is below one block "
+                    f"record of {record_bytes} bytes; "
+                    f"set it to at least {record_bytes * world_size}"
+                )
+            raise ConfigError([Problem(self.source_of(field), field, message, value)])
 
         def check_host_memory(
             self, world_size: int = 1, *, ranks: int = 1, available_bytes: int | None = None
@@ -304,14 +330,60 @@ with warnings.catch_warnings():
                     worker about to allocate its own, ``world_size`` to check a whole
                     server ahead of time.
                 available_bytes: Memory to check against;
-                    :func:`~kvtier.config.available_memory_bytes` if ``None``
+                    :func:`available_memory_bytes` if ``None``
                     (no check when that cannot be read either).
 
             Raises:
                 ConfigError: The tiers need more; the line names ``cpu_bytes`` or
                     ``cpu_bytes_per_rank``, its source, and both numbers.
             """
-            sizes.check_host_memory(self, world_size, ranks, available_bytes)
+            per_rank = self.host_bytes_per_rank(world_size)
+            if ranks < 1 or ranks > world_size:
+                raise ValueError(f"ranks must be within 1..{world_size}, got {ranks}")
+            available = available_memory_bytes() if available_bytes is None else available_bytes
+            needed = per_rank * ranks
+            if available is None or needed <= available:
+                return
+            field = "cpu_bytes" if self.cpu_bytes_per_rank is None else "cpu_bytes_per_rank"
+            if ranks > 1:
+                what = f"{ranks} ranks of {per_rank} bytes need {needed} bytes"
+            elif world_size > 1:
+                what = f"one rank of {world_size} needs {needed} bytes"
+            else:
+                what = f"the host tier needs {needed} bytes"
+            message = (
+                f"{what} ({_gib(needed)}), more than the {available} bytes ({_gib(available)}) "
+                f"of memory available on this machine; lower {field}"
+            )
+            problem = Problem(self.source_of(field), field, message, getattr(self, field))
+            raise ConfigError([problem])
+
+
+def available_memory_bytes(meminfo: str | os.PathLike[str] = MEMINFO) -> int | None:
+    """Return the memory this machine can give new allocations without swapping, in bytes.
+
+    Args:
+        meminfo: The kernel's memory report to read ``MemAvailable`` from.
+
+    Returns:
+        ``MemAvailable`` from ``meminfo``; where that cannot be read, the
+        machine's physical memory (``os.sysconf``); ``None`` when neither is known.
+    """
+    try:
+        with open(meminfo, encoding="ascii") as report:
+            for line in report:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _gib(count: int) -> str:
+    return f"{count / GiB:.1f} GiB"
 
 
 def _leaf_paths(tree: Mapping[str, Any], prefix: str = "") -> list[str]:

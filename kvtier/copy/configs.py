@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from kvtier.config.sizes import ByteCount
+from kvtier.config.units import ByteCount
 from kvtier.models import PluginConfig
 
 

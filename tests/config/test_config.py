@@ -759,7 +759,7 @@ def test_host_memory_check_reads_the_machine_and_skips_when_unknown(
     config = load_config({"cpu_bytes": "1000TiB"}, env={}, registry=registry)
     with pytest.raises(ConfigError, match="cpu_bytes: the host tier needs 1099511627776000 bytes"):
         config.check_host_memory()
-    monkeypatch.setattr(kvtier.config.sizes, "available_memory_bytes", lambda: None)
+    monkeypatch.setattr(kvtier.config.model, "available_memory_bytes", lambda: None)
     config.check_host_memory()
 
 

@@ -14,8 +14,8 @@ import kvtier
 from kvtier import cli, hookspecs, plugins
 from kvtier.config import ConfigError, KVTierConfig, PluginConfig, config_model, load_config
 from kvtier.config_reference import render_config_reference
+from kvtier.default_plugins import storage_tiers as tier_plugin
 from kvtier.plugins import Registry
-from kvtier.tiers import plugin as tier_plugin
 from kvtier.tiers.configs import DiskTierConfig, RedisTierConfig
 from tests.config.test_config import Sections, make_registry
 

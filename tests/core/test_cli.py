@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvtier import cli, config, plugins
+from kvtier.cli import plugins as plugins_command
 from kvtier.plugins import PluginError, Registry
 from tests.config.test_config import Sections, make_registry
 
@@ -25,7 +26,7 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> Registry:
     """Make the test registry the process default, fix the memory available, clear KVTIER_*."""
     registry = make_registry(Sections())
     monkeypatch.setattr(plugins, "_default_registry", registry)
-    monkeypatch.setattr(config.sizes, "available_memory_bytes", lambda: AVAILABLE_BYTES)
+    monkeypatch.setattr(config.model, "available_memory_bytes", lambda: AVAILABLE_BYTES)
     for name in [name for name in os.environ if name.startswith("KVTIER_")]:
         monkeypatch.delenv(name)
     return registry
@@ -66,7 +67,7 @@ def test_plugin_failure_is_one_line_and_status_1(
     def broken() -> Registry:
         raise PluginError("plugin 'x' (kvtier-x 1.0) failed to import x: ImportError: nope")
 
-    monkeypatch.setattr(cli, "default_registry", broken)
+    monkeypatch.setattr(plugins_command, "default_registry", broken)
     status, _, err = run(capsys, "plugins")
     assert status == 1
     assert err == (

@@ -116,7 +116,7 @@ def test_builtins_load_without_any_installed_plugin(installed: list[Any]) -> Non
     registry = collect(build_plugin_manager(env={}))
     lru = registry.get(BLOCK_INDEX, "lru")
     assert (lru.plugin, lru.distribution, lru.version) == (
-        "kvtier.index.plugin",
+        "kvtier.default_plugins.eviction_policies",
         "kvtier",
         kvtier.__version__,
     )
@@ -149,7 +149,8 @@ def test_duplicate_name_names_both_owners(installed: list[Any]) -> None:
     with pytest.raises(PluginError) as caught:
         collect(build_plugin_manager(env={}))
     assert str(caught.value) == (
-        f"eviction policy 'lru' is registered twice: by plugin 'kvtier.index.plugin' "
+        "eviction policy 'lru' is registered twice: "
+        "by plugin 'kvtier.default_plugins.eviction_policies' "
         f"(kvtier {kvtier.__version__}) and by plugin 'second' (kvtier-lru 0.3)"
     )
 
@@ -160,7 +161,8 @@ def test_a_block_index_may_not_take_an_eviction_policys_name(installed: list[Any
         collect(build_plugin_manager(env={}))
     assert str(caught.value) == (
         "block index 'lru' is registered twice: as a block index by plugin 'mine' "
-        "(kvtier-mine 0.3) and as an eviction policy by plugin 'kvtier.index.plugin' "
+        "(kvtier-mine 0.3) and as an eviction policy "
+        "by plugin 'kvtier.default_plugins.eviction_policies' "
         f"(kvtier {kvtier.__version__}); rename one of them"
     )
 
@@ -321,11 +323,11 @@ def test_registration_hooks_are_called_through_pluggy(installed: list[Any]) -> N
     )
     collect(pm)
     assert calls == [
-        ("register_copy_backends", ["kvtier.copy.plugin"]),
+        ("register_copy_backends", ["kvtier.default_plugins.copy_backends"]),
         ("register_copy_backends", ["echo"]),
-        ("register_eviction_policies", ["kvtier.index.plugin"]),
-        ("register_layout_resolvers", ["kvtier.layout.plugin"]),
-        ("register_storage_tiers", ["kvtier.tiers.plugin"]),
+        ("register_eviction_policies", ["kvtier.default_plugins.eviction_policies"]),
+        ("register_layout_resolvers", ["kvtier.default_plugins.layout_resolvers"]),
+        ("register_storage_tiers", ["kvtier.default_plugins.storage_tiers"]),
     ]
 
 

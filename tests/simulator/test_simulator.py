@@ -10,20 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import simulator
+from kvtier.cli import simulate as simulate_command
+from kvtier.cli.simulate import add_arguments, run
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.index.prefix_arc import PrefixARCConfig
 from kvtier.keys import hash_token_blocks
-from kvtier.simulator import (
-    UsageError,
-    add_arguments,
-    parse_policy,
-    run,
-    simulate,
-    split_unquoted,
-)
+from kvtier.simulator import simulate
 from kvtier.simulator.generate import WORKLOADS, generate_records, generate_trace
+from kvtier.simulator.policies import PolicyError, parse_policy, split_unquoted
 from kvtier.simulator.replay import replay
 from kvtier.simulator.traces import TraceError, TraceRequest, load_trace, mooncake_key
 from tests.conftest import REPO_ROOT
@@ -254,7 +249,7 @@ def test_plot_that_cannot_be_written_after_the_replay_is_status_1(
     def full_disk(summary: object, path: str) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
-    monkeypatch.setattr(simulator, "plot_hit_rates", full_disk)
+    monkeypatch.setattr(simulate_command, "plot_hit_rates", full_disk)
     plot = tmp_path / "rates.png"
     args = parse("synthetic:chat", "--synthetic-requests", "20", "--policies", "lru", "--no-belady")
     args.capacities = "10"
@@ -294,7 +289,7 @@ def test_quoted_values_may_hold_separators() -> None:
     ]
     spec = parse_policy("prefix_arc:history_factor='8':admission=\"all\"")
     assert spec.config == PrefixARCConfig(history_factor=8, admission="all")
-    with pytest.raises(UsageError, match="index.admission: Input should be 'adaptive' or 'all'"):
+    with pytest.raises(PolicyError, match="index.admission: Input should be 'adaptive' or 'all'"):
         parse_policy("prefix_arc:admission='all,adaptive'")
 
 

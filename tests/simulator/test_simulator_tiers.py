@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from kvtier.cli.simulate import run
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
-from kvtier.simulator import run
 from kvtier.simulator.generate import generate_trace
 from kvtier.simulator.replay import replay
 from kvtier.simulator.tiers import parse_tiers

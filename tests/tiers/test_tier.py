@@ -7,7 +7,7 @@ import mmap
 import pytest
 import torch
 
-from kvtier.config import ConfigError, load_config, sizes
+from kvtier.config import ConfigError, load_config, model
 from kvtier.tiers import HostTier, host
 
 
@@ -23,7 +23,7 @@ def test_from_config_checks_memory_before_allocating(monkeypatch: pytest.MonkeyP
     def no_allocation(*args: object, **kwargs: object) -> None:
         raise AssertionError("the buffer was allocated")
 
-    monkeypatch.setattr(sizes, "available_memory_bytes", lambda: 1000)
+    monkeypatch.setattr(model, "available_memory_bytes", lambda: 1000)
     monkeypatch.setattr(host, "populated_buffer", no_allocation)
     config = load_config({"cpu_bytes": "1000TiB"}, env={})
     with pytest.raises(ConfigError) as caught:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import logging
 
-from pydantic import ByteSize
-
 from kvtier.config import DEFAULT_SOURCE, KVTierConfig
+from kvtier.config.units import human_bytes
 
 KVTIER_LOGGER = "kvtier"
 VLLM_LOGGER = "vllm"
@@ -69,18 +68,16 @@ def startup_summary(config: KVTierConfig, *, role: str, record_bytes: int, world
             value = value[part]
         chosen.append(f"{path}={_shown(path, value)} ({source})")
     return (
-        f"kvtier {role}: {config.store_mode} store mode, host tier {_human(per_rank)} per rank "
-        f"({slots} slots of {_human(record_bytes)}, world size {world_size}), "
+        f"kvtier {role}: {config.store_mode} store mode, "
+        f"host tier {human_bytes(per_rank)} per rank "
+        f"({slots} slots of {human_bytes(record_bytes)}, world size {world_size}), "
         f"policy {config.index.type}, copy {config.copy.type}, layout {config.layout.type}; "
         f"set: {', '.join(chosen) if chosen else 'nothing (all defaults)'}"
     )
 
 
-def _human(count: int) -> str:
-    return ByteSize(count).human_readable()
-
 
 def _shown(path: str, value: object) -> str:
     if path.rsplit(".", 1)[-1].endswith("_bytes") and isinstance(value, int):
-        return _human(value)
+        return human_bytes(value)
     return str(value)

@@ -50,7 +50,6 @@ from vllm.v1.core.kv_cache_utils import (
 from vllm.v1.request import RequestStatus
 
 from kvtier.config import KVTierConfig
-from kvtier.config.sizes import host_bytes_per_rank
 from kvtier.index.base import EventKind
 from kvtier.integrations.vllm.stats import OFFLOAD_COUNTERS, OFFLOAD_HISTOGRAMS, KVTierStats
 from kvtier.keys import KeyNamespace
@@ -187,7 +186,7 @@ class KVTierScheduler:
         # Whether the counters may have changed since the last stats(): set by every call
         # that can change them, so the steps that change nothing skip building them.
         self._stats_stale = True
-        self._capacity_bytes = host_bytes_per_rank(config, world_size)
+        self._capacity_bytes = config.host_bytes_per_rank(world_size)
         # Same-step loads: bytes per rank left this step, and the requests given one. vLLM's
         # invalid-block reports, by which a failed same-step load is recomputed, name blocks
         # of one kv-cache group only.

@@ -43,7 +43,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvtier.config import KVTierConfig, load_config
-from kvtier.config.sizes import host_bytes_per_rank
 from kvtier.offload.failures import FailureCause
 from kvtier.tiers.chain import tier_names
 
@@ -384,7 +383,7 @@ def startup_gauges(vllm_config: VllmConfig) -> dict[str, float]:
     config = _kvtier_config(vllm_config)
     capacity = 0
     if config is not None:
-        capacity = host_bytes_per_rank(config, vllm_config.parallel_config.world_size)
+        capacity = config.host_bytes_per_rank(vllm_config.parallel_config.world_size)
     return {"used_blocks": 0, "quarantined_blocks": 0, "used_bytes": 0, "capacity_bytes": capacity}
 
 

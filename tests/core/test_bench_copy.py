@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvtier.copy import bench
+from kvtier.cli import bench
 
 
 def _args(*argv: str) -> argparse.Namespace:

@@ -40,11 +40,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from pydantic import ByteSize
 from tqdm import tqdm
 
-from kvtier.cli import check_output_file, format_table
-from kvtier.config.sizes import format_bytes, parse_bytes
+from kvtier.cli.common import check_output_file, format_table
+from kvtier.config.units import format_bytes, human_bytes, parse_bytes
 from kvtier.copy.base import CopyBackend, CopyBatch, Direction
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
@@ -312,9 +311,6 @@ def _device(text: str) -> torch.device:
     return device
 
 
-def _human(size: int) -> str:
-    return ByteSize(size).human_readable()
-
 
 def _check_memory(args: argparse.Namespace, device: torch.device) -> None:
     """Refuse sizes whose pools cannot fit in this machine's memory, before allocating any."""
@@ -329,10 +325,10 @@ def _check_memory(args: argparse.Namespace, device: torch.device) -> None:
     for what, needed, available in limits:
         if needed > available:
             raise _UsageError(
-                f"--total-bytes {_human(args.total_bytes)} with --block-bytes up to "
-                f"{_human(max(args.block_bytes))} needs {_human(needed)} of {what} for its "
-                f"block pools, and this machine has {_human(available)}; lower --total-bytes "
-                "or --block-bytes"
+                f"--total-bytes {human_bytes(args.total_bytes)} with --block-bytes up to "
+                f"{human_bytes(max(args.block_bytes))} needs {human_bytes(needed)} of {what} for "
+                f"its block pools, and this machine has {human_bytes(available)}; lower "
+                "--total-bytes or --block-bytes"
             )
 
 

@@ -1,29 +1,19 @@
-"""Byte sizes: parsing ``"8GiB"``, the memory this machine has, and the host tier's slot count.
+"""Byte sizes: reading ``"8GiB"``, writing counts back the same way, and their config types.
 
-:func:`host_slots` is the one place a host tier's slot count is computed; the
-scheduler's manager, the workers' tiers and ``kvtier config validate`` all
-reach it through :meth:`KVTierConfig.host_slots <kvtier.config.KVTierConfig.host_slots>`,
-so every side agrees on it.
+A leaf: it imports nothing of kvtier, so the config models, the command line
+and every layer parse and print sizes the one way defined here.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import re
 from fractions import Fraction
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from pydantic import BeforeValidator, ByteSize, Field, WithJsonSchema
 
-from kvtier.config.errors import ConfigError, Problem
-
-if TYPE_CHECKING:
-    from kvtier.config.model import KVTierConfig
-
 GiB = 1024**3
-MEMINFO = "/proc/meminfo"
-"""Where Linux reports memory; ``MemAvailable`` is what new allocations can get."""
 
 SIZE_UNITS: dict[str, int] = {
     unit: int(factor) for unit, factor in ByteSize.byte_sizes.items() if "bit" not in unit
@@ -124,93 +114,6 @@ ByteBudget = Annotated[
 """A :data:`ByteCount` that may be 0, for a budget that 0 turns off."""
 
 
-def available_memory_bytes(meminfo: str | os.PathLike[str] = MEMINFO) -> int | None:
-    """Return the memory this machine can give new allocations without swapping, in bytes.
-
-    Args:
-        meminfo: The kernel's memory report to read ``MemAvailable`` from.
-
-    Returns:
-        ``MemAvailable`` from ``meminfo``; where that cannot be read, the
-        machine's physical memory (``os.sysconf``); ``None`` when neither is known.
-    """
-    try:
-        with open(meminfo, encoding="ascii") as report:
-            for line in report:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def host_bytes_per_rank(config: KVTierConfig, world_size: int) -> int:
-    """``config.cpu_bytes_per_rank`` when set, else ``config.cpu_bytes // world_size``."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
-    if config.cpu_bytes_per_rank is not None:
-        return config.cpu_bytes_per_rank
-    return config.cpu_bytes // world_size
-
-
-def host_slots(config: KVTierConfig, record_bytes: int, world_size: int) -> int:
-    """How many block records of ``record_bytes`` fit in one rank's host tier (at least 1).
-
-    Raises:
-        ConfigError: One rank's share is smaller than one block record; the
-            line names ``cpu_bytes`` or ``cpu_bytes_per_rank`` and its source.
-    """
-    if record_bytes < 1:
-        raise ValueError(f"record_bytes must be at least 1, got {record_bytes}")
-    per_rank = host_bytes_per_rank(config, world_size)
-    slots = per_rank // record_bytes
-    if slots >= 1:
-        return slots
-    if config.cpu_bytes_per_rank is not None:
-        field, value = "cpu_bytes_per_rank", config.cpu_bytes_per_rank
-        message = (
-            f"below one block record of {record_bytes} bytes; set it to at least {record_bytes}"
-        )
-    else:
-        field, value = "cpu_bytes", config.cpu_bytes
-        message = (
-            f"{per_rank} bytes per rank over {world_size} rank(s) is below one block record "
-            f"of {record_bytes} bytes; set it to at least {record_bytes * world_size}"
-        )
-    raise ConfigError([Problem(config.source_of(field), field, message, value)])
-
-
-def check_host_memory(
-    config: KVTierConfig, world_size: int, ranks: int, available_bytes: int | None
-) -> None:
-    """Raise a :class:`ConfigError` when ``ranks`` host tiers need more than is available.
-
-    ``available_bytes`` of ``None`` reads :func:`available_memory_bytes`; when
-    that is unknown too, nothing is checked.
-    """
-    per_rank = host_bytes_per_rank(config, world_size)
-    if ranks < 1 or ranks > world_size:
-        raise ValueError(f"ranks must be within 1..{world_size}, got {ranks}")
-    available = available_memory_bytes() if available_bytes is None else available_bytes
-    needed = per_rank * ranks
-    if available is None or needed <= available:
-        return
-    field = "cpu_bytes" if config.cpu_bytes_per_rank is None else "cpu_bytes_per_rank"
-    if ranks > 1:
-        what = f"{ranks} ranks of {per_rank} bytes need {needed} bytes"
-    elif world_size > 1:
-        what = f"one rank of {world_size} needs {needed} bytes"
-    else:
-        what = f"the host tier needs {needed} bytes"
-    message = (
-        f"{what} ({_gib(needed)}), more than the {available} bytes ({_gib(available)}) of "
-        f"memory available on this machine; lower {field}"
-    )
-    raise ConfigError([Problem(config.source_of(field), field, message, getattr(config, field))])
-
-
-def _gib(count: int) -> str:
-    return f"{count / GiB:.1f} GiB"
+def human_bytes(count: int) -> str:
+    """A size for people to read, rounded to one decimal (``"1.5GiB"``, ``"64.0MiB"``)."""
+    return ByteSize(count).human_readable()
