@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,10 +17,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_script(path: Path, name: str | None = None) -> ModuleType:
-    """Import a script that is not in a package (a benchmark, the docs hooks) by its path."""
+    """Import a script that is not in a package (a benchmark, the docs hooks) by its path.
+
+    The module is entered in ``sys.modules`` under its name, as an import would,
+    so that its dataclasses can resolve their annotations.
+    """
     spec = importlib.util.spec_from_file_location(name or path.stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -1,4 +1,7 @@
-"""The Grafana dashboard: every panel query reads series the connector exports, and evaluates."""
+"""The Grafana dashboard: every panel query reads series the connector exports, and evaluates.
+
+The dashboard's PromQL is evaluated by ``dashboards/promql.py``, a tool of the repository.
+"""
 
 from __future__ import annotations
 
@@ -10,20 +13,20 @@ pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.vllm033
 
-from kvtier.integrations.vllm.dashboard import (  # noqa: E402
-    DASHBOARD,
-    QueryError,
-    Scrape,
-    evaluate,
-    legend,
-    load_dashboard,
-    panel_queries,
-    parse,
-    selectors,
-)
 from kvtier.integrations.vllm.stats import KVTierPromMetrics  # noqa: E402
-from tests.conftest import REPO_ROOT  # noqa: E402
+from tests.conftest import REPO_ROOT, load_script  # noqa: E402
 from tests.integrations.vllm.test_vllm_connector import MIB, _Registered, _vllm_config  # noqa: E402
+
+promql = load_script(REPO_ROOT / "dashboards" / "promql.py")
+DASHBOARD = promql.DASHBOARD
+QueryError = promql.QueryError
+Scrape = promql.Scrape
+evaluate = promql.evaluate
+legend = promql.legend
+load_dashboard = promql.load_dashboard
+panel_queries = promql.panel_queries
+parse = promql.parse
+selectors = promql.selectors
 
 
 def exported_series() -> dict[str, set[str]]:
@@ -44,7 +47,7 @@ def exported_series() -> dict[str, set[str]]:
 
 def test_every_panel_query_reads_series_the_connector_exports() -> None:
     exported = exported_series()
-    queries = list(panel_queries(load_dashboard(REPO_ROOT / DASHBOARD)))
+    queries = list(panel_queries(load_dashboard()))
     assert queries, "the dashboard has no query"
     for title, query, _ in queries:
         for selector in selectors(parse(query)):
@@ -116,4 +119,4 @@ def test_the_docs_show_the_dashboard_drawn_from_a_real_run() -> None:
     page = (REPO_ROOT / "docs" / "metrics.md").read_text()
     assert "![" in page and "img/dashboard.png" in page
     assert (REPO_ROOT / "docs" / "img" / "dashboard.png").stat().st_size > 10_000
-    assert str(DASHBOARD) in page
+    assert str(DASHBOARD.relative_to(REPO_ROOT)) in page
