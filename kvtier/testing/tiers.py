@@ -1,6 +1,6 @@
 """An in-memory storage tier whose I/O can be held back, for tests of the queueing rules.
 
-:class:`MemoryTier` is a :class:`~kvtier.tiers.base.QueuedTier` over a dict
+:class:`MemoryTier` is a :class:`~kvtier.tiers.queued.QueuedTier` over a dict
 of encoded records (so reads go through the same header checks as a real
 tier). Its I/O threads wait for :attr:`MemoryTier.gate` before each batch, so
 a test can make the tier as slow as it likes: clear the gate, fill the
@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from kvtier.index.base import BlockKey
-from kvtier.tiers.base import QueuedTier, TierSpec
+from kvtier.tiers.base import TierSpec
+from kvtier.tiers.queued import QueuedTier
 from kvtier.tiers.record import RecordCodec, RecordFault
 
 GATE_TIMEOUT_S = 30.0

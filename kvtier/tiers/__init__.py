@@ -16,13 +16,13 @@ if TYPE_CHECKING:
         DeleteResult,
         GetResult,
         PutResult,
-        QueuedTier,
         StorageTier,
         TierError,
         TierSpec,
         TierStats,
     )
     from kvtier.tiers.host import HostTier
+    from kvtier.tiers.queued import QueuedTier
 
 _HOMES = {
     "ContainsResult": "kvtier.tiers.base",
@@ -30,7 +30,7 @@ _HOMES = {
     "GetResult": "kvtier.tiers.base",
     "HostTier": "kvtier.tiers.host",
     "PutResult": "kvtier.tiers.base",
-    "QueuedTier": "kvtier.tiers.base",
+    "QueuedTier": "kvtier.tiers.queued",
     "StorageTier": "kvtier.tiers.base",
     "TierError": "kvtier.tiers.base",
     "TierSpec": "kvtier.tiers.base",

@@ -53,8 +53,9 @@ import numpy as np
 from kvtier.index.base import BlockIndex, BlockKey, EventKind
 from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
-from kvtier.tiers.base import Cause, QueuedTier, TierError, TierSpec
+from kvtier.tiers.base import Cause, TierError, TierSpec
 from kvtier.tiers.configs import DiskTierConfig
+from kvtier.tiers.queued import QueuedTier
 from kvtier.tiers.record import (
     HEADER_FIXED_BYTES,
     MAX_KEY_BYTES,

@@ -40,8 +40,9 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvtier.index.base import BlockKey
-from kvtier.tiers.base import Cause, QueuedTier, TierError, TierSpec
+from kvtier.tiers.base import Cause, TierError, TierSpec
 from kvtier.tiers.configs import RedisTierConfig
+from kvtier.tiers.queued import QueuedTier
 from kvtier.tiers.record import RecordCodec, RecordFault, payload_checksum
 
 logger = logging.getLogger(__name__)

@@ -49,6 +49,7 @@ def test_listing_plugins_and_validating_a_config_import_no_implementation() -> N
         "kvtier.copy.torch_backend",
         "kvtier.layout.resolvers",
         "kvtier.tiers.base",
+        "kvtier.tiers.queued",
         "kvtier.tiers.disk",
         "kvtier.tiers.redis",
     }

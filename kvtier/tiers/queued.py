@@ -1,0 +1,380 @@
+"""QueuedTier: the storage-tier contract run over synchronous batch primitives.
+
+A tier plugin subclasses :class:`QueuedTier` and writes only the store's own
+I/O; the class keeps the rest of :mod:`kvtier.tiers.base`'s contract. Its
+parts, in the order a request meets them:
+
+1. :meth:`QueuedTier.put`, :meth:`~QueuedTier.get`, :meth:`~QueuedTier.contains`
+   and :meth:`~QueuedTier.delete` check their arguments on the caller's thread
+   and queue a request: reads (get, contains) and writes (put, delete) wait in
+   two bounded queues; a request that finds its queue full is answered at once
+   (misses, drops or ``False``) and counted.
+2. A pool of I/O threads takes reads first and runs the subclass's batch
+   primitive (``_read``, ``_write``, ``_exists``, ``_remove``) for each request.
+3. A deadline thread answers reads still pending at their deadline as misses;
+   the late result of the I/O thread is dropped.
+4. :meth:`~QueuedTier.close` lets the threads finish the queued requests, then
+   calls the subclass's ``_release``.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import logging
+import threading
+import time
+from abc import abstractmethod
+from collections import Counter, deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.index.base import BlockKey
+from kvtier.keys import KeyNamespace
+from kvtier.tiers.base import (
+    Buffer,
+    Cause,
+    ContainsResult,
+    DeleteResult,
+    GetResult,
+    PutResult,
+    StorageTier,
+    TierSpec,
+    TierStats,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class _Op(enum.Enum):
+    GET = "get"
+    PUT = "put"
+    CONTAINS = "contains"
+    DELETE = "delete"
+
+
+@dataclass(eq=False)
+class _Request:
+    op: _Op
+    keys: tuple[BlockKey, ...]
+    records: tuple[memoryview, ...]
+    future: Future[Any] | None
+    """Cleared once answered, so a request waiting in the deadline heap holds no payload."""
+    deadline: float | None
+    answered: bool = False
+
+
+class QueuedTier(StorageTier):
+    """A :class:`StorageTier` over synchronous batch primitives run on a pool of I/O threads.
+
+    Subclasses implement :meth:`_read`, :meth:`_write`, :meth:`_exists` and
+    :meth:`_remove` (called on I/O threads, concurrently, never raising for a
+    store failure: they count it with :meth:`_count_error` and report a miss
+    or ``False``) and :meth:`_release`, and call :meth:`_start` at the end of
+    their constructor. Reads (get, contains) and writes (put, delete) wait in
+    two queues of ``queue_depth`` requests each; I/O threads take reads first.
+    """
+
+    def __init__(
+        self,
+        spec: TierSpec,
+        *,
+        name: str,
+        namespace: str,
+        io_threads: int,
+        queue_depth: int,
+        get_deadline_s: float | None,
+    ) -> None:
+        """Set up the queues and counters; no thread runs until :meth:`_start`.
+
+        Args:
+            spec: Record size and the rank's key namespace.
+            name: The tier's name, for thread names and messages.
+            namespace: Tenant namespace; replaces the spec's when not empty.
+            io_threads: I/O threads.
+            queue_depth: Requests of each kind (reads, writes) that may wait.
+            get_deadline_s: Default deadline of gets and contains, ``None`` for none.
+        """
+        if io_threads < 1 or queue_depth < 1:
+            raise ValueError(
+                f"{name} tier: io_threads and queue_depth must be at least 1, got "
+                f"{io_threads} and {queue_depth}"
+            )
+        self.name = name
+        self.record_bytes = spec.record_bytes
+        self.keys = KeyNamespace(
+            spec.keys.model,
+            spec.keys.layout_fingerprint,
+            spec.keys.rank,
+            spec.keys.world_size,
+            namespace or spec.keys.namespace,
+        )
+        self.capacity_bytes = None
+        self._io_threads = io_threads
+        self._queue_depth = queue_depth
+        self._default_deadline_s = get_deadline_s
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._reads: deque[_Request] = deque()
+        self._writes: deque[_Request] = deque()
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        self._deadlines: list[tuple[float, int, _Request]] = []
+        self._deadline_order = itertools.count()
+        self._deadline_wakeup = threading.Condition(threading.Lock())
+        self._stats_lock = threading.Lock()
+        self._counts: Counter[str] = Counter()
+        self._errors: Counter[str] = Counter()
+        self._disabled: Cause | None = None
+
+    # ------------------------------------------------------------ for subclasses
+
+    @abstractmethod
+    def _read(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
+        """Read and verify ``keys``; a payload per hit, ``None`` per miss."""
+
+    @abstractmethod
+    def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
+        """Store ``records``; whether each key is now stored. Count stores with :meth:`_count`."""
+
+    @abstractmethod
+    def _exists(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key is present."""
+
+    @abstractmethod
+    def _remove(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Remove ``keys``; whether each was present."""
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Release the store after the last request finished (close files, connections)."""
+
+    def _start(self) -> None:
+        """Start the I/O threads and the deadline thread."""
+        for number in range(self._io_threads):
+            thread = threading.Thread(
+                target=self._serve, name=f"kvtier-{self.name}-io-{number}", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
+        reaper = threading.Thread(
+            target=self._expire, name=f"kvtier-{self.name}-deadlines", daemon=True
+        )
+        reaper.start()
+        self._threads.append(reaper)
+
+    def _disable(self, cause: Cause) -> None:
+        """Answer every later request at once: misses and drops counted under ``cause``."""
+        self._disabled = cause
+
+    def _count(self, **counts: int) -> None:
+        """Add to the :class:`TierStats` counters named by keyword."""
+        with self._stats_lock:
+            self._counts.update(counts)
+
+    def _count_error(self, cause: str | enum.Enum, keys: int = 1) -> None:
+        """Count ``keys`` keys affected by a fault."""
+        label = cause.value if isinstance(cause, enum.Enum) else cause
+        with self._stats_lock:
+            self._errors[label] += keys
+
+    def _held_records(self) -> int | None:
+        """Records held, for :attr:`TierStats.records`; ``None`` when unknown."""
+        return None
+
+    # ------------------------------------------------------------------- public
+
+    def put(self, keys: Sequence[BlockKey], records: Sequence[Buffer]) -> Future[PutResult]:
+        if len(keys) != len(records):
+            raise ValueError(
+                f"{self.name} tier: a put pairs keys with records, got {len(keys)} keys "
+                f"and {len(records)} records"
+            )
+        views = tuple(self._payload_view(record) for record in records)
+        return self._submit(_Op.PUT, keys, views, None)
+
+    def get(
+        self, keys: Sequence[BlockKey], *, deadline_s: float | None = None
+    ) -> Future[GetResult]:
+        return self._submit(_Op.GET, keys, (), deadline_s)
+
+    def contains(
+        self, keys: Sequence[BlockKey], *, deadline_s: float | None = None
+    ) -> Future[ContainsResult]:
+        return self._submit(_Op.CONTAINS, keys, (), deadline_s)
+
+    def delete(self, keys: Sequence[BlockKey]) -> Future[DeleteResult]:
+        return self._submit(_Op.DELETE, keys, (), None)
+
+    def stats(self) -> TierStats:
+        with self._stats_lock:
+            counts = dict(self._counts)
+            errors = dict(self._errors)
+        return TierStats(**counts, errors=errors, records=self._held_records())
+
+    def close(self) -> None:
+        with self._work:
+            if self._closed:
+                return
+            self._closed = True
+            self._work.notify_all()
+        with self._deadline_wakeup:
+            self._deadline_wakeup.notify_all()
+        for thread in self._threads:
+            thread.join()
+        self._release()
+
+    def __enter__(self) -> QueuedTier:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- internal
+
+    def _payload_view(self, record: Buffer) -> memoryview:
+        view = memoryview(record)
+        if not view.c_contiguous:
+            raise ValueError(f"{self.name} tier: a record must be one contiguous buffer")
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        if view.nbytes != self.record_bytes:
+            raise ValueError(
+                f"{self.name} tier: a record is {self.record_bytes} bytes, got {view.nbytes}"
+            )
+        return view
+
+    def _submit(
+        self,
+        op: _Op,
+        keys: Sequence[BlockKey],
+        records: tuple[memoryview, ...],
+        deadline_s: float | None,
+    ) -> Future[Any]:
+        keys = tuple(keys)
+        for key in keys:
+            if not self.keys.owns(key):
+                raise ValueError(
+                    f"{self.name} tier: key {bytes(key).hex()} is not of this tier's namespace; "
+                    "make keys with tier.keys.keys(block_hashes)"
+                )
+        future: Future[Any] = Future()
+        future.set_running_or_notify_cancel()
+        is_read = op in (_Op.GET, _Op.CONTAINS)
+        if deadline_s is None and is_read:
+            deadline_s = self._default_deadline_s
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        request = _Request(op, keys, records, future, deadline)
+        if self._closed:
+            raise RuntimeError(f"{self.name} tier is closed")
+        if not keys:
+            self._answer(request, self._unanswered(request))
+            return future
+        if self._disabled is not None:
+            self._count_error(self._disabled, len(keys))
+            self._answer(request, self._unanswered(request))
+            return future
+        queue = self._reads if is_read else self._writes
+        with self._work:
+            if self._closed:
+                raise RuntimeError(f"{self.name} tier is closed")
+            full = len(queue) >= self._queue_depth
+            if not full:
+                queue.append(request)
+                self._work.notify()
+        if full:
+            self._count(queue_drops=len(keys))
+            self._answer(request, self._unanswered(request))
+        elif deadline is not None:
+            with self._deadline_wakeup:
+                heapq.heappush(self._deadlines, (deadline, next(self._deadline_order), request))
+                self._deadline_wakeup.notify()
+        return future
+
+    def _unanswered(self, request: _Request) -> Any:
+        """The result of a request the store did not answer: all misses, drops or ``False``."""
+        nothing = (False,) * len(request.keys)
+        if request.op is _Op.GET:
+            return GetResult(request.keys, (None,) * len(request.keys))
+        if request.op is _Op.PUT:
+            return PutResult(request.keys, nothing)
+        if request.op is _Op.CONTAINS:
+            return ContainsResult(request.keys, nothing)
+        return DeleteResult(request.keys, nothing)
+
+    def _answer(self, request: _Request, result: Any) -> bool:
+        """Complete ``request`` with ``result`` unless it was already answered; count it."""
+        with self._lock:
+            if request.answered:
+                return False
+            request.answered = True
+            future, request.future, request.records = request.future, None, ()
+        assert future is not None
+        if isinstance(result, GetResult):
+            hits = [record for record in result.records if record is not None]
+            self._count(
+                hits=len(hits),
+                misses=len(result.records) - len(hits),
+                bytes_read=sum(record.nbytes for record in hits),
+            )
+        elif isinstance(result, PutResult) and not all(result.stored):
+            self._count(drops=result.stored.count(False))
+        future.set_result(result)
+        return True
+
+    def _next_request(self) -> _Request | None:
+        with self._work:
+            while not self._reads and not self._writes:
+                if self._closed:
+                    return None
+                self._work.wait()
+            return self._reads.popleft() if self._reads else self._writes.popleft()
+
+    def _serve(self) -> None:
+        while True:
+            request = self._next_request()
+            if request is None:
+                return
+            if request.answered:
+                continue  # answered at its deadline while it waited
+            try:
+                result = self._run(request)
+            except Exception:  # a bug in a tier must not kill its I/O thread
+                logger.exception(
+                    "%s tier: %s of %d key(s) failed",
+                    self.name,
+                    request.op.value,
+                    len(request.keys),
+                )
+                self._count_error(Cause.INTERNAL, len(request.keys))
+                result = self._unanswered(request)
+            self._answer(request, result)
+
+    def _run(self, request: _Request) -> Any:
+        keys = request.keys
+        if request.op is _Op.GET:
+            return GetResult(keys, tuple(self._read(keys)))
+        if request.op is _Op.PUT:
+            return PutResult(keys, tuple(self._write(keys, request.records)))
+        if request.op is _Op.CONTAINS:
+            return ContainsResult(keys, tuple(self._exists(keys)))
+        return DeleteResult(keys, tuple(self._remove(keys)))
+
+    def _expire(self) -> None:
+        while True:
+            expired: list[_Request] = []
+            with self._deadline_wakeup:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                while self._deadlines and self._deadlines[0][0] <= now:
+                    expired.append(heapq.heappop(self._deadlines)[2])
+                if not expired:
+                    timeout = self._deadlines[0][0] - now if self._deadlines else None
+                    self._deadline_wakeup.wait(timeout)
+            # Answered outside the lock: a future's callbacks may submit new requests.
+            for request in expired:
+                if self._answer(request, self._unanswered(request)):
+                    self._count(deadline_misses=len(request.keys))
