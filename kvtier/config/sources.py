@@ -207,7 +207,7 @@ class _ConfigYAMLLoader(yaml.SafeLoader):
         return super().compose_node(parent, index)  # type: ignore[no-any-return]
 
 
-def _file_kind(mode: int) -> str | None:
+def file_kind(mode: int) -> str | None:
     """What a file that is not a regular file is, or ``None`` for a regular file."""
     if stat.S_ISREG(mode):
         return None
@@ -217,6 +217,7 @@ def _file_kind(mode: int) -> str | None:
         (stat.S_ISCHR, "a character device"),
         (stat.S_ISBLK, "a block device"),
         (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symbolic link"),
     )
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
@@ -230,7 +231,7 @@ def _read_config_text(path: str | os.PathLike[str], source: str) -> str:
     too_large = problem(f"larger than the {MAX_CONFIG_FILE_BYTES} bytes a config file may have")
 
     def check(mode: int, size: int) -> None:
-        kind = _file_kind(mode)
+        kind = file_kind(mode)
         if kind is not None:
             raise problem(f"{kind}, not a regular file; name a YAML, TOML or JSON file")
         if size > MAX_CONFIG_FILE_BYTES:

@@ -42,6 +42,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import struct
 import threading
 from collections.abc import Sequence
@@ -50,6 +51,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvtier.config.sources import file_kind
 from kvtier.index.base import BlockIndex, BlockKey, EventKind
 from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
@@ -214,19 +216,27 @@ class DiskTier(QueuedTier):
     # ----------------------------------------------------------------- start-up
 
     def _open(self, config: DiskTierConfig) -> int:
-        what = "create the directory"
+        """Open (or create) the rank's file, refusing any file kvtier may not have made.
+
+        The file is opened without following a link, without blocking on a FIFO,
+        and only as a regular file of one name; in a directory other users can
+        write, only when the directory is sticky and the file is this user's
+        (anyone else there could swap the name for a link to a file of ours).
+        """
+        directory = Path(config.path)
         try:
-            Path(config.path).mkdir(parents=True, exist_ok=True)
-            what = "open"
-            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (os.O_DIRECT if self.o_direct else 0)
-            fd = os.open(self.file, flags, 0o600)
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
-            if self.o_direct and exc.errno == errno.EINVAL:
-                raise self._no_direct_io(exc) from None
             raise TierError(
-                f"disk tier: cannot {what} {self.file if what == 'open' else config.path}: "
-                f"{exc.strerror}; point path at a writable directory on a local disk"
+                f"disk tier: cannot create the directory {directory}: {exc.strerror}; point "
+                "path at a writable directory on a local disk"
             ) from None
+        try:
+            shared = self._check_directory(directory, os.fstat(dir_fd))
+            fd = self._open_file(dir_fd, shared)
+        finally:
+            os.close(dir_fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -236,6 +246,96 @@ class DiskTier(QueuedTier):
                 "engine its own path"
             ) from None
         return fd
+
+    def _check_directory(self, directory: Path, status: os.stat_result) -> bool:
+        """Whether users other than this one can write ``directory``; refuse it unless sticky.
+
+        A directory is shared when its group or others may write it, or when another
+        user (not root) owns it; the link ``path`` itself names, when it is one, must
+        be this user's or root's too.
+        """
+        me = os.geteuid()
+        link = os.lstat(directory)
+        if stat.S_ISLNK(link.st_mode) and link.st_uid not in (me, 0):
+            raise TierError(
+                f"disk tier: path {directory} is a symbolic link owned by uid {link.st_uid}, not "
+                f"by this user (uid {me}) or root; point path at the directory itself"
+            )
+        writable_by_others = status.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if not writable_by_others and status.st_uid in (me, 0):
+            return False
+        if not status.st_mode & stat.S_ISVTX:
+            raise TierError(
+                f"disk tier: directory {directory} can be written by other users and is not "
+                f"sticky (mode {stat.S_IMODE(status.st_mode):o}, owner uid {status.st_uid}); "
+                "point path at a directory only this user can write, or chmod 700 it"
+            )
+        return True
+
+    def _open_file(self, dir_fd: int, shared: bool) -> int:
+        """Open the rank's file in ``dir_fd`` as a regular file of this tier; see :meth:`_open`."""
+        name = self.file.name
+        try:
+            before: os.stat_result | None = os.lstat(name, dir_fd=dir_fd)
+        except FileNotFoundError:
+            before = None
+        except OSError as exc:
+            raise self._cannot_open(exc) from None
+        if before is not None:
+            self._check_file(before, shared)
+        flags = (
+            os.O_RDWR
+            | os.O_CREAT
+            | os.O_NOFOLLOW
+            | os.O_NONBLOCK
+            | os.O_CLOEXEC
+            | (os.O_DIRECT if self.o_direct else 0)
+        )
+        try:
+            fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._not_ours("is a symbolic link") from None
+            if self.o_direct and exc.errno == errno.EINVAL:
+                raise self._no_direct_io(exc) from None
+            raise self._cannot_open(exc) from None
+        try:
+            after = os.fstat(fd)
+            if before is not None and (before.st_dev, before.st_ino) != (
+                after.st_dev,
+                after.st_ino,
+            ):
+                raise self._not_ours("was replaced while it was being opened")
+            self._check_file(after, shared)
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _check_file(self, status: os.stat_result, shared: bool) -> None:
+        kind = file_kind(status.st_mode)
+        if kind is not None:
+            raise self._not_ours(f"is {kind}, not a regular file")
+        if status.st_nlink > 1:
+            raise self._not_ours(f"has {status.st_nlink} names (hard links)")
+        if shared and status.st_uid != os.geteuid():
+            raise self._not_ours(
+                f"is owned by uid {status.st_uid}, not by this user (uid {os.geteuid()}), in a "
+                "directory other users can write"
+            )
+
+    def _not_ours(self, what: str) -> TierError:
+        return TierError(
+            f"disk tier: {self.file} {what}; kvtier only opens a file it made: remove it, or "
+            "point path at a directory only this user can write"
+        )
+
+    def _cannot_open(self, exc: OSError) -> TierError:
+        return TierError(
+            f"disk tier: cannot open {self.file}: {exc.strerror}; point path at a writable "
+            "directory on a local disk"
+        )
 
     def _no_direct_io(self, exc: OSError) -> TierError:
         return TierError(

@@ -7,6 +7,7 @@ import fcntl
 import os
 import resource
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -152,6 +153,119 @@ def test_one_file_serves_one_process(open_tier: Callable[..., DiskTier]) -> None
     open_tier()
     with pytest.raises(TierError, match="in use by another kvtier process"):
         open_tier()
+
+
+# ------------------------------------------------------------------ files kvtier did not make
+
+OTHER_UID = 65534
+"""A user other than this one (``nobody``), for files and links only root can give away."""
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0, reason="giving a file to another user needs root"
+)
+
+
+def refusal(open_tier: Callable[..., DiskTier], **options: object) -> str:
+    """The one-line message of the ``TierError`` opening a tier with ``options`` raises."""
+    with pytest.raises(TierError) as raised:
+        open_tier(**options)
+    message = str(raised.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_link_in_place_of_the_file_is_refused_and_its_target_left_alone(
+    tmp_path: Path, open_tier: Callable[..., DiskTier]
+) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (tmp_path / "tier").mkdir(mode=0o700)
+    (tmp_path / "tier" / "rank0-of1.kvtier").symlink_to(victim)
+    message = refusal(open_tier)
+    file = tmp_path / "tier" / "rank0-of1.kvtier"
+    assert f"{file} is a symbolic link, not a regular file" in message
+    assert "point path at a directory only this user can write" in message
+    assert victim.read_bytes() == b"precious"
+
+
+def test_a_fifo_in_place_of_the_file_is_refused_at_once(
+    tmp_path: Path, open_tier: Callable[..., DiskTier]
+) -> None:
+    (tmp_path / "tier").mkdir(mode=0o700)
+    os.mkfifo(tmp_path / "tier" / "rank0-of1.kvtier")
+    messages: list[str] = []
+    opener = threading.Thread(target=lambda: messages.append(refusal(open_tier)), daemon=True)
+    opener.start()
+    opener.join(timeout=30)
+    assert not opener.is_alive(), "opening the tier blocked on the FIFO"
+    assert messages and "is a FIFO (named pipe), not a regular file" in messages[0]
+
+
+def test_a_file_with_another_name_is_refused(
+    tmp_path: Path, open_tier: Callable[..., DiskTier]
+) -> None:
+    (tmp_path / "tier").mkdir(mode=0o700)
+    other = tmp_path / "other-name"
+    other.write_bytes(b"precious")
+    os.link(other, tmp_path / "tier" / "rank0-of1.kvtier")
+    assert "has 2 names (hard links)" in refusal(open_tier)
+    assert other.read_bytes() == b"precious"
+
+
+def test_a_directory_others_can_write_is_refused_unless_sticky(
+    tmp_path: Path, open_tier: Callable[..., DiskTier]
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for mode in (0o777, 0o770):
+        shared.chmod(mode)
+        message = refusal(open_tier, path=shared)
+        assert f"directory {shared} can be written by other users and is not sticky" in message
+    shared.chmod(0o1777)
+    open_tier(path=shared).close()
+    assert (shared / "rank0-of1.kvtier").stat().st_uid == os.geteuid()
+
+
+@needs_root
+def test_a_directory_of_another_user_is_refused_unless_sticky(
+    tmp_path: Path, open_tier: Callable[..., DiskTier]
+) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, OTHER_UID, OTHER_UID)
+    assert f"owner uid {OTHER_UID}" in refusal(open_tier, path=theirs)
+
+
+@needs_root
+def test_a_file_of_another_user_in_a_sticky_shared_directory_is_refused(
+    tmp_path: Path, open_tier: Callable[..., DiskTier]
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    planted = shared / "rank0-of1.kvtier"
+    planted.write_bytes(b"theirs")
+    os.chown(planted, OTHER_UID, OTHER_UID)
+    message = refusal(open_tier, path=shared)
+    assert f"{planted} is owned by uid {OTHER_UID}, not by this user" in message
+    assert planted.read_bytes() == b"theirs"
+
+
+@needs_root
+def test_a_path_that_is_another_users_link_is_refused(
+    tmp_path: Path, open_tier: Callable[..., DiskTier]
+) -> None:
+    target = tmp_path / "target"
+    target.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    os.lchown(link, OTHER_UID, OTHER_UID)
+    assert f"path {link} is a symbolic link owned by uid {OTHER_UID}" in refusal(
+        open_tier, path=link
+    )
+    assert not list(target.iterdir())
+    os.lchown(link, os.geteuid(), os.getegid())
+    open_tier(path=link).close()
 
 
 # ------------------------------------------------------------------ warm restart
@@ -419,10 +533,10 @@ def test_a_filesystem_that_refuses_o_direct_is_a_start_up_error(
     real_open, real_preadv = os.open, os.preadv
     direct_fds: set[int] = set()
 
-    def fake_open(path: object, flags: int, *args: object) -> int:
+    def fake_open(path: object, flags: int, *args: object, **kwargs: object) -> int:
         if flags & os.O_DIRECT and refusing == "open":
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-        fd = real_open(path, flags, *args)  # type: ignore[arg-type]
+        fd = real_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
         (direct_fds.add if flags & os.O_DIRECT else direct_fds.discard)(fd)
         return fd
 
