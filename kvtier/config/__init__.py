@@ -15,8 +15,11 @@ The package is split by concern; every public name is importable from
   validates them against a registry.
 - :mod:`kvtier.config.errors`: :class:`ConfigError` and its one-line problems.
 - :mod:`kvtier.config.units`: byte sizes read and written, importing nothing of kvtier.
+- :mod:`kvtier.config.bounds`: the longest duration, the largest queue and tier
+  list, and checked paths, shared by every config model.
 """
 
+from kvtier.config.bounds import MAX_DURATION_S, MAX_QUEUE_DEPTH, MAX_TIERS, LocalPath
 from kvtier.config.errors import ConfigError, Problem
 from kvtier.config.load import load_config
 from kvtier.config.model import (
@@ -60,6 +63,9 @@ __all__ = [
     "MAX_CONFIG_DEPTH",
     "MAX_CONFIG_FILE_BYTES",
     "MAX_CONFIG_VALUES",
+    "MAX_DURATION_S",
+    "MAX_QUEUE_DEPTH",
+    "MAX_TIERS",
     "RESERVED_ENV",
     "SECTIONS",
     "ByteCount",
@@ -67,6 +73,7 @@ __all__ = [
     "GiB",
     "KVTierConfig",
     "KVTierModel",
+    "LocalPath",
     "PluginConfig",
     "Problem",
     "RootSettings",

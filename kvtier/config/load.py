@@ -174,6 +174,9 @@ def _problem_from_error(error: Mapping[str, Any], layers: Layers, registry: Regi
         message = message[len("Value error, ") :]
     if tier is not None and len(loc) == 3 and _is_secret(registry, tier, loc[2]):
         value = SECRET_MASK
+    if loc == (TIERS_FIELD,) and isinstance(value, (list, tuple)):
+        # The whole list: its entries' types, never their settings (a Redis URL's password).
+        value = [entry.get("type") if isinstance(entry, Mapping) else entry for entry in value]
     return Problem(source, path, message, value)
 
 

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, SerializeAsAny, ValidationInfo, field_validator
 
+from kvtier.config.bounds import MAX_DURATION_S, MAX_TIERS
 from kvtier.config.errors import ConfigError, Problem
 from kvtier.config.units import ByteBudget, ByteCount, GiB
 from kvtier.kinds import KINDS, Kind
@@ -61,7 +62,8 @@ TIERS_DESCRIPTION = (
     "Storage tiers below the host tier, in lookup order: each entry is one storage-tier "
     "plugin's settings, picked by its `type` (see `kvtier plugins`). A block evicted from the "
     "host tier is written to every tier of the list; a lookup searches them in order. "
-    "Empty keeps blocks in host memory only."
+    f"Empty keeps blocks in host memory only. At most {MAX_TIERS} entries; two entries that "
+    "write the same store (identical entries, or disk tiers on one path) are refused."
 )
 
 
@@ -129,21 +131,22 @@ class RootSettings(KVTierModel):
     copy_deadline_s: float = Field(
         DEFAULT_COPY_DEADLINE_S,
         gt=0,
-        le=3600,
+        le=MAX_DURATION_S,
         description=(
             "Seconds a copy between the engine and the host tier may run before its worker "
             "stops waiting: a load becomes a recompute, a store is dropped, and the copy's host "
-            "slots stay out of use until it ends."
+            f"slots stay out of use until it ends. At most {MAX_DURATION_S:g} (one hour)."
         ),
     )
     report_deadline_s: float = Field(
         DEFAULT_REPORT_DEADLINE_S,
         gt=0,
-        le=3600,
+        le=MAX_DURATION_S,
         description=(
             "Seconds the scheduler waits for every rank to report a planned copy before it "
             "fails the copy (a load becomes a recompute, a store is dropped); its host slots "
-            "stay out of use until every rank reported. Keep it above copy_deadline_s."
+            "stay out of use until every rank reported. Keep it above copy_deadline_s. "
+            f"At most {MAX_DURATION_S:g}."
         ),
     )
     namespace: str = Field(
@@ -157,11 +160,11 @@ class RootSettings(KVTierModel):
     close_timeout_s: float = Field(
         DEFAULT_CLOSE_TIMEOUT_S,
         ge=0,
-        le=3600,
+        le=MAX_DURATION_S,
         description=(
             "Seconds shutdown waits for copies still running; after it they are abandoned and "
             "the host tier's memory is deliberately not freed, so a late copy cannot write "
-            "freed memory."
+            f"freed memory. At most {MAX_DURATION_S:g}."
         ),
     )
 
@@ -201,7 +204,9 @@ with warnings.catch_warnings():
         index: SerializeAsAny[PluginConfig] = _section_field("index")
         copy: SerializeAsAny[PluginConfig] = _section_field("copy")  # type: ignore[assignment]
         layout: SerializeAsAny[PluginConfig] = _section_field("layout")
-        tiers: tuple[SerializeAsAny[PluginConfig], ...] = Field((), description=TIERS_DESCRIPTION)
+        tiers: tuple[SerializeAsAny[PluginConfig], ...] = Field(
+            (), max_length=MAX_TIERS, description=TIERS_DESCRIPTION
+        )
 
         _sources: dict[str, str] = PrivateAttr(default_factory=dict)
 

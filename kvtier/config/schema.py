@@ -17,6 +17,7 @@ from pydantic import AfterValidator, Field, create_model, field_validator
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
 from pydantic_core import core_schema
 
+from kvtier.config.bounds import MAX_TIERS
 from kvtier.config.model import (
     COPY_SHADOWS,
     SECTIONS,
@@ -28,7 +29,7 @@ from kvtier.config.model import (
     section_shorthand,
 )
 from kvtier.kinds import STORAGE_TIER
-from kvtier.models import PluginConfig
+from kvtier.models import NamesItsStore, PluginConfig
 
 if TYPE_CHECKING:
     from kvtier.plugins import Registry
@@ -81,8 +82,12 @@ def config_model(registry: Registry | None = None) -> type[RootSettings]:
         if tier_models
         else Annotated[PluginConfig, AfterValidator(_no_storage_tier)]
     )
-    fields[TIERS_FIELD] = (tuple[tier, ...], Field((), description=TIERS_DESCRIPTION))
+    fields[TIERS_FIELD] = (
+        tuple[tier, ...],
+        Field((), max_length=MAX_TIERS, description=TIERS_DESCRIPTION),
+    )
     shorthand = field_validator(*(section.field for section in SECTIONS), mode="before")(_shorthand)
+    one_entry_per_store = field_validator(TIERS_FIELD)(_one_entry_per_store)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=COPY_SHADOWS, category=UserWarning)
         model: type[RootSettings] = create_model(
@@ -90,7 +95,10 @@ def config_model(registry: Registry | None = None) -> type[RootSettings]:
             __base__=RootSettings,
             __doc__=KVTierConfig.__doc__,
             __module__=__name__,
-            __validators__={"section_shorthand": shorthand},
+            __validators__={
+                "section_shorthand": shorthand,
+                "one_entry_per_store": one_entry_per_store,
+            },
             **fields,
         )
     _MODELS[id(registry)] = (registry, model)
@@ -99,6 +107,29 @@ def config_model(registry: Registry | None = None) -> type[RootSettings]:
 
 def _shorthand(cls: type[RootSettings], value: Any) -> Any:
     return section_shorthand(value)
+
+
+def _one_entry_per_store(
+    cls: type[RootSettings], tiers: tuple[PluginConfig, ...]
+) -> tuple[PluginConfig, ...]:
+    """Refuse two entries that write the same store: naming one store, or identical."""
+    for position, entry in enumerate(tiers):
+        for first, earlier in enumerate(tiers[:position]):
+            if _store_name(entry) is not None and _store_name(entry) == _store_name(earlier):
+                how = f"the same store ({_store_name(entry)}) as"
+            elif entry == earlier:
+                how = "the same settings as"
+            else:
+                continue
+            raise ValueError(
+                f"tiers[{position}] has {how} tiers[{first}]; list each store once: remove "
+                "one entry, or point it at another store"
+            )
+    return tiers
+
+
+def _store_name(entry: PluginConfig) -> str | None:
+    return f"{entry.type} {entry.store_name()}" if isinstance(entry, NamesItsStore) else None
 
 
 def _no_storage_tier(value: Any) -> Any:

@@ -7,13 +7,12 @@ Validating a config needs these models; the tiers themselves (and ``redis``,
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator
 
-from kvtier.config import ByteCount, PluginConfig
+from kvtier.config import MAX_DURATION_S, MAX_QUEUE_DEPTH, ByteCount, LocalPath, PluginConfig
+from kvtier.tiers.redis_url import check_redis_url
 
 
 def usable_cpus() -> int:
@@ -27,10 +26,11 @@ class DiskTierConfig(PluginConfig):
     """Block records in one preallocated file per rank on a local filesystem."""
 
     type: Literal["disk"] = "disk"
-    path: Path = Field(
+    path: LocalPath = Field(
         description=(
-            "Directory of the tier's files (created if missing); one file per rank, named "
-            "after it, such as rank0-of2.kvtier."
+            "Directory of the tier's files (created if missing, private to this user); one "
+            "file per rank, named after it, such as rank0-of2.kvtier. A directory other users "
+            "can write must be sticky (like /tmp), and the files in it this user's."
         )
     )
     capacity_bytes: ByteCount = Field(
@@ -76,25 +76,32 @@ class DiskTierConfig(PluginConfig):
         description=(
             "Threads doing the tier's file I/O; by default 4, or one per CPU the process may "
             "run on where there are fewer. A put through the page cache hashes on one thread "
-            "while another writes; more threads than cores spin on the file's lock instead."
+            "while another writes; more threads than cores spin on the file's lock instead. "
+            "At most 256."
         ),
     )
     queue_depth: int = Field(
         64,
         ge=1,
+        le=MAX_QUEUE_DEPTH,
         description=(
             "Requests of each kind (reads, writes) that may wait for an I/O thread; beyond "
-            "it a put is dropped and a get is a miss, both counted."
+            f"it a put is dropped and a get is a miss, both counted. At most {MAX_QUEUE_DEPTH}."
         ),
     )
     get_deadline_s: float | None = Field(
         1.0,
         gt=0,
+        le=MAX_DURATION_S,
         description=(
             "Seconds a get may take before its keys are reported as misses; null waits "
-            "for the disk however long it takes."
+            f"for the disk however long it takes. At most {MAX_DURATION_S:g}."
         ),
     )
+
+    def store_name(self) -> str:
+        """The directory, as the tiers list's check for one entry per store compares it."""
+        return f"path {os.path.realpath(self.path)}"
 
 
 class RedisTierConfig(PluginConfig):
@@ -126,9 +133,15 @@ class RedisTierConfig(PluginConfig):
         ),
     )
     timeout_s: float = Field(
-        1.0, gt=0, description="Seconds to connect, and to wait for each reply, before failing."
+        1.0,
+        gt=0,
+        le=MAX_DURATION_S,
+        description=(
+            "Seconds to connect, and to wait for each reply, before failing. "
+            f"At most {MAX_DURATION_S:g}."
+        ),
     )
-    tls_ca_path: Path | None = Field(
+    tls_ca_path: LocalPath | None = Field(
         None,
         description=(
             "CA bundle (PEM) that signed the server's certificate, for rediss:// URLs; "
@@ -142,40 +155,48 @@ class RedisTierConfig(PluginConfig):
         description=(
             "Threads doing the tier's requests, one connection each. Two keep a request in "
             "flight while the next is framed; more rarely help one Python process (a local "
-            "server moved 2 MiB records faster over two connections than over four)."
+            "server moved 2 MiB records faster over two connections than over four). At most 256."
         ),
     )
     queue_depth: int = Field(
         64,
         ge=1,
+        le=MAX_QUEUE_DEPTH,
         description=(
             "Requests of each kind (reads, writes) that may wait for an I/O thread; beyond "
-            "it a put is dropped and a get is a miss, both counted."
+            f"it a put is dropped and a get is a miss, both counted. At most {MAX_QUEUE_DEPTH}."
         ),
     )
     get_deadline_s: float | None = Field(
         1.0,
         gt=0,
+        le=MAX_DURATION_S,
         description=(
             "Seconds a get may take before its keys are reported as misses; null waits "
-            "as long as the server's timeouts allow."
+            f"as long as the server's timeouts allow. At most {MAX_DURATION_S:g}."
         ),
     )
     reconnect_backoff_s: float = Field(
         0.5,
         gt=0,
-        description="Seconds the tier waits after a failed batch before it tries the server again.",
+        le=MAX_DURATION_S,
+        description=(
+            "Seconds the tier waits after a failed batch before it tries the server again. "
+            f"At most {MAX_DURATION_S:g}."
+        ),
     )
     reconnect_max_backoff_s: float = Field(
         30.0,
         gt=0,
-        description="The longest wait between tries; each failure in a row doubles the wait.",
+        le=MAX_DURATION_S,
+        description=(
+            "The longest wait between tries; each failure in a row doubles the wait. "
+            f"At most {MAX_DURATION_S:g}."
+        ),
     )
 
     @field_validator("url")
     @classmethod
     def _known_scheme(cls, url: SecretStr) -> SecretStr:
-        scheme = urlsplit(url.get_secret_value()).scheme
-        if scheme not in ("redis", "rediss"):
-            raise ValueError("expected a redis:// or rediss:// URL")
+        check_redis_url(url.get_secret_value())
         return url

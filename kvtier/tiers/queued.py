@@ -373,6 +373,9 @@ class QueuedTier(StorageTier):
                     expired.append(heapq.heappop(self._deadlines)[2])
                 if not expired:
                     timeout = self._deadlines[0][0] - now if self._deadlines else None
+                    # A deadline past what a wait can represent is woken for and re-checked.
+                    if timeout is not None:
+                        timeout = min(timeout, threading.TIMEOUT_MAX)
                     self._deadline_wakeup.wait(timeout)
             # Answered outside the lock: a future's callbacks may submit new requests.
             for request in expired:

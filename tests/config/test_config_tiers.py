@@ -113,6 +113,45 @@ def test_a_bad_url_is_reported_without_its_password(registry: Registry) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://cache:6379/0",
+        "rediss://user:pw@[::1]:6380/15",
+        "redis://cache?password=pw&db=3&protocol=3",
+        "redis://cache/2?client_name=engine-a&health_check_interval=30&socket_keepalive=yes",
+    ],
+)
+def test_urls_the_client_reads_as_meant_are_accepted(registry: Registry, url: str) -> None:
+    config = load_config({"tiers": [{"type": "redis", "url": url}]}, env={}, registry=registry)
+    assert isinstance(config.tiers[0], RedisTierConfig)
+
+
+def test_tiers_of_one_store_are_refused_but_other_stores_of_a_type_are_not(
+    registry: Registry, tmp_path: Path
+) -> None:
+    (tmp_path / "b").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "b")
+    entries = [
+        {"type": "disk", "path": str(tmp_path / "a"), "capacity_bytes": "1GiB"},
+        {"type": "disk", "path": str(tmp_path / "b"), "capacity_bytes": "1GiB"},
+        {"type": "redis", "url": "redis://cache:6379/0"},
+        {"type": "redis", "url": "redis://cache:6379/0", "namespace": "tenant-b"},
+        {"type": "memory", "blocks": 1},
+        {"type": "memory", "blocks": 2},
+    ]
+    assert len(load_config({"tiers": entries}, env={}, registry=registry).tiers) == 6
+    aliased = {"type": "disk", "path": str(tmp_path / "link"), "capacity_bytes": "2GiB"}
+    assert problems(registry, {"tiers": [*entries, aliased]}) == [
+        f"explicit: tiers: tiers[6] has the same store (disk path {tmp_path / 'b'}) as tiers[1]; "
+        "list each store once: remove one entry, or point it at another store (got ['disk', "
+        "'disk', 'redis', 'redis', 'memory', 'memory', ...])"
+    ]
+    assert problems(registry, {"tiers": [*entries, entries[4]]})[0].startswith(
+        "explicit: tiers: tiers[6] has the same settings as tiers[4];"
+    )
+
+
 def test_no_storage_tier_installed(registry: Registry) -> None:
     bare = make_registry(Sections())
     assert problems(bare, {"tiers": [{"type": "disk"}]}) == [

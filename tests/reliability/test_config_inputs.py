@@ -7,6 +7,7 @@ fast instead of exhausting the machine).
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import subprocess
@@ -235,3 +236,95 @@ def test_json_env_values_are_refused_in_one_line(
 ) -> None:
     file = write(tmp_path / "kvtier.yaml", "cpu_bytes: 1MiB\n")
     assert_refused(kvtier("config", "validate", str(file), env=env), expected)
+
+
+def disk(path: str, **settings: object) -> dict[str, object]:
+    return {"type": "disk", "path": path, "capacity_bytes": "1GiB", **settings}
+
+
+def redis(url: str = "redis://cache:6379/0", **settings: object) -> dict[str, object]:
+    return {"type": "redis", "url": url, **settings}
+
+
+URL_PORT = "url: the port is not a number from 1 to 65535"
+AT_MOST_AN_HOUR = "Input should be less than or equal to 3600 (got 10000000000.0)"
+NUL = "a path cannot hold a NUL byte (got '/var/cache/a\\x00b')"
+SAME_STORE = "list each store once: remove one entry, or point it at another store"
+
+TIER_SETTINGS: dict[str, tuple[list[dict[str, object]], str]] = {
+    "port out of range": (
+        [redis("redis://:hunter2@cache:99999/0")],
+        f"tiers[0].{URL_PORT} ('99999'); write the URL as redis://host:6379/0 (got '*****",
+    ),
+    "port not a number": (
+        [redis("redis://cache:port/0")],
+        f"tiers[0].{URL_PORT} ('port')",
+    ),
+    "port 0": ([redis("redis://cache:0/0")], "tiers[0].url: port 0 is not a server's port"),
+    "database not a number": (
+        [redis("redis://cache:6379/zero")],
+        "tiers[0].url: the path names database 'zero', not a number from 0 to 2147483647",
+    ),
+    "timeout in the URL": (
+        [redis("redis://cache:6379/0?socket_timeout=1e10")],
+        "tiers[0].url: the URL option 'socket_timeout' overrides the tier's own setting; set "
+        "timeout_s instead",
+    ),
+    "unknown URL option": (
+        [redis("redis://cache:6379/0?sockettimeout=1")],
+        "tiers[0].url: unknown URL option 'sockettimeout'; the URL may carry client_name, db,",
+    ),
+    "redis timeout_s 1e10": ([redis(timeout_s=1e10)], f"tiers[0].timeout_s: {AT_MOST_AN_HOUR}"),
+    "redis get_deadline_s 1e10": (
+        [redis(get_deadline_s=1e10)],
+        f"tiers[0].get_deadline_s: {AT_MOST_AN_HOUR}",
+    ),
+    "disk get_deadline_s 1e10": (
+        [disk("/var/cache/kvtier", get_deadline_s=1e10)],
+        f"tiers[0].get_deadline_s: {AT_MOST_AN_HOUR}",
+    ),
+    "redis back-off 1e10": (
+        [redis(reconnect_max_backoff_s=1e10)],
+        f"tiers[0].reconnect_max_backoff_s: {AT_MOST_AN_HOUR}",
+    ),
+    "queue_depth 1e18": (
+        [disk("/var/cache/kvtier", queue_depth=10**18)],
+        "tiers[0].queue_depth: Input should be less than or equal to 65536",
+    ),
+    "empty disk path": (
+        [disk("")],
+        "tiers[0].path: empty path; name a directory, such as /var/cache/kvtier (got '')",
+    ),
+    "NUL in a disk path": ([disk("/var/cache/a\0b")], f"tiers[0].path: {NUL}"),
+    "NUL in a CA path": ([redis(tls_ca_path="/var/cache/a\0b")], f"tiers[0].tls_ca_path: {NUL}"),
+    "one disk path twice": (
+        [disk("/var/cache/kvtier"), disk("/var/cache/./kvtier/", capacity_bytes="2GiB")],
+        "tiers: tiers[1] has the same store (disk path /var/cache/kvtier) as tiers[0]; "
+        f"{SAME_STORE} (got ['disk', 'disk'])",
+    ),
+    "identical Redis entries": (
+        [redis("redis://:hunter2@cache:6379/0"), redis("redis://:hunter2@cache:6379/0")],
+        f"tiers: tiers[1] has the same settings as tiers[0]; {SAME_STORE} (got ['redis', 'redis'])",
+    ),
+    "1000 entries": (
+        [disk(f"/var/cache/kvtier{number}") for number in range(1000)],
+        "tiers: Tuple should have at most 16 items after validation, not 1000 (got ['disk',",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", TIER_SETTINGS)
+def test_tier_settings_that_would_fail_at_start_up_are_refused_by_validate(
+    case: str, tmp_path: Path
+) -> None:
+    """The same one line from ``config validate`` and from ``kvtier serve``, which checks the
+    config before it starts an engine; never the URL's password."""
+    tiers, expected = TIER_SETTINGS[case]
+    file = write(tmp_path / "kvtier.json", json.dumps({"tiers": tiers}))
+    for argv in (
+        ("config", "validate", str(file), "--no-memory-check"),
+        ("serve", "--kvtier-config", str(file), "some-model"),
+    ):
+        result = kvtier(*argv)
+        assert_refused(result, f"file {file}: {expected}")
+        assert "hunter2" not in result.stderr

@@ -151,6 +151,21 @@ def test_the_configured_deadline_applies_when_a_get_names_none(
     assert tier.stats().deadline_misses == 2
 
 
+@pytest.mark.parametrize("far", [1e10, float("inf")])
+def test_a_deadline_past_what_a_wait_can_take_keeps_later_deadlines(
+    far: float, tiers: list[MemoryTier]
+) -> None:
+    tier = memory_tier(tiers, queue_depth=8)
+    keys = tier.keys.keys(block_hashes("far", 1))
+    tier.gate.clear()
+    distant = tier.get(keys, deadline_s=far)
+    time.sleep(0.05)  # the deadline thread now waits for the distant deadline
+    started = time.monotonic()
+    assert done(tier.get(keys, deadline_s=0.05)).records == (None,)
+    assert time.monotonic() - started < 1.0
+    assert not distant.done()
+
+
 def test_a_callback_may_submit_from_a_deadline(tiers: list[MemoryTier]) -> None:
     tier = memory_tier(tiers, queue_depth=8)
     keys = tier.keys.keys(block_hashes("callback", 1))
