@@ -51,6 +51,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvtier.config import available_memory_bytes
 from kvtier.config.sources import file_kind
 from kvtier.index.base import BlockIndex, BlockKey, EventKind
 from kvtier.kinds import BLOCK_INDEX
@@ -129,6 +130,11 @@ def _cause_of(exc: OSError) -> Cause:
     return Cause.IO
 
 
+def rank_file(config: DiskTierConfig, spec: TierSpec) -> Path:
+    """The file of the rank ``spec`` names, in the tier's directory."""
+    return Path(config.path) / f"rank{spec.keys.rank}-of{spec.keys.world_size}.kvtier"
+
+
 def aligned_buffer(nbytes: int) -> memoryview:
     """A new zero-filled, writable buffer that starts on a page, as ``O_DIRECT`` I/O needs."""
     return memoryview(mmap.mmap(-1, nbytes))
@@ -162,7 +168,7 @@ class DiskTier(QueuedTier):
         self.slot_bytes = self.slot_bytes_for(spec.record_bytes)
         self.num_slots = index.num_slots
         self.capacity_bytes = self.num_slots * spec.record_bytes
-        self.file = Path(config.path) / f"rank{spec.keys.rank}-of{spec.keys.world_size}.kvtier"
+        self.file = rank_file(config, spec)
         self._codec = RecordCodec(self.keys.layout_fingerprint, spec.record_bytes)
         self._index = index
         self._index_lock = threading.Lock()
@@ -642,9 +648,66 @@ class DiskTier(QueuedTier):
         return f"DiskTier({str(self.file)!r}, slots={self.num_slots})"
 
 
+INDEX_BYTES_PER_SLOT = 512
+"""Memory the tier's index and slot map take per slot once full, rounded up: 300 bytes
+(``lru``, ``arc``, ``s3fifo``) to 450 (``prefix_arc``) measured for a million slots, with
+about 90 more for the key each holds."""
+
+
+def check_room(config: DiskTierConfig, spec: TierSpec, num_slots: int) -> None:
+    """Refuse, before anything is allocated, a rank's file its disk cannot hold (when
+    ``preallocate`` reserves it) and an index larger than the memory available.
+
+    Raises:
+        TierError: Naming ``capacity_bytes``, both numbers, and what to do.
+    """
+    assert spec.keys.rank is not None and spec.keys.world_size is not None
+    slot_bytes = DiskTier.slot_bytes_for(spec.record_bytes)
+    ranks = f"over {spec.keys.world_size} rank(s)"
+    if config.preallocate:
+        _check_free_space(config, spec, num_slots * slot_bytes, ranks)
+    index_bytes = num_slots * INDEX_BYTES_PER_SLOT
+    available = available_memory_bytes()
+    if available is not None and index_bytes > available:
+        raise TierError(
+            f"disk tier: capacity_bytes {config.capacity_bytes} {ranks} makes {num_slots} "
+            f"slots of {spec.record_bytes}-byte records, whose index needs about "
+            f"{index_bytes / 2**30:.1f} GiB of memory, more than the {available / 2**30:.1f} "
+            "GiB available; lower capacity_bytes"
+        )
+
+
+def _check_free_space(config: DiskTierConfig, spec: TierSpec, slots_bytes: int, ranks: str) -> None:
+    """Refuse a rank's file of ``slots_bytes`` of slots that its filesystem has no room for."""
+    file = rank_file(config, spec)
+    needed = SUPERBLOCK_BYTES + slots_bytes
+    try:
+        existing = os.lstat(file)
+        if stat.S_ISREG(existing.st_mode):
+            needed -= min(needed, existing.st_blocks * 512)  # already reserved by the file
+    except OSError:
+        pass  # no file yet, or one that opening the tier refuses with its own message
+    directory = Path(config.path).absolute()
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent  # created when the tier opens
+    try:
+        status = os.statvfs(directory)
+    except OSError:
+        return  # the tier's open names what is wrong with the path
+    free = status.f_bavail * status.f_frsize
+    if needed > free:
+        raise TierError(
+            f"disk tier: no room for {needed} more bytes in {file} ({free / 2**30:.1f} GiB free "
+            f"on its filesystem, capacity_bytes {config.capacity_bytes} {ranks}); free space "
+            "on that disk or lower capacity_bytes"
+        )
+
+
 def build_disk_tier(config: DiskTierConfig, spec: TierSpec) -> DiskTier:
-    """The ``disk`` tier's factory: its block index from the registry, then the tier."""
+    """The ``disk`` tier's factory: the room it needs checked, its block index from the
+    registry, then the tier."""
     registration = default_registry().get(BLOCK_INDEX, config.eviction)
     num_slots = DiskTier.slots_for(config, spec)
+    check_room(config, spec, num_slots)
     index = registration.factory(registration.config_model(), num_slots)
     return DiskTier(config, spec, index)

@@ -10,11 +10,12 @@ import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from kvtier.index.base import BlockKey
-from kvtier.kinds import STORAGE_TIER
+from kvtier.kinds import BLOCK_INDEX, STORAGE_TIER
 from kvtier.plugins import PluginError, default_registry
 from kvtier.testing.contracts_tier import (
     StorageTierContract,
@@ -26,6 +27,7 @@ from kvtier.testing.contracts_tier import (
     payloads,
     store,
 )
+from kvtier.tiers import disk as disk_module
 from kvtier.tiers.base import TierError, TierSpec
 from kvtier.tiers.disk import (
     HEADER_AREA_BYTES,
@@ -597,7 +599,62 @@ def test_a_disk_too_small_is_a_start_up_error(
     path, limit = small_disk
     with pytest.raises(TierError, match="no room for .* lower capacity_bytes"):
         open_tier(path=path, capacity_bytes=4 * limit)
-    assert os.path.getsize(path / "rank0-of1.kvtier") == 0, "the space is given back"
+    file = path / "rank0-of1.kvtier"
+    # Refused before the file is made where the free space shows it (a small tmpfs), or
+    # when reserving it fails (a file-size limit): either way no space is kept.
+    assert not file.exists() or os.path.getsize(file) == 0, "the space is given back"
+
+
+@pytest.fixture
+def index_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The slot counts of the block indexes the disk tier builds from now on."""
+    builds: list[int] = []
+    real = default_registry().get(BLOCK_INDEX, "lru")
+
+    def factory(config: object, num_slots: int) -> object:
+        builds.append(num_slots)
+        # Never build a huge index: a regression fails here instead of filling the memory.
+        assert num_slots <= 1 << 20, f"an index of {num_slots} slots was built"
+        return real.factory(config, num_slots)
+
+    spy = SimpleNamespace(factory=factory, config_model=real.config_model)
+    registry = SimpleNamespace(get=lambda kind, name: spy)
+    monkeypatch.setattr(disk_module, "default_registry", lambda: registry)
+    return builds
+
+
+def test_a_capacity_beyond_the_free_space_fails_before_the_index_is_built(
+    tmp_path: Path, index_builds: list[int], open_tier: Callable[..., DiskTier]
+) -> None:
+    status = os.statvfs(tmp_path)
+    free = status.f_bavail * status.f_frsize
+    with pytest.raises(TierError) as raised:
+        open_tier(path=tmp_path / "tier", capacity_bytes=free + (1 << 40))
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "no room for " in message and f"in {tmp_path / 'tier' / 'rank0-of1.kvtier'}" in message
+    assert "free on its filesystem" in message and message.endswith("lower capacity_bytes")
+    assert index_builds == [], "the index was built before the space was checked"
+    assert not (tmp_path / "tier").exists()
+    open_tier().close()
+    assert index_builds == [8]
+
+
+def test_an_index_larger_than_the_memory_fails_before_it_is_built(
+    monkeypatch: pytest.MonkeyPatch, index_builds: list[int], open_tier: Callable[..., DiskTier]
+) -> None:
+    monkeypatch.setattr(disk_module, "available_memory_bytes", lambda: 1 << 20)
+    slots = (1 << 20) // disk_module.INDEX_BYTES_PER_SLOT + 1
+    with pytest.raises(
+        TierError,
+        match=f"makes {slots} slots of {RECORD}-byte records, whose "
+        "index needs about 0.0 GiB of memory, more than the 0.0 GiB available; "
+        "lower capacity_bytes",
+    ):
+        open_tier(capacity_bytes=capacity_for(slots), preallocate=False)
+    assert index_builds == []
+    open_tier(capacity_bytes=capacity_for(slots - 1), preallocate=False).close()
+    assert index_builds == [slots - 1]
 
 
 def test_a_disk_that_fills_up_mid_run_drops_and_counts_stores(
