@@ -4,7 +4,8 @@ A plugin module writes ``from kvtier.api import ...`` and nothing else from kvti
 
 - :data:`hookimpl` marks the registration hooks (:mod:`kvtier.hookspecs`);
   each receives a :class:`Register` callable;
-- :class:`PluginConfig` is the base of an implementation's config model;
+- :class:`PluginConfig` is the base of an implementation's config model; a
+  storage tier's config that names the store it writes is a :class:`NamesItsStore`;
 - the contracts an implementation fulfils: :class:`EvictionPolicy` (kvtier
   puts it in a :class:`PolicyIndex`) or a whole :class:`BlockIndex`, :class:`CopyBackend`,
   :class:`LayoutResolver`, with the types they exchange;
@@ -38,7 +39,7 @@ from kvtier.kinds import (
     StorageTierFactory,
 )
 from kvtier.layout.base import BlockRegion, KVCaches, KVLayout, LayoutError, LayoutResolver
-from kvtier.models import PluginConfig
+from kvtier.models import NamesItsStore, PluginConfig
 
 __all__ = [
     "BLOCK_INDEX",
@@ -68,6 +69,7 @@ __all__ = [
     "LayoutResolver",
     "LayoutResolverFactory",
     "LazyFactory",
+    "NamesItsStore",
     "PluginConfig",
     "PolicyIndex",
     "Register",
