@@ -105,3 +105,31 @@ def test_invalid_extra_config_is_logged_once_and_not_repeated_in_the_error(
     message = str(raised.value)
     assert message.startswith("invalid kvtier configuration: 2 problems, logged above")
     assert "store_mode" not in message and "cpu_bytes" not in message
+
+
+def test_tier_settings_validate_refuses_are_refused_before_an_engine_starts(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [name for name in os.environ if name.startswith("KVTIER_")]:
+        monkeypatch.delenv(name)
+    extra = {
+        "tiers": [
+            {"type": "redis", "url": "redis://:hunter2@cache:99999/0", "timeout_s": 1e10},
+            {"type": "disk", "path": "", "capacity_bytes": "1GiB", "get_deadline_s": 1e10},
+        ]
+    }
+    vllm_config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra)
+    )
+    with caplog.at_level(logging.ERROR, logger="kvtier"), pytest.raises(ConfigRefused) as raised:
+        connector_config(vllm_config)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError) as validated:
+        load_config(extra, env={})
+    assert raised.value.lines == validated.value.lines
+    assert [line.split(": ")[1] for line in raised.value.lines] == [
+        "tiers[0].url",
+        "tiers[0].timeout_s",
+        "tiers[1].path",
+        "tiers[1].get_deadline_s",
+    ]
+    assert "hunter2" not in caplog.text
