@@ -1,17 +1,18 @@
 """The ``disk`` tier: block records in one preallocated file per rank, with warm restart.
 
-Each rank owns one file, ``<path>/rank<R>-of<W>.kvtier``, locked against a
-second process. The file is a 4 KiB superblock (magic, format version, record
-and slot sizes, slot count) followed by fixed-size slots; a slot is a 4 KiB
-header area (the record header of :mod:`kvtier.tiers.record`, zero-padded)
-and the payload, padded to a multiple of 4 KiB so every record starts on a
-page. Records are written and read with positional I/O from a pool of I/O
-threads, through the page cache: a write of records in consecutive slots (up
-to :data:`WRITE_GROUP` of them and :data:`WRITE_GROUP_BYTES`) takes their
-headers (built in the I/O thread's buffer), the caller's payloads and any
-padding in one ``os.pwritev``, with no copy; a read takes one record's header and payload in
-one ``os.preadv`` into one new buffer (not zero-filled first), and the
-payload is returned as a view of it.
+Each rank owns one file, ``<path>/rank<R>-of<W>.kvtier``, locked against a second
+process, and opens only a regular file of one name that it may have made: never through
+a link, never a FIFO or device, and in a directory other users can write only a sticky
+one, and only its own file there. The file is a 4 KiB superblock (magic, format version,
+record and slot sizes, slot count) followed by fixed-size slots; a slot is a 4 KiB
+header area (the record header of :mod:`kvtier.tiers.record`, zero-padded) and the
+payload, padded to a multiple of 4 KiB so every record starts on a page. Records are
+written and read with positional I/O from a pool of I/O threads, through the page cache:
+a write of records in consecutive slots (up to :data:`WRITE_GROUP` of them and
+:data:`WRITE_GROUP_BYTES`) takes their headers (built in the I/O thread's buffer), the
+caller's payloads and any padding in one ``os.pwritev``, with no copy; a read takes one
+record's header and payload in one ``os.preadv`` into one new buffer (not zero-filled
+first), and the payload is returned as a view of it.
 A crash part-way through a write may leave any mix of the slot's old and new
 pages; the payload checksum in the header turns every such mix into a miss.
 
@@ -152,9 +153,10 @@ class DiskTier(QueuedTier):
             index: An empty block index with :meth:`slots_for` slots, the tier's directory.
 
         Raises:
-            TierError: The directory cannot be created or written, the file is
-                in use by another process, the disk has no room for it, or
-                ``o_direct`` is set and the filesystem refuses ``O_DIRECT``.
+            TierError: The directory cannot be created or written, it or the
+                file is one the tier may not have made (see :meth:`_open`), the
+                file is in use by another process, the disk has no room for it,
+                or ``o_direct`` is set and the filesystem refuses ``O_DIRECT``.
         """
         super().__init__(
             spec,
