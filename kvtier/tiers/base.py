@@ -180,6 +180,9 @@ class StorageTier(ABC):
     """Size of every record's payload."""
     capacity_bytes: int | None
     """Payload bytes the tier holds at most; ``None`` when the store decides (a shared server)."""
+    shared: bool = False
+    """Whether other processes can write the store (a server, a directory others may
+    write): such a tier warns at start-up when it has no key to seal its records with."""
 
     @abstractmethod
     def put(self, keys: Sequence[BlockKey], records: Sequence[Buffer]) -> Future[PutResult]:

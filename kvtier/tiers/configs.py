@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from kvtier.config import MAX_DURATION_S, MAX_QUEUE_DEPTH, ByteCount, LocalPath, PluginConfig
 from kvtier.tiers.redis_url import check_redis_url
@@ -22,7 +22,58 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
-class DiskTierConfig(PluginConfig):
+class RecordKeyConfig(PluginConfig):
+    """The secret keys that seal a tier's records, named by where they are, never inline."""
+
+    key_file: LocalPath | None = Field(
+        None,
+        description=(
+            "File of the tier's secret keys, hex, one a line (make one with `openssl rand "
+            "-hex 32`); the first seals records, every one verifies them. With a key, every "
+            "record carries a MAC over header, key and payload: a record forged, altered or "
+            "copied under another key by anyone without the key is a miss, counted as `auth`."
+        ),
+    )
+    key_env: str | None = Field(
+        None,
+        description=(
+            "Name of an environment variable holding more keys, hex, separated by commas or "
+            "spaces; they come after key_file's. The config holds the name, never the key."
+        ),
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+    )
+    encrypt: bool = Field(
+        False,
+        description=(
+            "Seal records with AES-256-GCM instead of a MAC, so that whoever can read the "
+            "store cannot read the KV either; needs a key."
+        ),
+    )
+    require_key: bool = Field(
+        False,
+        description=(
+            "Refuse to start without a key (key_file or key_env), instead of running with "
+            "checksums only (a shared tier then logs a warning)."
+        ),
+    )
+
+    @property
+    def has_key(self) -> bool:
+        """Whether a key source is set."""
+        return self.key_file is not None or self.key_env is not None
+
+    @model_validator(mode="after")
+    def _key_given_where_needed(self) -> RecordKeyConfig:
+        for flag, value in (("encrypt", self.encrypt), ("require_key", self.require_key)):
+            if value and not self.has_key:
+                raise ValueError(
+                    f"{self.type} tier: {flag} is true but no key is set; set key_file or "
+                    f"key_env, or {flag}: false"
+                )
+        return self
+
+
+class DiskTierConfig(RecordKeyConfig):
     """Block records in one preallocated file per rank on a local filesystem."""
 
     type: Literal["disk"] = "disk"
@@ -104,7 +155,7 @@ class DiskTierConfig(PluginConfig):
         return f"path {os.path.realpath(self.path)}"
 
 
-class RedisTierConfig(PluginConfig):
+class RedisTierConfig(RecordKeyConfig):
     """Block records in a Redis server or Redis Cluster shared by many engines."""
 
     type: Literal["redis"] = "redis"

@@ -14,7 +14,8 @@ caller's payloads and any padding in one ``os.pwritev``, with no copy; a read ta
 record's header and payload in one ``os.preadv`` into one new buffer (not zero-filled
 first), and the payload is returned as a view of it.
 A crash part-way through a write may leave any mix of the slot's old and new
-pages; the payload checksum in the header turns every such mix into a miss.
+pages; the seal in the header (a payload checksum, or a MAC with a key) turns every
+such mix into a miss.
 
 With ``o_direct`` the file is opened with ``O_DIRECT``, bypassing the page
 cache. Every offset and length is already a multiple of 4 KiB; a write copies
@@ -65,7 +66,7 @@ from kvtier.tiers.record import (
     MAX_KEY_BYTES,
     RecordCodec,
     RecordFault,
-    payload_checksum,
+    tier_codec,
 )
 
 logger = logging.getLogger(__name__)
@@ -113,14 +114,17 @@ class _HeaderAreas:
         self._ends = [0] * areas
         """Where each area's last header ended; zeros after it (the buffer starts zeroed)."""
 
-    def header(self, area: int, key: BlockKey, checksum: int, sequence: int) -> memoryview:
-        """Header area ``area``, holding the record header and zeros after it."""
+    def seal(
+        self, area: int, key: BlockKey, payload: memoryview, sequence: int
+    ) -> tuple[memoryview, memoryview | bytes]:
+        """Header area ``area``, holding the header of ``payload`` and zeros after it, and
+        the body to write after it (see :meth:`RecordCodec.seal_into`)."""
         view = self._areas[area]
-        end = self.codec.header_into(view, key, checksum, sequence)
+        end, body = self.codec.seal_into(view, key, payload, sequence)
         if end < self._ends[area]:
             view[end : self._ends[area]] = _ZEROS[: self._ends[area] - end]
         self._ends[area] = end
-        return view
+        return view, body
 
 
 def _cause_of(exc: OSError) -> Cause:
@@ -171,7 +175,9 @@ class DiskTier(QueuedTier):
         self.num_slots = index.num_slots
         self.capacity_bytes = self.num_slots * spec.record_bytes
         self.file = rank_file(config, spec)
-        self._codec = RecordCodec(self.keys.layout_fingerprint, spec.record_bytes)
+        self._codec = tier_codec(
+            config, self.keys.layout_fingerprint, spec.record_bytes, tier="disk", shared=False
+        )
         self._index = index
         self._index_lock = threading.Lock()
         self.o_direct = config.o_direct
@@ -507,9 +513,8 @@ class DiskTier(QueuedTier):
             read = os.preadv(self._fd, [slot], offset)
         if read < size:
             return RecordFault.LENGTH
-        payload = slot[HEADER_AREA_BYTES:size]
-        fault = self._codec.verify(key, self._codec.parse(slot[:HEADER_AREA_BYTES]), payload)
-        return payload if fault is None else fault
+        body = slot[HEADER_AREA_BYTES:size]
+        return self._codec.unseal(key, self._codec.parse(slot[:HEADER_AREA_BYTES]), body)
 
     def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
         index = self._index
@@ -588,13 +593,15 @@ class DiskTier(QueuedTier):
             (one,) = group
             payload = areas.buffer[HEADER_AREA_BYTES : HEADER_AREA_BYTES + self.record_bytes]
             payload[:] = one.record
-            areas.header(0, one.key, payload_checksum(payload), one.sequence)
+            _, body = areas.seal(0, one.key, payload, one.sequence)
+            if body is not payload:
+                payload[:] = body
             self._write_all([areas.buffer], offset)
             return
         parts: list[memoryview] = []
         for index, one in enumerate(group):
-            header = areas.header(index, one.key, payload_checksum(one.record), one.sequence)
-            parts += [header, one.record]
+            header, body = areas.seal(index, one.key, one.record, one.sequence)
+            parts += [header, memoryview(body)]
             if self._padding and index + 1 < len(group):
                 parts.append(self._padding)
         self._write_all(parts, offset)

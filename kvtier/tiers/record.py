@@ -1,7 +1,8 @@
-"""The record format below the host tier: a checked header, then the block's bytes.
+"""The record format below the host tier: a sealed header, then the block's bytes.
 
-Every record a lower tier writes is a header followed by the payload (the
-block's host-tier record, ``record_bytes`` long). The header, little-endian:
+Every record a lower tier writes is a header followed by the body (the
+block's host-tier record, ``record_bytes`` long, or its ciphertext). The
+header, little-endian:
 
 - magic (4 bytes): ``b"KVTR"``;
 - format version (2): :data:`FORMAT_VERSION`;
@@ -9,38 +10,76 @@ block's host-tier record, ``record_bytes`` long). The header, little-endian:
 - payload length (8);
 - layout fingerprint (16): BLAKE2b digest of the layout fingerprint;
 - sequence (8): the writer's counter (the disk tier orders a warm restart by it);
-- payload checksum (8): XXH3-64 of the payload;
-- header checksum (8): XXH3-64 of the header, this field zeroed, and the key;
+- scheme (1, then 3 zero bytes): how the record is sealed, a :class:`Scheme`;
+- key id (4): which of the tier's :class:`RecordKeys` sealed it (zeros without a key);
+- nonce (12): the AEAD nonce (zeros for the other schemes);
+- seal (16): the scheme's check, below;
 - key: the full namespaced block key.
 
-:meth:`RecordCodec.verify` checks a record against the key it was asked for
-and returns the first :class:`RecordFault` it finds, or ``None``. Records are
-plain bytes: nothing read from a tier is ever unpickled or evaluated.
+The seal, by scheme:
+
+- ``checksum`` (a tier without a key): XXH3-64 of the payload, then XXH3-64 of
+  the header (this half of the seal zeroed) and the key. Detects damage, not forgery.
+- ``mac`` (a tier with a key): keyed BLAKE3, 16 bytes, of the header before the
+  seal, the key and the payload. Nobody without the key can make a record that
+  verifies, and since the key and the fingerprint are covered, a record copied
+  under another key, namespace or layout is a miss.
+- ``aead`` (a tier with a key and ``encrypt``): AES-256-GCM of the payload under
+  a random 96-bit nonce, with the header before the seal and the key as
+  associated data; the seal is the GCM tag and the body is the ciphertext.
+
+:meth:`RecordCodec.parse` checks a header, :meth:`RecordCodec.unseal` checks a
+record against the key it was asked for and returns its payload or the first
+:class:`RecordFault` it finds. Records are plain bytes: nothing read from a
+tier is ever unpickled or evaluated.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import hmac
+import logging
+import os
+import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import blake3
 import xxhash
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from kvtier.index.base import BlockKey
+from kvtier.tiers.base import TierError
+from kvtier.tiers.configs import RecordKeyConfig
+
+logger = logging.getLogger(__name__)
 
 MAGIC = b"KVTR"
-FORMAT_VERSION = 1
-"""Version of the record header written by this code; others are read as faults."""
+FORMAT_VERSION = 2
+"""Version of the record header written by this code; others are read as faults.
+Version 1 had no scheme, key id or nonce and always used checksums."""
 
-_FIXED = struct.Struct("<4sHHQ16sQQQ")
+_FIXED = struct.Struct("<4sHHQ16sQB3x4s12s16s")
 _VERSIONED = struct.Struct("<4sH")
-_CHECKSUM_OFFSET = _FIXED.size - 8
+_SEAL_OFFSET = _FIXED.size - 16
+_CHECKSUM_OFFSET = _SEAL_OFFSET + 8
 _SUMMED = struct.Struct("<Q")
+_SEAL_BYTES = 16
+_NONCE_BYTES = 12
+_KEY_ID_BYTES = 4
 HEADER_FIXED_BYTES = _FIXED.size
 """Bytes of the header before the key."""
 MAX_KEY_BYTES = 1024
 """Longest key a record may carry."""
+MIN_SECRET_BYTES = 32
+MAX_SECRET_BYTES = 64
+NONCES_PER_KEY = 2**32
+"""Records one key may seal with ``encrypt`` before it must be rotated: with random 96-bit
+nonces, the chance that two of them repeat stays below 2**-32."""
 
 
 class RecordFault(enum.Enum):
@@ -50,12 +89,26 @@ class RecordFault(enum.Enum):
     """Not a record of this format: wrong magic or an unknown format version."""
     CHECKSUM = "checksum"
     """The header or the payload does not match its checksum (corrupted or torn)."""
+    AUTH = "auth"
+    """Not sealed by any of the tier's keys: forged, altered, written without a key
+    (or with one by a tier that has none), or under a key the tier no longer holds."""
     FINGERPRINT = "fingerprint"
     """Written for another layout."""
     KEY = "key"
     """Written for another key or another namespace."""
     LENGTH = "length"
     """Shorter or longer than a record of this layout."""
+
+
+class Scheme(enum.IntEnum):
+    """How a record is sealed."""
+
+    CHECKSUM = 0
+    MAC = 1
+    AEAD = 2
+
+
+_SCHEMES = frozenset(Scheme)
 
 
 @dataclass(frozen=True)
@@ -65,9 +118,14 @@ class RecordHeader:
     key: BlockKey
     payload_bytes: int
     sequence: int
-    checksum: int
     header_bytes: int
-    """Bytes of the header including its key: where the payload starts."""
+    """Bytes of the header including its key: where the body starts."""
+    key_id: bytes
+    nonce: bytes
+    seal: bytes
+    sealed: bytes
+    """The header before the seal, then the key: what the MAC or the AEAD covers with
+    the body."""
 
 
 def fingerprint_digest(layout_fingerprint: str) -> bytes:
@@ -80,28 +138,166 @@ def payload_checksum(payload: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
-class RecordCodec:
-    """Writes and checks the records of one layout (fingerprint and record size)."""
+def _derived(secret: bytes, purpose: bytes, size: int) -> bytes:
+    return hashlib.blake2b(purpose, key=secret, digest_size=size).digest()
 
-    def __init__(self, layout_fingerprint: str, record_bytes: int) -> None:
+
+_HEX_KEY = re.compile(r"[0-9a-fA-F]+")
+
+
+class RecordKeys:
+    """A tier's secret keys: the first seals records, every one verifies them.
+
+    Each secret is 32 to 64 random bytes written as hex (``openssl rand -hex 32``).
+    The tier never uses a secret directly: a MAC key, an AEAD key and a 4-byte key
+    id that names it in headers are derived from it with keyed BLAKE2b.
+    """
+
+    def __init__(self, secrets: Sequence[bytes]) -> None:
+        if not secrets:
+            raise ValueError("no key given")
+        self._mac: dict[bytes, bytes] = {}
+        self._aead: dict[bytes, algorithms.AES] = {}
+        for secret in secrets:
+            if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
+                raise ValueError(
+                    f"a key is {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes, got {len(secret)}"
+                )
+            key_id = _derived(secret, b"kvtier record key id", _KEY_ID_BYTES)
+            self._mac.setdefault(key_id, _derived(secret, b"kvtier record mac", 32))
+            aead = algorithms.AES(_derived(secret, b"kvtier record aead", 32))
+            self._aead.setdefault(key_id, aead)
+        self.signing_id = _derived(secrets[0], b"kvtier record key id", _KEY_ID_BYTES)
+        self.signing_mac = self._mac[self.signing_id]
+        self.signing_aead = self._aead[self.signing_id]
+
+    @classmethod
+    def parse(cls, text: str) -> RecordKeys:
+        """Keys from ``text``: hex secrets separated by commas, spaces or lines (``#`` starts
+        a comment that runs to the end of its line).
+
+        Raises:
+            ValueError: No key, a word that is not hex, or a key of the wrong length.
+        """
+        words = re.split(r"[\s,]+", re.sub(r"#[^\n]*", "", text).strip())
+        words = [word for word in words if word]
+        for position, word in enumerate(words, 1):
+            if not _HEX_KEY.fullmatch(word) or len(word) % 2:
+                raise ValueError(f"key {position} is not hex digits")
+        return cls([bytes.fromhex(word) for word in words])
+
+    @classmethod
+    def load(cls, key_file: Path | None, key_env: str | None, where: str) -> RecordKeys | None:
+        """The keys of ``key_file`` followed by those of ``$key_env``; ``None`` when neither
+        is set.
+
+        Raises:
+            ValueError: A key cannot be read or is malformed; the message starts with
+                ``where`` and names the file or variable.
+        """
+        texts: list[str] = []
+        if key_file is not None:
+            try:
+                texts.append(Path(key_file).read_text())
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) else "not text"
+                raise ValueError(
+                    f"{where}: cannot read key_file {key_file}: {reason}; point key_file at a "
+                    "readable file of hex keys, one a line"
+                ) from None
+        if key_env is not None:
+            value = os.environ.get(key_env, "")
+            if not value.strip():
+                raise ValueError(
+                    f"{where}: environment variable {key_env} (key_env) is not set or empty; "
+                    "set it to a hex key (openssl rand -hex 32), or unset key_env"
+                )
+            texts.append(value)
+        if not texts:
+            return None
+        sources = " and ".join(
+            name
+            for name, given in (
+                (f"key_file {key_file}", key_file is not None),
+                (f"${key_env}", key_env is not None),
+            )
+            if given
+        )
+        try:
+            return cls.parse("\n".join(texts))
+        except ValueError as exc:
+            raise ValueError(
+                f"{where}: {sources}: {exc}; give keys of 32 to 64 random bytes in hex "
+                "(openssl rand -hex 32)"
+            ) from None
+
+    def mac_key(self, key_id: bytes) -> bytes | None:
+        """The MAC key named ``key_id``, or ``None`` when it is not one of these keys."""
+        return self._mac.get(key_id)
+
+    def aead_key(self, key_id: bytes) -> algorithms.AES | None:
+        """The AEAD key named ``key_id``, or ``None`` when it is not one of these keys."""
+        return self._aead.get(key_id)
+
+
+def _mac(mac_key: bytes, sealed: memoryview | bytes, body: memoryview | bytes) -> bytes:
+    digest = blake3.blake3(sealed, key=mac_key)
+    digest.update(body)
+    return digest.digest(_SEAL_BYTES)
+
+
+class RecordCodec:
+    """Writes and checks the records of one layout (fingerprint and record size).
+
+    Without ``keys`` records are sealed with checksums; with them, with a MAC, or
+    with ``encrypt``, with AES-256-GCM. A record sealed any other way is a fault.
+    """
+
+    def __init__(
+        self,
+        layout_fingerprint: str,
+        record_bytes: int,
+        *,
+        keys: RecordKeys | None = None,
+        encrypt: bool = False,
+    ) -> None:
         if record_bytes <= 0:
             raise ValueError(f"record_bytes must be positive, got {record_bytes}")
+        if encrypt and keys is None:
+            raise ValueError("encrypting records needs keys")
         self.fingerprint = fingerprint_digest(layout_fingerprint)
         self.record_bytes = record_bytes
+        self.keys = keys
+        self.scheme = Scheme.CHECKSUM if keys is None else Scheme.AEAD if encrypt else Scheme.MAC
 
-    def header(self, key: BlockKey, checksum: int, sequence: int = 0) -> bytes:
-        """The header of a ``record_bytes`` payload whose checksum is ``checksum``."""
+    def header(
+        self, key: BlockKey, payload: memoryview | bytes, sequence: int = 0
+    ) -> tuple[bytes, memoryview | bytes]:
+        """The header of ``payload`` under ``key``, and the body to store after it."""
         buffer = bytearray(HEADER_FIXED_BYTES + len(key))
-        self.header_into(buffer, key, checksum, sequence)
-        return bytes(buffer)
+        _, body = self.seal_into(buffer, key, payload, sequence)
+        return bytes(buffer), body
 
-    def header_into(
-        self, buffer: bytearray | memoryview, key: BlockKey, checksum: int, sequence: int = 0
-    ) -> int:
-        """Write the header of :meth:`header` at the start of ``buffer``; return its length."""
+    def seal_into(
+        self,
+        buffer: bytearray | memoryview,
+        key: BlockKey,
+        payload: memoryview | bytes,
+        sequence: int = 0,
+    ) -> tuple[int, memoryview | bytes]:
+        """Write the header of ``payload`` under ``key`` at the start of ``buffer``.
+
+        Returns:
+            The header's length, and the body to store after it: ``payload`` itself,
+            or with ``encrypt`` its ciphertext (new bytes).
+        """
         if not 0 < len(key) <= MAX_KEY_BYTES:
             raise ValueError(f"a record key is 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
+        payload = self._payload(payload)
         end = HEADER_FIXED_BYTES + len(key)
+        keys = self.keys
+        key_id = bytes(_KEY_ID_BYTES) if keys is None else keys.signing_id
+        nonce = os.urandom(_NONCE_BYTES) if self.scheme is Scheme.AEAD else bytes(_NONCE_BYTES)
         _FIXED.pack_into(
             buffer,
             0,
@@ -111,57 +307,113 @@ class RecordCodec:
             self.record_bytes,
             self.fingerprint,
             sequence,
-            checksum,
-            0,
+            self.scheme,
+            key_id,
+            nonce,
+            bytes(_SEAL_BYTES),
         )
         buffer[HEADER_FIXED_BYTES:end] = key
-        _SUMMED.pack_into(buffer, _CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(buffer[:end]))
-        return end
+        view = memoryview(buffer)
+        body: memoryview | bytes = payload
+        if keys is None:
+            _SUMMED.pack_into(buffer, _SEAL_OFFSET, payload_checksum(payload))
+            _SUMMED.pack_into(buffer, _CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(view[:end]))
+            return end, body
+        sealed = b"".join((view[:_SEAL_OFFSET], key))
+        if self.scheme is Scheme.MAC:
+            seal = _mac(keys.signing_mac, sealed, payload)
+        else:
+            encryptor = Cipher(keys.signing_aead, modes.GCM(nonce)).encryptor()
+            encryptor.authenticate_additional_data(sealed)
+            body = encryptor.update(payload) + encryptor.finalize()
+            seal = encryptor.tag
+        buffer[_SEAL_OFFSET : _SEAL_OFFSET + _SEAL_BYTES] = seal
+        return end, body
 
     def parse(self, data: memoryview | bytes) -> RecordHeader | RecordFault:
-        """Parse the header at the start of ``data`` and check everything but the payload.
+        """Parse the header at the start of ``data`` and check everything the header alone
+        can show.
 
         ``data`` may hold only the header area (the disk tier's scan reads no
-        payloads); the key is not compared, since the caller may not know it.
+        payloads); the key is not compared, since the caller may not know it. A
+        header sealed with a MAC or an AEAD is authenticated only with its body,
+        by :meth:`unseal`.
         """
         if len(data) >= _VERSIONED.size and _VERSIONED.unpack_from(data) != (MAGIC, FORMAT_VERSION):
             return RecordFault.VERSION
         if len(data) < HEADER_FIXED_BYTES:
             return RecordFault.LENGTH
-        _, _, key_bytes, payload_bytes, fingerprint, sequence, checksum, summed = (
+        _, _, key_bytes, payload_bytes, fingerprint, sequence, scheme, key_id, nonce, seal = (
             _FIXED.unpack_from(data)
         )
         end = HEADER_FIXED_BYTES + key_bytes
         if not 0 < key_bytes <= MAX_KEY_BYTES or len(data) < end:
             return RecordFault.LENGTH
         view = memoryview(data)
-        digest = xxhash.xxh3_64()
-        digest.update(view[:_CHECKSUM_OFFSET])
-        digest.update(bytes(8))
-        digest.update(view[HEADER_FIXED_BYTES:end])
-        if digest.intdigest() != summed:
-            return RecordFault.CHECKSUM
+        if scheme != self.scheme:
+            return RecordFault.AUTH if scheme in _SCHEMES else RecordFault.VERSION
+        if scheme == Scheme.CHECKSUM:
+            digest = xxhash.xxh3_64()
+            digest.update(view[:_CHECKSUM_OFFSET])
+            digest.update(bytes(8))
+            digest.update(view[HEADER_FIXED_BYTES:end])
+            if digest.intdigest() != _SUMMED.unpack_from(seal, 8)[0]:
+                return RecordFault.CHECKSUM
+        elif self.keys is None or self.keys.mac_key(key_id) is None:
+            return RecordFault.AUTH
         if fingerprint != self.fingerprint:
             return RecordFault.FINGERPRINT
         if payload_bytes != self.record_bytes:
             return RecordFault.LENGTH
+        key = bytes(view[HEADER_FIXED_BYTES:end])
         return RecordHeader(
-            bytes(view[HEADER_FIXED_BYTES:end]), payload_bytes, sequence, checksum, end
+            key,
+            payload_bytes,
+            sequence,
+            end,
+            key_id,
+            nonce,
+            seal,
+            b"".join((view[:_SEAL_OFFSET], key)),
         )
 
-    def verify(
-        self, key: BlockKey, header: RecordHeader | RecordFault, payload: memoryview | bytes
-    ) -> RecordFault | None:
-        """Check a parsed header and its payload against the ``key`` that was asked for."""
+    def unseal(
+        self, key: BlockKey, header: RecordHeader | RecordFault, body: memoryview | bytes
+    ) -> memoryview | RecordFault:
+        """Check a parsed header and its body against the ``key`` that was asked for.
+
+        Returns:
+            The payload (a view of ``body``, or with ``encrypt`` a new buffer of the
+            plaintext), or the first fault found.
+        """
         if isinstance(header, RecordFault):
             return header
         if header.key != key:
             return RecordFault.KEY
-        if len(payload) != header.payload_bytes:
+        if len(body) != header.payload_bytes:
             return RecordFault.LENGTH
-        if payload_checksum(payload) != header.checksum:
-            return RecordFault.CHECKSUM
-        return None
+        if self.scheme is Scheme.CHECKSUM:
+            if payload_checksum(body) != _SUMMED.unpack_from(header.seal)[0]:
+                return RecordFault.CHECKSUM
+            return memoryview(body)
+        assert self.keys is not None
+        if self.scheme is Scheme.MAC:
+            mac_key = self.keys.mac_key(header.key_id)
+            assert mac_key is not None
+            if not hmac.compare_digest(_mac(mac_key, header.sealed, body), header.seal):
+                return RecordFault.AUTH
+            return memoryview(body)
+        aead_key = self.keys.aead_key(header.key_id)
+        assert aead_key is not None
+        decryptor = Cipher(aead_key, modes.GCM(header.nonce, header.seal)).decryptor()
+        decryptor.authenticate_additional_data(header.sealed)
+        plain = bytearray(len(body) + 15)
+        written = decryptor.update_into(body, plain)
+        try:
+            decryptor.finalize()
+        except InvalidTag:
+            return RecordFault.AUTH
+        return memoryview(plain)[:written]
 
     def _payload(self, payload: memoryview | bytes) -> memoryview | bytes:
         if len(payload) != self.record_bytes:
@@ -169,9 +421,12 @@ class RecordCodec:
         return payload
 
     def encode(self, key: BlockKey, payload: memoryview | bytes, sequence: int = 0) -> bytes:
-        """Header and payload as one bytes object (for stores that take one value per key)."""
-        payload = self._payload(payload)
-        return b"".join((self.header(key, payload_checksum(payload), sequence), payload))
+        """Header and body as one bytes object (for stores that take one value per key)."""
+        return b"".join(self.header(key, payload, sequence))
+
+    def encoded_bytes(self, key: BlockKey) -> int:
+        """Bytes of a record under ``key``."""
+        return HEADER_FIXED_BYTES + len(key) + self.record_bytes
 
     @property
     def max_encoded_bytes(self) -> int:
@@ -181,21 +436,44 @@ class RecordCodec:
     def encode_into(
         self, buffer: bytearray, key: BlockKey, payload: memoryview | bytes, sequence: int = 0
     ) -> memoryview:
-        """Write header and payload into ``buffer`` (at least :attr:`max_encoded_bytes` long).
+        """Write header and body into ``buffer`` (at least :attr:`max_encoded_bytes` long).
 
         Returns:
             The record: a view of the start of ``buffer``, valid until it is written again.
         """
-        payload = self._payload(payload)
-        start = self.header_into(buffer, key, payload_checksum(payload), sequence)
-        end = start + len(payload)
-        buffer[start:end] = payload
+        start, body = self.seal_into(buffer, key, payload, sequence)
+        end = start + len(body)
+        buffer[start:end] = body
         return memoryview(buffer)[:end]
 
     def decode(self, key: BlockKey, record: memoryview | bytes) -> memoryview | RecordFault:
         """The payload of a record read from a store that keeps one value per key, or a fault."""
         view = memoryview(record)
         header = self.parse(view)
-        payload = view[header.header_bytes :] if isinstance(header, RecordHeader) else view
-        fault = self.verify(key, header, payload)
-        return payload if fault is None else fault
+        body = view[header.header_bytes :] if isinstance(header, RecordHeader) else view
+        return self.unseal(key, header, body)
+
+
+def tier_codec(
+    config: RecordKeyConfig, layout_fingerprint: str, record_bytes: int, *, tier: str, shared: bool
+) -> RecordCodec:
+    """The codec of a tier built from ``config``, sealing with its keys when it has any.
+
+    A ``shared`` tier (a store other processes can write) without a key logs a warning:
+    anyone who can write to the store can then forge its records.
+
+    Raises:
+        TierError: A key cannot be read or is malformed.
+    """
+    try:
+        keys = RecordKeys.load(config.key_file, config.key_env, f"{tier} tier")
+    except ValueError as exc:
+        raise TierError(str(exc)) from None
+    if keys is None and shared:
+        logger.warning(
+            "%s tier: records are sealed with checksums only: anyone who can write to the "
+            "store can forge what the engines read; set key_file or key_env (and require_key: "
+            "true to refuse to start without one)",
+            tier,
+        )
+    return RecordCodec(layout_fingerprint, record_bytes, keys=keys, encrypt=config.encrypt)

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 import redis.cluster
@@ -43,7 +43,7 @@ from kvtier.index.base import BlockKey
 from kvtier.tiers.base import Cause, TierError, TierSpec
 from kvtier.tiers.configs import RedisTierConfig
 from kvtier.tiers.queued import QueuedTier
-from kvtier.tiers.record import RecordCodec, RecordFault, payload_checksum
+from kvtier.tiers.record import RecordFault, tier_codec
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +53,30 @@ KEY_PREFIX = b"kvtier:"
 _FAILURES = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 
+_CREDENTIALS = frozenset({"password", "username"})
+"""Query parameters of a URL that redis-py takes as credentials."""
+
+
 def redacted_url(url: str) -> str:
-    """``url`` without its user name and password."""
+    """``url`` without its credentials: user name and password, in the user info or in the
+    query (``?password=...``, ``?username=...``)."""
     parts = urlsplit(url)
     host = parts.hostname or ""
     if ":" in host:
         host = f"[{host}]"
-    netloc = host if parts.port is None else f"{host}:{parts.port}"
-    return parts._replace(netloc=netloc).geturl()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    netloc = host if port is None else f"{host}:{port}"
+    query = urlencode(
+        [
+            (name, "****" if name.lower() in _CREDENTIALS else value)
+            for name, value in parse_qsl(parts.query, keep_blank_values=True)
+        ],
+        safe="*",
+    )
+    return parts._replace(netloc=netloc, query=query, fragment="").geturl()
 
 
 def _cause_of(exc: BaseException) -> Cause:
@@ -162,6 +178,8 @@ class _BulkReplies:
 class RedisTier(QueuedTier):
     """Records in Redis, one string per record; see the module docstring."""
 
+    shared = True
+
     def __init__(self, config: RedisTierConfig, spec: TierSpec) -> None:
         """Connect and check the server answers.
 
@@ -178,7 +196,9 @@ class RedisTier(QueuedTier):
         )
         self.url = redacted_url(config.url.get_secret_value())
         self.cluster = config.cluster
-        self._codec = RecordCodec(self.keys.layout_fingerprint, spec.record_bytes)
+        self._codec = tier_codec(
+            config, self.keys.layout_fingerprint, spec.record_bytes, tier="redis", shared=True
+        )
         self._backoff_s = config.reconnect_backoff_s
         self._max_backoff_s = config.reconnect_max_backoff_s
         self._failures = 0
@@ -227,8 +247,9 @@ class RedisTier(QueuedTier):
             options["ssl_ca_certs"] = str(config.tls_ca_path)
         url = config.url.get_secret_value()
         # One quick retry on a fresh connection (a server restarted since the socket was
-        # opened); longer outages are the tier's back-off, not the client's.
-        retry = Retry(NoBackoff(), 1)
+        # opened); longer outages are the tier's back-off, not the client's. A timeout is
+        # not retried: a stalled server costs a batch one timeout_s, not two.
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
         if config.cluster:
             return redis.cluster.RedisCluster.from_url(url, retry=retry, **options)
         return redis.Redis.from_url(url, retry=retry, **options)
@@ -304,14 +325,14 @@ class RedisTier(QueuedTier):
         def chunks() -> Iterator[bytes | memoryview]:
             for key, record in zip(keys, records, strict=True):
                 name = self._name(key)
-                header = self._codec.header(key, payload_checksum(record))
+                header, body = self._codec.header(key, record)
                 yield b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (
                     len(name),
                     name,
-                    len(header) + len(record),
+                    len(header) + len(body),
                     header,
                 )
-                yield record
+                yield body
                 yield b"\r\n"
 
         return self._exchange(chunks, lambda connection: _client_replies(connection, len(keys)))
@@ -362,8 +383,15 @@ class RedisTier(QueuedTier):
                 wait,
             )
 
+    def _read_bound(self, key: BlockKey) -> int:
+        """The last byte a read of ``key`` asks for: one past its record, so that a longer
+        value (another program's, under a kvtier key) shows as too long without being read
+        whole."""
+        return self._codec.encoded_bytes(key)
+
     def _send_gets(self, keys: Sequence[BlockKey]) -> list[Any]:
-        """Pipeline ``GET`` on one connection and read the replies with :class:`_BulkReplies`.
+        """Pipeline ``GETRANGE`` (to :meth:`_read_bound`) on one connection and read the
+        replies with :class:`_BulkReplies`.
 
         The socket is read directly only on a RESP2 connection whose redis-py
         parser holds no unread bytes (it never does between whole exchanges);
@@ -371,8 +399,9 @@ class RedisTier(QueuedTier):
         know) the replies go through redis-py.
         """
         commands = b"".join(
-            b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(name), name)
-            for name in map(self._name, keys)
+            b"*4\r\n$8\r\nGETRANGE\r\n$%d\r\n%b\r\n$1\r\n0\r\n$%d\r\n%d\r\n"
+            % (len(name), name, len(str(bound)), bound)
+            for name, bound in zip(map(self._name, keys), map(self._read_bound, keys), strict=True)
         )
 
         def read(connection: Any) -> list[Any]:
@@ -387,7 +416,9 @@ class RedisTier(QueuedTier):
 
     def _read(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
         if self.cluster:
-            replies = self._pipeline("get", keys)
+            replies = self._pipeline(
+                "getrange", keys, [0] * len(keys), [*map(self._read_bound, keys)]
+            )
         else:
             replies = self._batch(lambda: self._send_gets(keys))
         if isinstance(replies, Cause):
@@ -395,7 +426,7 @@ class RedisTier(QueuedTier):
             return [None] * len(keys)
         found: list[memoryview | None] = []
         for key, reply in zip(keys, replies, strict=True):
-            if reply is None:
+            if not reply:  # GETRANGE answers a missing key with an empty string
                 found.append(None)
             elif isinstance(reply, Exception):
                 self._count_error(_cause_of(reply))

@@ -38,7 +38,7 @@ from kvtier.tiers.disk import (
     aligned_buffer,
     build_disk_tier,
 )
-from kvtier.tiers.record import HEADER_FIXED_BYTES, payload_checksum
+from kvtier.tiers.record import HEADER_FIXED_BYTES
 
 RECORD = 8192 + 100
 SLOT = DiskTier.slot_bytes_for(RECORD)
@@ -397,7 +397,7 @@ def test_a_torn_record_is_a_miss(open_tier: Callable[..., DiskTier]) -> None:
     old, new, kept = payloads(3, RECORD)
     store(tier, [key_old, key_kept], [old, kept])
     old_at, kept_at = slot_offset(tier, key_old), slot_offset(tier, key_kept)
-    header = tier._codec.header(key_new, payload_checksum(new), sequence=99)
+    header, _ = tier._codec.header(key_new, new, sequence=99)
     tier.close()
     with open(tier.file, "r+b") as file:
         file.seek(old_at + HEADER_AREA_BYTES)
