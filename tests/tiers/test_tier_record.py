@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -16,6 +17,8 @@ from kvtier.tiers.record import (
     RecordCodec,
     RecordFault,
     RecordHeader,
+    RecordKeys,
+    Scheme,
 )
 
 RECORD = 1000
@@ -125,3 +128,126 @@ def test_no_damage_to_a_record_yields_another_payload(
     for data in (noise, bytes(damaged), bytes(damaged[: position % (len(damaged) + 1)])):
         result = CODEC.decode(KEY, data)
         assert isinstance(result, RecordFault) or bytes(result) == PAYLOAD
+
+
+# ---------------------------------------------------------------- keyed records
+
+SECRET = bytes(range(32))
+OTHER_SECRET = bytes(range(1, 33))
+KEYS = RecordKeys([SECRET])
+MAC = RecordCodec("layout-a", RECORD, keys=KEYS)
+AEAD = RecordCodec("layout-a", RECORD, keys=KEYS, encrypt=True)
+
+
+def reforged(record: bytes, payload: bytes, *, key: bytes = KEY) -> bytes:
+    """What a writer without the key can do: keep a record's header, put another payload
+    (and key) in, and recompute every checksum with the public ``xxhash``."""
+    header = bytearray(record[:HEADER_FIXED_BYTES])
+    struct.pack_into("<H", header, 6, len(key))
+    struct.pack_into("<B", header, HEADER_FIXED_BYTES - 36, Scheme.CHECKSUM)
+    struct.pack_into("<Q", header, HEADER_FIXED_BYTES - 16, xxh3_64_intdigest(payload))
+    struct.pack_into("<Q", header, HEADER_FIXED_BYTES - 8, 0)
+    struct.pack_into("<Q", header, HEADER_FIXED_BYTES - 8, xxh3_64_intdigest(bytes(header) + key))
+    return bytes(header) + key + payload
+
+
+@pytest.mark.parametrize("codec", [MAC, AEAD], ids=["mac", "aead"])
+def test_a_keyed_record_round_trips(codec: RecordCodec) -> None:
+    record = codec.encode(KEY, PAYLOAD, sequence=7)
+    assert bytes(codec.decode(KEY, record)) == PAYLOAD  # type: ignore[arg-type]
+    header = codec.parse(record)
+    assert isinstance(header, RecordHeader) and header.sequence == 7
+    assert (PAYLOAD[:64] in record) is (codec is MAC), "only the AEAD hides the payload"
+
+
+def test_the_forgery_checksums_allow_is_a_miss_for_a_keyed_tier() -> None:
+    evil = bytes(RECORD)
+    forged_record = reforged(CODEC.encode(KEY, PAYLOAD), evil)
+    assert bytes(CODEC.decode(KEY, forged_record)) == evil, "checksums only detect damage"
+    for codec in (MAC, AEAD):
+        assert codec.decode(KEY, reforged(codec.encode(KEY, PAYLOAD), evil)) is RecordFault.AUTH
+        assert codec.decode(KEY, CODEC.encode(KEY, PAYLOAD)) is RecordFault.AUTH
+    assert CODEC.decode(KEY, MAC.encode(KEY, PAYLOAD)) is RecordFault.AUTH
+
+
+@pytest.mark.parametrize("codec", [MAC, AEAD], ids=["mac", "aead"])
+def test_a_keyed_record_replayed_elsewhere_is_a_miss(codec: RecordCodec) -> None:
+    record = codec.encode(KEY, PAYLOAD)
+    other_key = KEY[:-1] + b"\x08"
+    assert codec.decode(other_key, record) is RecordFault.KEY
+    # the key rewritten to the one asked for, under the same seal
+    moved = record[:HEADER_FIXED_BYTES] + other_key + record[HEADER_FIXED_BYTES + len(KEY) :]
+    assert codec.decode(other_key, moved) is RecordFault.AUTH
+    other_layout = RecordCodec("layout-b", RECORD, keys=KEYS, encrypt=codec is AEAD)
+    assert codec.decode(KEY, other_layout.encode(KEY, PAYLOAD)) is RecordFault.FINGERPRINT
+    refingerprinted = bytearray(other_layout.encode(KEY, PAYLOAD))
+    refingerprinted[16:32] = record[16:32]
+    assert codec.decode(KEY, bytes(refingerprinted)) is RecordFault.AUTH
+    # sequence, padding, key id, nonce, seal, payload: none checked before the seal
+    for position in (33, 42, 45, 50, HEADER_FIXED_BYTES - 1, -1):
+        assert codec.decode(KEY, flip(record, position)) is RecordFault.AUTH, position
+
+
+def test_rotation_the_first_key_seals_and_every_key_verifies() -> None:
+    old = RecordCodec("layout-a", RECORD, keys=RecordKeys([OTHER_SECRET]))
+    rotated = RecordCodec("layout-a", RECORD, keys=RecordKeys([SECRET, OTHER_SECRET]))
+    old_record = old.encode(KEY, PAYLOAD)
+    assert bytes(rotated.decode(KEY, old_record)) == PAYLOAD  # type: ignore[arg-type]
+    assert bytes(MAC.decode(KEY, rotated.encode(KEY, PAYLOAD))) == PAYLOAD  # type: ignore[arg-type]
+    assert MAC.decode(KEY, old_record) is RecordFault.AUTH
+
+
+def test_every_aead_record_has_its_own_nonce() -> None:
+    nonces = {AEAD.encode(KEY, PAYLOAD)[HEADER_FIXED_BYTES - 28 : HEADER_FIXED_BYTES - 16]}
+    nonces |= {AEAD.encode(KEY, PAYLOAD)[HEADER_FIXED_BYTES - 28 : HEADER_FIXED_BYTES - 16]}
+    assert len(nonces) == 2 and bytes(12) not in nonces
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "no key given"),
+        ("# only a comment\n", "no key given"),
+        ("zz" * 32, "key 1 is not hex digits"),
+        (SECRET.hex() + ",abc", "key 2 is not hex digits"),
+        ("ab" * 31, "a key is 32 to 64 bytes, got 31"),
+        ("ab" * 65, "a key is 32 to 64 bytes, got 65"),
+    ],
+)
+def test_malformed_keys_are_refused(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RecordKeys.parse(text)
+
+
+def test_keys_load_from_a_file_then_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text(f"# rotated in May\n{SECRET.hex()}\n\n")
+    monkeypatch.setenv("KVTIER_TEST_KEYS", f" {OTHER_SECRET.hex()} ")
+    keys = RecordKeys.load(key_file, "KVTIER_TEST_KEYS", "disk tier")
+    assert keys is not None and keys.signing_id == KEYS.signing_id
+    assert keys.mac_key(RecordKeys([OTHER_SECRET]).signing_id) is not None
+    assert RecordKeys.load(None, None, "disk tier") is None
+    with pytest.raises(ValueError, match=r"^disk tier: cannot read key_file .*missing: No such"):
+        RecordKeys.load(tmp_path / "missing", None, "disk tier")
+    with pytest.raises(ValueError, match=r"^redis tier: environment variable KVTIER_NOT_SET "):
+        RecordKeys.load(None, "KVTIER_NOT_SET", "redis tier")
+    monkeypatch.setenv("KVTIER_TEST_KEYS", "short")
+    with pytest.raises(ValueError, match=r"^redis tier: \$KVTIER_TEST_KEYS: key 1 is not hex"):
+        RecordKeys.load(None, "KVTIER_TEST_KEYS", "redis tier")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2 * RECORD), st.integers(0, 255), st.sampled_from(["mac", "aead"]))
+def test_no_change_to_a_keyed_record_yields_another_payload(
+    position: int, value: int, scheme: str
+) -> None:
+    codec = MAC if scheme == "mac" else AEAD
+    damaged = bytearray(codec.encode(KEY, PAYLOAD))
+    if position < len(damaged):
+        damaged[position] = value
+    else:
+        del damaged[position - len(damaged) :]
+    result = codec.decode(KEY, bytes(damaged))
+    assert isinstance(result, RecordFault) or bytes(result) == PAYLOAD

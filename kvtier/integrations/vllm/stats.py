@@ -208,6 +208,10 @@ METRICS: Mapping[str, MetricSpec] = {
         "Records affected by a storage tier's faults: failed checks (checksum, namespace, "
         "layout), I/O and connection errors, timeouts."
     ),
+    "tier_auth_failures": _tier_counter(
+        "Records a storage tier read that were not sealed by its keys (forged, altered, or "
+        "written without the key); each is a miss, also counted in tier_errors."
+    ),
 }
 """Every metric the connector reports, by short name."""
 
@@ -230,6 +234,9 @@ OFFLOAD_COUNTERS: Mapping[str, str] = {
 }
 """Counter metric name -> the cumulative :class:`~kvtier.offload.OffloadStats` field it counts."""
 
+TIER_ERRORS_PREFIX = "errors."
+"""How a tier's fault counters are named in :attr:`~kvtier.offload.OffloadStats.tiers`."""
+
 TIER_COUNTERS: Mapping[str, str] = {
     "tier_hits": "hits",
     "tier_misses": "misses",
@@ -239,12 +246,10 @@ TIER_COUNTERS: Mapping[str, str] = {
     "tier_drops": "drops",
     "tier_queue_drops": "queue_drops",
     "tier_deadline_misses": "deadline_misses",
+    "tier_auth_failures": TIER_ERRORS_PREFIX + "auth",
 }
-"""Per-tier metric name -> the :class:`~kvtier.tiers.TierStats` counter it counts
-(``tier_errors`` adds up every fault)."""
-
-TIER_ERRORS_PREFIX = "errors."
-"""How a tier's fault counters are named in :attr:`~kvtier.offload.OffloadStats.tiers`."""
+"""Per-tier metric name -> the :class:`~kvtier.tiers.TierStats` counter it counts, a fault's
+under :data:`TIER_ERRORS_PREFIX` (``tier_errors`` adds up every fault)."""
 
 OFFLOAD_HISTOGRAMS: Mapping[str, str] = {
     "load_seconds": "load_seconds",
