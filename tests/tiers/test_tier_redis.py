@@ -28,7 +28,7 @@ from kvtier.testing.contracts_tier import (
 )
 from kvtier.testing.redis_server import RedisServer, free_port, redis_server_binary, start_cluster
 from kvtier.tiers.base import TierError, TierSpec
-from kvtier.tiers.record import RecordCodec
+from kvtier.tiers.record import RecordCodec, RecordKeys
 from kvtier.tiers.redis import RedisTier, RedisTierConfig, redacted_url
 
 pytestmark = pytest.mark.skipif(
@@ -38,6 +38,16 @@ pytestmark = pytest.mark.skipif(
 
 RECORD = 12 * 1024 + 7
 PASSWORD = "s3cr3t-pass-word"
+SECRET = "5e" * 32
+OLD_SECRET = "01" * 32
+
+
+@pytest.fixture
+def key_file(tmp_path: Path) -> Path:
+    """A file holding the tier's key."""
+    path = tmp_path / "tier.key"
+    path.write_text(SECRET + "\n")
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +120,27 @@ class TestRedisClusterContract(StorageTierContract):
         for node in cluster:
             node.client().flushall()
         yield lambda spec: tiers(spec, url=cluster[1].url, cluster=True, io_threads=2)
+
+
+class TestRedisKeyedContract(StorageTierContract):
+    @pytest.fixture
+    def make_tier(
+        self, server: RedisServer, tiers: Callable[..., RedisTier], key_file: Path
+    ) -> Iterator[TierFactory]:
+        server.client().flushall()
+        yield lambda spec: tiers(spec, url=server.url, key_file=key_file)
+
+
+class TestRedisEncryptedClusterContract(StorageTierContract):
+    @pytest.fixture
+    def make_tier(
+        self, cluster: list[RedisServer], tiers: Callable[..., RedisTier], key_file: Path
+    ) -> Iterator[TierFactory]:
+        for node in cluster:
+            node.client().flushall()
+        yield lambda spec: tiers(
+            spec, url=cluster[1].url, cluster=True, key_file=key_file, encrypt=True
+        )
 
 
 def test_the_registry_builds_the_redis_tier(server: RedisServer) -> None:
@@ -460,3 +491,151 @@ def test_a_put_retried_on_a_fresh_connection_sends_its_records_again(
     assert failed
     assert fetch(tier, keys) == records
     assert tier.stats().errors == {}
+
+
+# ---------------------------------------------------------------- keyed records
+
+
+def test_a_writer_without_the_key_cannot_plant_a_record(
+    server: RedisServer,
+    tiers: Callable[..., RedisTier],
+    key_file: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Anyone who can write to the server forges records an unkeyed tier serves; with a key,
+    forged, unkeyed and replayed records are misses, counted as auth failures."""
+    server.client().flushall()
+    evil = payloads(1, RECORD, seed=9)[0]
+    unkeyed = tiers(url=server.url)
+    monkeypatch.setenv("KVTIER_TEST_KEY", SECRET)
+    keyed = tiers(url=server.url, key_env="KVTIER_TEST_KEY")
+    encrypted = tiers(url=server.url, key_file=key_file, encrypt=True)
+    client = server.client()
+    attacker = RecordCodec(keyed.keys.layout_fingerprint, RECORD)
+    for tier, name in ((unkeyed, "unkeyed"), (keyed, "keyed"), (encrypted, "encrypted")):
+        keys = tier.keys.keys(block_hashes(name, 4))
+        records = payloads(4, RECORD)
+        store(tier, keys, records)
+        names = [b"kvtier:" + key.hex().encode() for key in keys]
+        client.set(names[0], attacker.encode(keys[0], evil))  # forged with the public code
+        client.set(names[1], client.get(names[2]))  # replayed under another key
+        wrong_key = RecordCodec(
+            tier.keys.layout_fingerprint, RECORD, keys=RecordKeys.parse(OLD_SECRET)
+        )
+        client.set(names[2], wrong_key.encode(keys[2], evil))
+        got = fetch(tier, keys)
+        if tier is unkeyed:
+            assert got == [evil, None, None, records[3]], "checksums stop no forger"
+            assert tier.stats().errors == {"key": 1, "auth": 1}
+        else:
+            assert got == [None, None, None, records[3]]
+            assert tier.stats().errors == {"auth": 2, "key": 1}
+
+
+def test_rotating_keys_keeps_the_records_of_the_old_one(
+    server: RedisServer, tiers: Callable[..., RedisTier], tmp_path: Path
+) -> None:
+    server.client().flushall()
+    old, rotated, new = tmp_path / "old", tmp_path / "rotated", tmp_path / "new"
+    old.write_text(OLD_SECRET)
+    rotated.write_text(f"{SECRET}\n{OLD_SECRET}\n")
+    new.write_text(SECRET)
+    before = tiers(url=server.url, key_file=old)
+    keys = before.keys.keys(block_hashes("rotate", 2))
+    records = payloads(2, RECORD)
+    store(before, keys[:1], records[:1])
+    during = tiers(url=server.url, key_file=rotated)
+    store(during, keys[1:], records[1:])
+    assert fetch(during, keys) == records
+    assert fetch(before, keys) == [records[0], None]
+    after = tiers(url=server.url, key_file=new)
+    assert fetch(after, keys) == [None, records[1]]
+    assert after.stats().errors == {"auth": 1}
+
+
+def test_an_unkeyed_shared_tier_warns_once_and_require_key_refuses_to_start(
+    server: RedisServer,
+    tiers: Callable[..., RedisTier],
+    key_file: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        tier = tiers(url=server.url)
+        store(tier, tier.keys.keys(block_hashes("warn", 2)), payloads(2, RECORD))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "checksums only" in warnings[0] and "key_file" in warnings[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        tiers(url=server.url, key_file=key_file)
+    assert not caplog.records
+    with pytest.raises(ValueError, match="redis tier: require_key is true but no key is set"):
+        RedisTierConfig.model_validate({"url": server.url, "require_key": True})
+    with pytest.raises(ValueError, match="redis tier: encrypt is true but no key is set"):
+        RedisTierConfig.model_validate({"url": server.url, "encrypt": True})
+    with pytest.raises(TierError, match=r"^redis tier: environment variable KVTIER_UNSET_KEY "):
+        tiers(url=server.url, key_env="KVTIER_UNSET_KEY", require_key=True)
+
+
+def test_a_url_query_credential_is_never_shown(
+    own_server: Callable[..., RedisServer],
+    tiers: Callable[..., RedisTier],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    server = own_server(ping=False)
+    server.client().acl_setuser(
+        "tenant", enabled=True, passwords=[f"+{PASSWORD}"], keys=["*"], commands=["+@all"]
+    )
+    good = f"redis://127.0.0.1:{server.port}/0?username=tenant&password={PASSWORD}"
+    with caplog.at_level(logging.DEBUG, logger="kvtier"):
+        tier = tiers(url=good)
+        keys = tier.keys.keys(block_hashes("query", 1))
+        store(tier, keys, payloads(1, RECORD))
+        assert fetch(tier, keys) == payloads(1, RECORD)
+        with pytest.raises(TierError) as caught:
+            tiers(url=good.replace(PASSWORD, "wrong-" + PASSWORD))
+        dead = tiers(url=good.replace(str(server.port), str(free_port())), required=False)
+    shown = [repr(tier), repr(dead), str(caught.value), caplog.text]
+    assert all(PASSWORD not in text and "tenant" not in text for text in shown)
+    assert redacted_url(good) == (f"redis://127.0.0.1:{server.port}/0?username=****&password=****")
+    assert redacted_url(f"redis://u:p@[::1]:6379/0?db=1&Password={PASSWORD}#x") == (
+        "redis://[::1]:6379/0?db=1&Password=****"
+    )
+
+
+def test_a_value_far_longer_than_a_record_is_not_read_whole(
+    server: RedisServer, tiers: Callable[..., RedisTier]
+) -> None:
+    server.client().flushall()
+    tier = tiers(url=server.url)
+    keys = tier.keys.keys(block_hashes("huge", 2))
+    records = payloads(2, RECORD)
+    store(tier, keys, records)
+    client = server.client()
+    name = b"kvtier:" + keys[0].hex().encode()
+    client.set(name, client.get(name) + bytes(64 << 20))  # a record, then 64 MiB more
+
+    def sent_bytes() -> int:
+        return int(client.info("stats")["total_net_output_bytes"])
+
+    before = sent_bytes()
+    assert fetch(tier, keys) == [None, records[1]]
+    assert sent_bytes() - before < 1 << 20, "the server sent the tier no more than a record"
+    assert tier.stats().errors == {"length": 1}
+
+
+def test_a_stalled_server_costs_a_batch_one_timeout(
+    own_server: Callable[..., RedisServer], tiers: Callable[..., RedisTier]
+) -> None:
+    server = own_server()
+    tier = tiers(url=server.url, timeout_s=0.4, get_deadline_s=None, io_threads=1)
+    keys = tier.keys.keys(block_hashes("one-timeout", 1))
+    store(tier, keys, payloads(1, RECORD))
+    server.pause()
+    try:
+        started = time.monotonic()
+        assert done(tier.get(keys)).records == (None,)
+        elapsed = time.monotonic() - started
+    finally:
+        server.resume()
+    assert 0.4 <= elapsed < 0.7, f"a get took {elapsed:.2f} s of a 0.4 s timeout"
+    assert tier.stats().errors == {"timeout": 1}
