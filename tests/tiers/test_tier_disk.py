@@ -38,7 +38,7 @@ from kvtier.tiers.disk import (
     aligned_buffer,
     build_disk_tier,
 )
-from kvtier.tiers.record import HEADER_FIXED_BYTES
+from kvtier.tiers.record import HEADER_FIXED_BYTES, RecordCodec
 
 RECORD = 8192 + 100
 SLOT = DiskTier.slot_bytes_for(RECORD)
@@ -77,6 +77,38 @@ class TestDiskContract(StorageTierContract):
 
         def build(spec: TierSpec) -> DiskTier:
             config = DiskTierConfig(path=tmp_path, capacity_bytes=capacity_for(24), io_threads=2)
+            built.append(build_disk_tier(config, spec))
+            return built[-1]
+
+        yield build
+        for tier in built:
+            tier.close()
+
+
+SECRET = "5e" * 32
+OLD_SECRET = "01" * 32
+
+
+def write_keys(path: Path, *secrets: str) -> Path:
+    path.write_text("\n".join(secrets) + "\n")
+    return path
+
+
+class TestDiskKeyedContract(StorageTierContract):
+    concurrent_namespaces = False
+
+    @pytest.fixture(params=[False, True], ids=["mac", "aead"])
+    def make_tier(self, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[TierFactory]:
+        built: list[DiskTier] = []
+        key_file = write_keys(tmp_path / "tier.key", SECRET)
+
+        def build(spec: TierSpec) -> DiskTier:
+            config = DiskTierConfig(
+                path=tmp_path / "tier",
+                capacity_bytes=capacity_for(24),
+                key_file=key_file,
+                encrypt=request.param,
+            )
             built.append(build_disk_tier(config, spec))
             return built[-1]
 
@@ -707,3 +739,69 @@ def test_a_read_only_path_is_a_start_up_error(
             open_tier(path=target / "below")
     finally:
         unmount(target)
+
+
+# ------------------------------------------------------------------- keyed records
+
+
+def test_a_record_forged_in_the_file_is_an_auth_miss(
+    open_tier: Callable[..., DiskTier], tmp_path: Path
+) -> None:
+    key_file = write_keys(tmp_path / "tier.key", SECRET)
+    tier = open_tier(key_file=key_file)
+    keys = tier.keys.keys(block_hashes("forge", 2))
+    records = payloads(2, RECORD)
+    store(tier, keys, records)
+    evil = payloads(1, RECORD, seed=7)[0]
+    forged = RecordCodec(tier.keys.layout_fingerprint, RECORD).encode(keys[0], evil)
+    overwrite(tier, slot_offset(tier, keys[0]), forged[: HEADER_FIXED_BYTES + len(keys[0])])
+    overwrite(tier, slot_offset(tier, keys[0]) + HEADER_AREA_BYTES, evil)
+    assert fetch(tier, keys) == [None, records[1]]
+    assert tier.stats().errors == {"auth": 1}
+    assert done(tier.contains(keys)).present == (False, True), "it left the index"
+
+
+def test_an_encrypted_file_holds_no_payload_in_the_clear(
+    open_tier: Callable[..., DiskTier], tmp_path: Path
+) -> None:
+    key_file = write_keys(tmp_path / "tier.key", SECRET)
+    refused = o_direct_refused(tmp_path)
+    tier = open_tier(key_file=key_file, encrypt=True, o_direct=refused is None)
+    keys = tier.keys.keys(block_hashes("clear", 3))
+    records = payloads(3, RECORD)
+    store(tier, keys, records)
+    assert fetch(tier, keys) == records
+    tier.close()
+    contents = tier.file.read_bytes()
+    assert all(record[:256] not in contents for record in records)
+    assert fetch(open_tier(key_file=key_file, encrypt=True), keys) == records
+
+
+def test_a_warm_restart_keeps_records_of_every_key_it_holds(
+    open_tier: Callable[..., DiskTier], tmp_path: Path
+) -> None:
+    old = write_keys(tmp_path / "old.key", OLD_SECRET)
+    tier = open_tier(key_file=old)
+    keys = tier.keys.keys(block_hashes("restart", 3))
+    records = payloads(3, RECORD)
+    store(tier, keys, records)
+    tier.close()
+    rotated = open_tier(key_file=write_keys(tmp_path / "rotated.key", SECRET, OLD_SECRET))
+    assert rotated.stats().records == 3 and rotated.stats().errors == {}
+    assert fetch(rotated, keys) == records
+    rotated.close()
+    other = open_tier(key_file=write_keys(tmp_path / "new.key", SECRET))
+    assert other.stats().records == 0 and other.stats().errors == {"auth": 3}
+    assert fetch(other, keys) == [None] * 3
+    other.close()
+    unkeyed = open_tier()
+    assert unkeyed.stats().records == 0 and unkeyed.stats().errors == {"auth": 3}
+
+
+def test_a_key_that_cannot_be_read_is_a_start_up_error(
+    open_tier: Callable[..., DiskTier], tmp_path: Path
+) -> None:
+    with pytest.raises(TierError, match=r"^disk tier: cannot read key_file .*absent.key"):
+        open_tier(key_file=tmp_path / "absent.key")
+    with pytest.raises(TierError, match=r"^disk tier: key_file .*: a key is 32 to 64 bytes"):
+        open_tier(key_file=write_keys(tmp_path / "short.key", "ab" * 16))
