@@ -189,7 +189,9 @@ def _is_secret(registry: Registry, tier: Mapping[str, Any], name: Any) -> bool:
     if registration is None:
         return False
     info = registration.config_model.model_fields.get(str(name))
-    return info is not None and info.annotation is SecretStr
+    # A field kept out of repr (a key's name, where a key pasted by mistake would leak)
+    # is kept out of errors too.
+    return info is not None and (info.annotation is SecretStr or not info.repr)
 
 
 def _dotted(loc: tuple[Any, ...]) -> str:

@@ -7,11 +7,19 @@ Validating a config needs these models; the tiers themselves (and ``redis``,
 from __future__ import annotations
 
 import os
+import re
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 
-from kvtier.config import MAX_DURATION_S, MAX_QUEUE_DEPTH, ByteCount, LocalPath, PluginConfig
+from kvtier.config import (
+    ENV_PREFIX,
+    MAX_DURATION_S,
+    MAX_QUEUE_DEPTH,
+    ByteCount,
+    LocalPath,
+    PluginConfig,
+)
 from kvtier.tiers.redis_url import check_redis_url
 
 
@@ -40,7 +48,7 @@ class RecordKeyConfig(PluginConfig):
             "Name of an environment variable holding more keys, hex, separated by commas or "
             "spaces; they come after key_file's. The config holds the name, never the key."
         ),
-        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        repr=False,
     )
     encrypt: bool = Field(
         False,
@@ -62,15 +70,35 @@ class RecordKeyConfig(PluginConfig):
         """Whether a key source is set."""
         return self.key_file is not None or self.key_env is not None
 
-    @model_validator(mode="after")
-    def _key_given_where_needed(self) -> RecordKeyConfig:
-        for flag, value in (("encrypt", self.encrypt), ("require_key", self.require_key)):
-            if value and not self.has_key:
-                raise ValueError(
-                    f"{self.type} tier: {flag} is true but no key is set; set key_file or "
-                    f"key_env, or {flag}: false"
-                )
-        return self
+    @field_validator("key_env")
+    @classmethod
+    def _variable_name(cls, name: str | None) -> str | None:
+        if name is None:
+            return name
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(
+                "expected the name of an environment variable (letters, digits and _, not "
+                "starting with a digit), not a key"
+            )
+        if name.startswith(ENV_PREFIX):
+            raise ValueError(
+                f"{ENV_PREFIX}* variables are read as config settings; name the key's "
+                "variable without that prefix"
+            )
+        return name
+
+    @field_validator("encrypt", "require_key")
+    @classmethod
+    def _key_given(cls, value: bool, info: ValidationInfo) -> bool:
+        # key_file and key_env are validated before these flags; one that failed is absent
+        # from info.data, and already reported.
+        sources = [info.data.get(name, "invalid") for name in ("key_file", "key_env")]
+        if value and sources == [None, None]:
+            raise ValueError(
+                f"{info.field_name} is true but this {info.data['type']} tier has no key; "
+                "set key_file or key_env"
+            )
+        return value
 
 
 class DiskTierConfig(RecordKeyConfig):

@@ -192,3 +192,44 @@ def test_config_show_masks_the_redis_password(
         assert cli.main(argv) == 0
         out = capsys.readouterr().out
         assert "redis" in out and PASSWORD not in out
+
+
+def test_a_tier_key_is_named_never_given_and_required_where_asked(registry: Registry) -> None:
+    key = "5e" * 32
+    assert problems(
+        registry,
+        {
+            "tiers": [
+                {"type": "redis", "url": "redis://h/0", "require_key": True},
+                {"type": "disk", "path": "/d", "capacity_bytes": 8192, "encrypt": True},
+                {"type": "redis", "url": "redis://h/0", "key_env": key},
+                {"type": "redis", "url": "redis://h/0", "key_env": "KVTIER_KEY"},
+            ]
+        },
+    ) == [
+        "explicit: tiers[0].require_key: require_key is true but this redis tier has no key; "
+        "set key_file or key_env (got True)",
+        "explicit: tiers[1].encrypt: encrypt is true but this disk tier has no key; set "
+        "key_file or key_env (got True)",
+        "explicit: tiers[2].key_env: expected the name of an environment variable (letters, "
+        "digits and _, not starting with a digit), not a key (got '**********')",
+        "explicit: tiers[3].key_env: KVTIER_* variables are read as config settings; name the "
+        "key's variable without that prefix (got '**********')",
+    ]
+
+
+def test_config_show_never_prints_a_tier_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key = "c0ffee" * 11
+    monkeypatch.setenv("TEST_TIER_KEY", key)
+    (tmp_path / "tier.key").write_text(key)
+    tiers = [
+        {"type": "redis", "url": "redis://h/0", "key_env": "TEST_TIER_KEY", "encrypt": True},
+        {"type": "disk", "path": str(tmp_path), "capacity_bytes": 8192, "key_file": "tier.key"},
+    ]
+    config_file = tmp_path / "kvtier.json"
+    config_file.write_text(json.dumps({"tiers": tiers}))
+    assert cli.main(["config", "show", str(config_file)]) == 0
+    shown = capsys.readouterr().out
+    assert "TEST_TIER_KEY" in shown and key not in shown

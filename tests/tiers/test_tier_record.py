@@ -224,18 +224,18 @@ def test_keys_load_from_a_file_then_the_environment(
 ) -> None:
     key_file = tmp_path / "keys"
     key_file.write_text(f"# rotated in May\n{SECRET.hex()}\n\n")
-    monkeypatch.setenv("KVTIER_TEST_KEYS", f" {OTHER_SECRET.hex()} ")
-    keys = RecordKeys.load(key_file, "KVTIER_TEST_KEYS", "disk tier")
+    monkeypatch.setenv("TEST_TIER_KEYS", f" {OTHER_SECRET.hex()} ")
+    keys = RecordKeys.load(key_file, "TEST_TIER_KEYS", "disk tier")
     assert keys is not None and keys.signing_id == KEYS.signing_id
     assert keys.mac_key(RecordKeys([OTHER_SECRET]).signing_id) is not None
     assert RecordKeys.load(None, None, "disk tier") is None
     with pytest.raises(ValueError, match=r"^disk tier: cannot read key_file .*missing: No such"):
         RecordKeys.load(tmp_path / "missing", None, "disk tier")
-    with pytest.raises(ValueError, match=r"^redis tier: environment variable KVTIER_NOT_SET "):
-        RecordKeys.load(None, "KVTIER_NOT_SET", "redis tier")
-    monkeypatch.setenv("KVTIER_TEST_KEYS", "short")
-    with pytest.raises(ValueError, match=r"^redis tier: \$KVTIER_TEST_KEYS: key 1 is not hex"):
-        RecordKeys.load(None, "KVTIER_TEST_KEYS", "redis tier")
+    with pytest.raises(ValueError, match=r"^redis tier: environment variable UNSET_TIER_KEY "):
+        RecordKeys.load(None, "UNSET_TIER_KEY", "redis tier")
+    monkeypatch.setenv("TEST_TIER_KEYS", "short")
+    with pytest.raises(ValueError, match=r"^redis tier: \$TEST_TIER_KEYS: key 1 is not hex"):
+        RecordKeys.load(None, "TEST_TIER_KEYS", "redis tier")
 
 
 @settings(max_examples=200, deadline=None)

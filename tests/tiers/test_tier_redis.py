@@ -507,8 +507,8 @@ def test_a_writer_without_the_key_cannot_plant_a_record(
     server.client().flushall()
     evil = payloads(1, RECORD, seed=9)[0]
     unkeyed = tiers(url=server.url)
-    monkeypatch.setenv("KVTIER_TEST_KEY", SECRET)
-    keyed = tiers(url=server.url, key_env="KVTIER_TEST_KEY")
+    monkeypatch.setenv("TEST_TIER_KEY", SECRET)
+    keyed = tiers(url=server.url, key_env="TEST_TIER_KEY")
     encrypted = tiers(url=server.url, key_file=key_file, encrypt=True)
     client = server.client()
     attacker = RecordCodec(keyed.keys.layout_fingerprint, RECORD)
@@ -568,12 +568,15 @@ def test_an_unkeyed_shared_tier_warns_once_and_require_key_refuses_to_start(
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         tiers(url=server.url, key_file=key_file)
     assert not caplog.records
-    with pytest.raises(ValueError, match="redis tier: require_key is true but no key is set"):
+    with pytest.raises(
+        ValueError,
+        match="require_key is true but this redis tier has no key; set key_file or key_env",
+    ):
         RedisTierConfig.model_validate({"url": server.url, "require_key": True})
-    with pytest.raises(ValueError, match="redis tier: encrypt is true but no key is set"):
+    with pytest.raises(ValueError, match="encrypt is true but this redis tier has no key"):
         RedisTierConfig.model_validate({"url": server.url, "encrypt": True})
-    with pytest.raises(TierError, match=r"^redis tier: environment variable KVTIER_UNSET_KEY "):
-        tiers(url=server.url, key_env="KVTIER_UNSET_KEY", require_key=True)
+    with pytest.raises(TierError, match=r"^redis tier: environment variable UNSET_TIER_KEY "):
+        tiers(url=server.url, key_env="UNSET_TIER_KEY", require_key=True)
 
 
 def test_a_url_query_credential_is_never_shown(
