@@ -16,6 +16,13 @@ Three comparisons, each pair of arms run in turn ``--repeats`` times
   ``redis-server`` the benchmark starts on 127.0.0.1 (or ``--redis-url``).
   Both arms write new keys in every run and delete them after it, untimed.
 
+- ``sealing``: what a key costs. For ``disk`` and ``redis``, the tier sealing
+  records with a MAC (``mac``: a key) and with AES-256-GCM (``aead``:
+  ``encrypt: true``), each against the same tier sealing them with checksums
+  only (no key), the two arms alternating as above; and ``hashes``, the
+  single-thread speed of each MAC considered (GMAC, keyed BLAKE3, HMAC-SHA256,
+  keyed BLAKE2b), of AES-256-GCM and of the XXH3 checksum over one record.
+
 ``ratio`` is tier / bare GB/s for each direction, per repeat (the tier's run
 against the bare run next to it), as its median, min and max; 1.0 is as fast
 as the bare I/O. ``cpu_ratio`` compares this process's CPU seconds per byte the same way
@@ -29,6 +36,9 @@ Prints one JSON object. Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import hmac
 import itertools
 import json
 import os
@@ -42,8 +52,12 @@ from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import blake3
 import numpy as np
 import redis
+import xxhash
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvtier.keys import KeyNamespace
 from kvtier.testing.redis_server import RedisServer, redis_server_binary
@@ -52,6 +66,10 @@ from kvtier.tiers.disk import DiskTier, DiskTierConfig, aligned_buffer, build_di
 from kvtier.tiers.redis import RedisTier, RedisTierConfig
 
 TARGET_RATIO = 0.8
+SEALING_TARGET_RATIO = 0.9
+"""What a tier sealing with a MAC aims at, against the same tier with checksums only."""
+SCHEMES = {"mac": {}, "aead": {"encrypt": True}}
+"""The keyed arms of ``sealing``: config fields besides the key."""
 WAIT_S = 600.0
 
 
@@ -353,6 +371,115 @@ def bench_redis(args: argparse.Namespace, record_bytes: int, url: str) -> dict[s
     return {"record_bytes": record_bytes, "records": count, **result}
 
 
+def write_key(directory: Path) -> Path:
+    """A new random key in ``directory``, readable by this user only."""
+    path = directory / "bench.key"
+    path.touch(0o600)
+    path.write_text(os.urandom(32).hex() + "\n")
+    return path
+
+
+def sealing_rows(
+    args: argparse.Namespace,
+    record_bytes: int,
+    total_mib: int,
+    build: Callable[[str, dict[str, Any], int], StorageTier],
+) -> dict[str, Any]:
+    """The tier ``build(name, fields, count)`` makes, with each scheme against checksums."""
+    count = max(total_mib * 2**20 // record_bytes, 1)
+    records = payloads(count, record_bytes)
+    tiers = {"checksum": build("checksum", {}, count)}
+    try:
+        for name, fields in SCHEMES.items():
+            tiers[name] = build(name, fields, count)
+        arms = {name: TierArm(tier, records, args.batch).arm() for name, tier in tiers.items()}
+        measured = {
+            name: measure(
+                arms[name], arms["checksum"], "checksum", args.repeats, count * record_bytes
+            )
+            for name in SCHEMES
+        }
+    finally:
+        for tier in tiers.values():
+            tier.close()
+    return {"record_bytes": record_bytes, "records": count, **measured}
+
+
+def bench_sealing(
+    args: argparse.Namespace, sizes: list[int], directory: Path, url: str | None
+) -> dict[str, Any]:
+    """Every scheme against checksums, on the disk tier and (given ``url``) the redis tier."""
+    key_file = write_key(directory)
+
+    def keyed(name: str, fields: dict[str, Any]) -> dict[str, Any]:
+        return {} if name == "checksum" else {"key_file": key_file, **fields}
+
+    def disk_row(size: int) -> dict[str, Any]:
+        def build(name: str, fields: dict[str, Any], count: int) -> StorageTier:
+            config = DiskTierConfig(
+                path=directory / f"sealing-{name}",
+                capacity_bytes=4096 + count * DiskTier.slot_bytes_for(size),
+                queue_depth=count,
+                **keyed(name, fields),
+                **io_threads(args),
+            )
+            return build_disk_tier(config, spec(size))
+
+        return sealing_rows(args, size, args.total_mib, build)
+
+    def redis_row(url: str, size: int) -> dict[str, Any]:
+        def build(name: str, fields: dict[str, Any], count: int) -> StorageTier:
+            config = RedisTierConfig(
+                url=url,  # type: ignore[arg-type]
+                namespace=f"sealing-{name}",
+                queue_depth=count,
+                **keyed(name, fields),
+                **io_threads(args),
+            )
+            return RedisTier(config, spec(size))
+
+        return sealing_rows(args, size, args.redis_total_mib, build)
+
+    report: dict[str, Any] = {
+        "target_ratio": SEALING_TARGET_RATIO,
+        "hashes": [hash_speeds(size, args.total_mib) for size in sizes],
+        "disk": [disk_row(size) for size in sizes],
+    }
+    if url is not None:
+        report["redis"] = [redis_row(url, size) for size in sizes]
+    return report
+
+
+def hash_speeds(record_bytes: int, total_mib: int, runs: int = 5) -> dict[str, Any]:
+    """GB/s of each way to seal records on this thread, ``total_mib`` at a time (best of
+    ``runs``)."""
+    record = payloads(1, record_bytes)[0]
+    key = os.urandom(32)
+    aead = AESGCM(key)
+    nonce = os.urandom(12)
+
+    def gmac() -> bytes:
+        encryptor = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+        encryptor.authenticate_additional_data(record)
+        encryptor.finalize()
+        return encryptor.tag
+
+    ways: dict[str, Callable[[], object]] = {
+        "xxh3": lambda: xxhash.xxh3_64_intdigest(record),
+        "gmac": gmac,
+        "blake3": lambda: blake3.blake3(record, key=key).digest(16),
+        "hmac_sha256": lambda: hmac.digest(key, record, "sha256"),
+        "blake2b": lambda: hashlib.blake2b(record, key=key, digest_size=16).digest(),
+        "aes_256_gcm": lambda: aead.encrypt(nonce, record, None),
+    }
+    repeat = max(1, total_mib * 2**20 // record_bytes)
+    speeds: dict[str, Any] = {"record_bytes": record_bytes}
+    for name, way in ways.items():
+        best = min(timed(lambda way=way: [way() for _ in range(repeat)])[0] for _ in range(runs))
+        speeds[name] = gbps(repeat * record_bytes, best)
+    return speeds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -372,7 +499,7 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=None, help="directory for the disk files")
     parser.add_argument("--redis-url", default=None, help="use this server instead of starting one")
     parser.add_argument(
-        "--skip", choices=("disk", "o_direct", "redis"), action="append", default=[]
+        "--skip", choices=("disk", "o_direct", "redis", "sealing"), action="append", default=[]
     )
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
@@ -390,8 +517,21 @@ def main() -> int:
         "load_average": {"start": os.getloadavg()},
         "target_ratio": TARGET_RATIO,
     }
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtier-bench-") as name:
-        directory = Path(name)
+    with contextlib.ExitStack() as stack:
+        url = args.redis_url
+        if url is None and not {"redis", "sealing"} <= set(args.skip):
+            if redis_server_binary() is None:
+                print("redis-server is not installed; skipping the redis tier", file=sys.stderr)
+            else:
+                name = stack.enter_context(
+                    tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-")
+                )
+                server = RedisServer(Path(name)).start()
+                stack.callback(server.stop)
+                url = server.url
+        directory = Path(
+            stack.enter_context(tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtier-bench-"))
+        )
         if "disk" not in args.skip:
             report["disk"] = [bench_disk(args, size, directory, o_direct=False) for size in sizes]
         if "o_direct" not in args.skip:
@@ -401,22 +541,10 @@ def main() -> int:
                 if refused is not None
                 else [bench_disk(args, size, directory, o_direct=True) for size in sizes]
             )
-    if "redis" not in args.skip:
-        with tempfile.TemporaryDirectory(prefix="kvtier-bench-redis-") as name:
-            server = None
-            url = args.redis_url
-            if url is None:
-                if redis_server_binary() is None:
-                    print("redis-server is not installed; skipping the redis tier", file=sys.stderr)
-                else:
-                    server = RedisServer(Path(name)).start()
-                    url = server.url
-            try:
-                if url is not None:
-                    report["redis"] = [bench_redis(args, size, url) for size in sizes]
-            finally:
-                if server is not None:
-                    server.stop()
+        if "redis" not in args.skip and url is not None:
+            report["redis"] = [bench_redis(args, size, url) for size in sizes]
+        if "sealing" not in args.skip:
+            report["sealing"] = bench_sealing(args, sizes, directory, url)
     report["load_average"]["end"] = os.getloadavg()
     json.dump(report, sys.stdout, indent=2)
     print()

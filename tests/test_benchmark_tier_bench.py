@@ -56,6 +56,21 @@ def test_every_field_the_tier_benchmark_prints_is_documented(tmp_path: Path) -> 
     assert report["disk_o_direct"], "O_DIRECT arms ran, or say why they were skipped"
     for row in report["disk"]:
         assert 0 < row["put_ratio"]["min"] <= row["put_ratio"]["median"] <= row["put_ratio"]["max"]
+    sealing = report["sealing"]
+    assert set(sealing["hashes"][0]) == {
+        "record_bytes",
+        "xxh3",
+        "gmac",
+        "blake3",
+        "hmac_sha256",
+        "blake2b",
+        "aes_256_gcm",
+    }
+    for tier in ("disk", "redis") if redis_server_binary() is not None else ("disk",):
+        (row,) = sealing[tier]
+        for scheme in ("mac", "aead"):
+            assert row[scheme]["tier"]["put_gbps"] > 0 and row[scheme]["checksum"]["get_gbps"] > 0
+            assert 0 < row[scheme]["get_ratio"]["min"] <= row[scheme]["get_ratio"]["max"]
     section = speed_section()
     missing = sorted(name for name in field_names(report) if f"`{name}`" not in section)
     assert not missing, f"docs/tiers.md's Speed section does not describe {missing}"

@@ -1,14 +1,17 @@
 """The ``redis`` tier: block records in a shared Redis or Redis Cluster, for a fleet.
 
 Each record is one Redis string, ``kvtier:<hex of the key>``, holding the
-record header of :mod:`kvtier.tiers.record` and the payload. A batch is one
-pipeline (``GET``, ``SET``, ``EXISTS`` or ``DEL`` per key, no transaction);
-with ``cluster: true`` the client sends each node the commands of the keys it
-owns. On a single server the tier frames ``SET`` and ``GET`` itself on one of
-the client's pooled connections: a ``SET`` sends header and payload as two
-chunks of one bulk string, and each ``GET`` reply is read from the socket
-straight into a buffer of its own (redis-py's parser copies a large reply
-several times on its way to a ``bytes``). Capacity and eviction are the
+record header of :mod:`kvtier.tiers.record` and the body. A batch is one
+pipeline (``GETRANGE``, ``SET``, ``EXISTS`` or ``DEL`` per key, no
+transaction); with ``cluster: true`` the client sends each node the commands
+of the keys it owns. A read asks for one byte more than a record of its key
+(``GETRANGE key 0 <record length>``), so a longer value, another program's
+under a kvtier key, is a ``length`` miss without being read whole. On a
+single server the tier frames ``SET`` and ``GETRANGE`` itself on one of the
+client's pooled connections: a ``SET`` sends header and body as two chunks of
+one bulk string, and each reply is read from the socket straight into a
+buffer of its own (redis-py's parser copies a large reply several times on
+its way to a ``bytes``). Capacity and eviction are the
 server's (``maxmemory`` and its policy): the tier never assumes a key written
 is still there, and a write the server refuses for memory is a drop counted
 as ``no_space``.
@@ -19,8 +22,14 @@ miss (get) or a drop (put), counted by cause, and opens a back-off window
 which requests are answered at once without touching the network; the first
 batch after it reconnects through the client's connection pool.
 
-The URL may carry a password; it is a secret in the config (shown as
-``**********``) and every log line and message shows the URL without it.
+The URL may carry a user name and password, in its user info or its query
+(``?username=...&password=...``); it is a secret in the config (shown as
+``**********``) and every log line, ``repr`` and message shows the URL
+without them.
+
+A stalled server costs a batch one ``timeout_s``: the client retries a batch
+once on a fresh connection after a connection error (a server restarted since
+the socket was opened), never after a timeout.
 """
 
 from __future__ import annotations
@@ -385,8 +394,7 @@ class RedisTier(QueuedTier):
 
     def _read_bound(self, key: BlockKey) -> int:
         """The last byte a read of ``key`` asks for: one past its record, so that a longer
-        value (another program's, under a kvtier key) shows as too long without being read
-        whole."""
+        value shows as too long without being read whole."""
         return self._codec.encoded_bytes(key)
 
     def _send_gets(self, keys: Sequence[BlockKey]) -> list[Any]:
