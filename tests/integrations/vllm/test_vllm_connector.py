@@ -281,6 +281,17 @@ def test_start_up_publishes_each_configured_tier_at_zero(tmp_path: Path) -> None
     assert value(f"{PROMETHEUS_PREFIX}tier_errors_total", {**LABELS, "tier": "disk"}) is None
 
 
+def test_auth_failures_count_per_tier_and_among_the_errors() -> None:
+    stats = KVTierStats()
+    last = {"redis": {"errors.auth": 1, "errors.key": 1}}
+    now = {"redis": {"errors.auth": 4, "errors.key": 2}, "disk": {"errors.checksum": 1}}
+    stats.record_tiers(now, last)
+    assert stats.data == {
+        "tier_auth_failures": {"redis": 3},
+        "tier_errors": {"redis": 4, "disk": 1},
+    }
+
+
 def test_per_tier_counters_publish_with_a_tier_label() -> None:
     from vllm.config import DeviceConfig, VllmConfig
 
