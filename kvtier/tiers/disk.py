@@ -176,7 +176,7 @@ class DiskTier(QueuedTier):
         self.capacity_bytes = self.num_slots * spec.record_bytes
         self.file = rank_file(config, spec)
         self._codec = tier_codec(
-            config, self.keys.layout_fingerprint, spec.record_bytes, tier="disk", shared=False
+            config, self.keys.layout_fingerprint, spec.record_bytes, tier="disk", shared=self.shared
         )
         self._index = index
         self._index_lock = threading.Lock()

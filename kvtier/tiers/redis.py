@@ -206,7 +206,11 @@ class RedisTier(QueuedTier):
         self.url = redacted_url(config.url.get_secret_value())
         self.cluster = config.cluster
         self._codec = tier_codec(
-            config, self.keys.layout_fingerprint, spec.record_bytes, tier="redis", shared=True
+            config,
+            self.keys.layout_fingerprint,
+            spec.record_bytes,
+            tier="redis",
+            shared=self.shared,
         )
         self._backoff_s = config.reconnect_backoff_s
         self._max_backoff_s = config.reconnect_max_backoff_s
