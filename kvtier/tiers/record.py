@@ -47,6 +47,7 @@ import hmac
 import logging
 import os
 import re
+import stat
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -201,12 +202,20 @@ class RecordKeys:
         if key_file is not None:
             try:
                 texts.append(Path(key_file).read_text())
+                mode = Path(key_file).stat().st_mode
             except (OSError, UnicodeDecodeError) as exc:
                 reason = exc.strerror if isinstance(exc, OSError) else "not text"
                 raise ValueError(
                     f"{where}: cannot read key_file {key_file}: {reason}; point key_file at a "
                     "readable file of hex keys, one a line"
                 ) from None
+            if mode & (stat.S_IRWXG | stat.S_IRWXO):
+                logger.warning(
+                    "%s: key_file %s may be read by other users (mode %o); chmod 600 it",
+                    where,
+                    key_file,
+                    stat.S_IMODE(mode),
+                )
         if key_env is not None:
             value = os.environ.get(key_env, "")
             if not value.strip():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import struct
 from pathlib import Path
 
@@ -220,10 +221,17 @@ def test_malformed_keys_are_refused(text: str, message: str) -> None:
 
 
 def test_keys_load_from_a_file_then_the_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     key_file = tmp_path / "keys"
     key_file.write_text(f"# rotated in May\n{SECRET.hex()}\n\n")
+    key_file.chmod(0o640)
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        RecordKeys.load(key_file, None, "disk tier")
+    assert caplog.messages == [
+        f"disk tier: key_file {key_file} may be read by other users (mode 640); chmod 600 it"
+    ]
+    key_file.chmod(0o600)
     monkeypatch.setenv("TEST_TIER_KEYS", f" {OTHER_SECRET.hex()} ")
     keys = RecordKeys.load(key_file, "TEST_TIER_KEYS", "disk tier")
     assert keys is not None and keys.signing_id == KEYS.signing_id

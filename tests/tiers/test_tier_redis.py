@@ -47,6 +47,7 @@ def key_file(tmp_path: Path) -> Path:
     """A file holding the tier's key."""
     path = tmp_path / "tier.key"
     path.write_text(SECRET + "\n")
+    path.chmod(0o600)
     return path
 
 
