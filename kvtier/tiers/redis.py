@@ -112,7 +112,7 @@ def _client_replies(connection: Any, count: int) -> list[Any]:
 
 
 class _BulkReplies:
-    """Reads the replies to pipelined ``GET``s from a connected socket.
+    """Reads the replies to pipelined ``GETRANGE``s (or ``GET``s) from a connected socket.
 
     Each value lands in a ``bytearray`` of its own, read from the socket into
     place; reply lines and the bytes that follow them in the same ``recv`` go
