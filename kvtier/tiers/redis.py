@@ -73,11 +73,7 @@ def redacted_url(url: str) -> str:
     host = parts.hostname or ""
     if ":" in host:
         host = f"[{host}]"
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    netloc = host if port is None else f"{host}:{port}"
+    netloc = host if parts.port is None else f"{host}:{parts.port}"
     query = urlencode(
         [
             (name, "****" if name.lower() in _CREDENTIALS else value)
