@@ -1,10 +1,11 @@
-"""What every test folder shares: where the checkout is, loading a script of it, and a
-directory of its own for vLLM's sockets."""
+"""What every test folder shares: where the checkout is, loading a script of it, small tmpfs
+mounts (a full or read-only disk), and a directory of its own for vLLM's sockets."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -28,6 +29,23 @@ def load_script(path: Path, name: str | None = None) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def mount_tmpfs(target: Path, size_bytes: int, *, read_only: bool = False) -> bool:
+    """Mount a tmpfs of ``size_bytes`` on ``target``; ``False`` if this process may not."""
+    target.mkdir(parents=True, exist_ok=True)
+    options = f"size={size_bytes}" + (",ro" if read_only else "")
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
+        capture_output=True,
+        check=False,
+    )
+    return result.returncode == 0
+
+
+def unmount(target: Path) -> None:
+    """Undo :func:`mount_tmpfs`, even while files on it are still open."""
+    subprocess.run(["umount", "-l", str(target)], capture_output=True, check=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

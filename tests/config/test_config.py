@@ -8,22 +8,20 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import pluggy
 import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic import ByteSize, Field, TypeAdapter, ValidationError
+from pydantic import ByteSize, TypeAdapter, ValidationError
 
 import kvtier
-from kvtier import hookspecs, plugins
+from kvtier import plugins
 from kvtier.config import (
     DEFAULT_CPU_BYTES,
     ConfigError,
     KVTierConfig,
-    PluginConfig,
     SectionConfig,
     available_memory_bytes,
     config_model,
@@ -34,57 +32,18 @@ from kvtier.config import (
 from kvtier.index.lru import LRUConfig
 from kvtier.index.prefix_arc import PrefixARCConfig
 from kvtier.kinds import COPY_BACKEND, Kind
-from kvtier.plugins import Registry, collect
+from kvtier.plugins import Registry
+from tests.config.conftest import (
+    BAD_EXPLICIT,
+    LONG_VALUES,
+    NATIVE_BOUNDS,
+    AutoConfig,
+    Sections,
+    TorchConfig,
+    TwinConfig,
+    make_registry,
+)
 from tests.conftest import REPO_ROOT
-
-
-class TorchConfig(PluginConfig):
-    """Stand-in for the default copy backend's config."""
-
-    type: Literal["torch"] = "torch"
-    streams: int = Field(1, gt=0, description="Copy streams.")
-
-
-class TwinConfig(PluginConfig):
-    """A second copy backend, to switch to."""
-
-    type: Literal["twin"] = "twin"
-    depth: int = Field(2, description="Queue depth.")
-
-
-class AutoConfig(PluginConfig):
-    """Stand-in for the default layout resolver's config."""
-
-    type: Literal["auto"] = "auto"
-
-
-class Sections:
-    @kvtier.hookimpl
-    def register_copy_backends(self, register: hookspecs.Register) -> None:
-        register("torch", lambda config, layout, host: ("torch", config), TorchConfig)
-        register("twin", lambda config, layout, host: ("twin", config), TwinConfig)
-
-    @kvtier.hookimpl
-    def register_layout_resolvers(self, register: hookspecs.Register) -> None:
-        register("auto", lambda config: ("auto", config), AutoConfig)
-
-    @kvtier.hookimpl
-    def register_block_indexes(self, register: hookspecs.Register) -> None:
-        register("lru", lambda config, num_slots: ("lru", num_slots), LRUConfig)
-        register("prefix_arc", lambda config, num_slots: ("prefix_arc", num_slots), PrefixARCConfig)
-
-
-def make_registry(*plugins: object) -> Registry:
-    pm = pluggy.PluginManager("kvtier")
-    pm.add_hookspecs(hookspecs)
-    for plugin in plugins:
-        pm.register(plugin)
-    return collect(pm)
-
-
-@pytest.fixture
-def registry() -> Registry:
-    return make_registry(Sections())
 
 
 def lines_of(caught: pytest.ExceptionInfo[ConfigError]) -> list[str]:
@@ -375,20 +334,6 @@ def test_importing_the_config_installs_no_warning_filter() -> None:
 # One test per kind of bad input: each gives `<source>: <path>: <message> (got <value>)` lines.
 
 
-BAD_EXPLICIT: dict[str, dict[str, Any]] = {
-    "unknown type": {"copy": {"type": "turbo"}},
-    "unknown keys": {"cpu_byte": 5, "copy": {"stream": 2}},
-    "zero size": {"cpu_bytes_per_rank": 0},
-    "negative size": {"cpu_bytes_per_rank": -1},
-    "zero size with a unit": {"cpu_bytes_per_rank": "0GiB"},
-    "deadlines": {"copy_deadline_s": 0, "report_deadline_s": "soon", "close_timeout_s": 7200},
-    "wrong types": {"store_mode": 3, "cpu_bytes": [1], "copy": {"streams": "many"}},
-    "no plugin installed": {"copy": {"type": "torch"}},
-}
-"""Bad explicit values, each refused by its test below (against the ``registry`` fixture, or
-with no plugin at all for ``no plugin installed``)."""
-
-
 def test_unknown_type_lists_the_installed_choices(registry: Registry) -> None:
     with pytest.raises(ConfigError) as caught:
         load_config(BAD_EXPLICIT["unknown type"], env={}, registry=registry)
@@ -637,15 +582,6 @@ def test_file_content_python_cannot_hold(
     assert lines_of(caught)[0].startswith(f"file {file}: (file): {message}")
 
 
-LONG_VALUES: dict[str, tuple[Callable[[], object], str]] = {
-    "long string": (lambda: "x" * 10_000_000, "'" + "x" * 30),
-    "long list": (lambda: list(range(5000)), "[0, 1, 2, 3, 4, 5, ...]"),
-    "huge integer": (lambda: 10**5000, "<a 16610-bit integer>"),
-    "long integer": (lambda: -(10**90), "-100000000000"),
-}
-"""Values under an unknown key, ``bogus``, and how the error line starts to show them."""
-
-
 @pytest.mark.parametrize(("make", "shown"), LONG_VALUES.values(), ids=list(LONG_VALUES))
 def test_error_values_are_cut_short(
     make: Callable[[], object], shown: str, registry: Registry
@@ -684,15 +620,6 @@ def test_prefix_arc_memory_factors_are_bounded(factor: str) -> None:
         10**9, largest.history_factor, first_sight_memory_factor=largest.first_sight_memory_factor
     )
     assert policy.num_slots == 10**9
-
-
-NATIVE_BOUNDS = [
-    (COPY_BACKEND, "torch", "cpu_threads", 10**6),
-    (COPY_BACKEND, "torch", "cuda_staging_bytes", 2**63),
-    (COPY_BACKEND, "dma", "stream_priority", 2**31),
-    (COPY_BACKEND, "kernel", "stream_priority", -(2**31) - 1),
-]
-"""Settings of the built-in plugins one past what native code takes: (kind, type, key, value)."""
 
 
 @pytest.mark.parametrize(("kind", "name", "field", "value"), NATIVE_BOUNDS)

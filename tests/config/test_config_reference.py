@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtier.config_reference import render_config_reference
-from tests.config.test_config import Sections, make_registry
+from tests.config.conftest import Sections, make_registry
 
 
 def test_sections_show_their_default_and_every_implementation() -> None:

@@ -38,11 +38,17 @@ from kvtier.config import (
 )
 from kvtier.config.schema import JSON_SCHEMA_DIALECT, StandardJsonSchema
 from kvtier.plugins import Registry, build_plugin_manager, collect, default_registry
-from tests.config import test_config
-from tests.config.test_config import Sections, make_registry
+from tests.config.conftest import (
+    BAD_EXPLICIT,
+    BAD_FILES,
+    FLOAT_FILES,
+    LONG_VALUES,
+    NATIVE_BOUNDS,
+    NOT_POSITIVE_SIZES,
+    Sections,
+    make_registry,
+)
 from tests.conftest import REPO_ROOT
-from tests.core import test_cli
-from tests.reliability import test_config_inputs
 
 DOC_PAGES = sorted((REPO_ROOT / "docs").glob("*.md")) + [REPO_ROOT / "README.md"]
 PARSERS: dict[str, Callable[[str], Any]] = {
@@ -119,20 +125,20 @@ def parsed(text: str, suffix: str, tmp_path: Path) -> Any:
 
 def bad_configs() -> Iterator[tuple[str, Callable[[], Registry], str | dict[str, Any], str]]:
     """The bad configs of the config tests: (name, registry, document or text, file suffix)."""
-    for case, given in test_config.BAD_EXPLICIT.items():
+    for case, given in BAD_EXPLICIT.items():
         plugins = () if case == "no plugin installed" else (Sections(),)
         yield f"test_config {case}", lambda plugins=plugins: make_registry(*plugins), given, ""
-    for case, (make, _) in test_config.LONG_VALUES.items():
+    for case, (make, _) in LONG_VALUES.items():
         yield f"test_config {case}", lambda: make_registry(Sections()), {"bogus": make()}, ""
-    for _, name, field, value in test_config.NATIVE_BOUNDS:
+    for _, name, field, value in NATIVE_BOUNDS:
         given = {"copy": {"type": name, field: value}}
         yield f"test_config {name}.{field}", builtin_registry, given, ""
-    for case, (text, _) in test_cli.BAD_FILES.items():
+    for case, (text, _) in BAD_FILES.items():
         yield f"test_cli {case}", lambda: make_registry(Sections()), text, ".yaml"
-    # test_config_inputs.FILES are refused while the file is read: no document for a schema.
-    for case, (name, content) in test_config_inputs.FLOAT_FILES.items():
+    # test_config_inputs.py's FILES are refused while the file is read: no document for a schema.
+    for case, (name, content) in FLOAT_FILES.items():
         yield f"test_config_inputs floats {case}", builtin_registry, content, Path(name).suffix
-    sizes = test_config_inputs.NOT_POSITIVE_SIZES
+    sizes = NOT_POSITIVE_SIZES
     yield "test_config_inputs sizes", builtin_registry, sizes, ".yaml"
 
 

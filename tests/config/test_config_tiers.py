@@ -17,7 +17,7 @@ from kvtier.config_reference import render_config_reference
 from kvtier.default_plugins import storage_tiers as tier_plugin
 from kvtier.plugins import Registry
 from kvtier.tiers.configs import DiskTierConfig, RedisTierConfig
-from tests.config.test_config import Sections, make_registry
+from tests.config.conftest import Sections, make_registry
 
 PASSWORD = "hunter2-secret"
 

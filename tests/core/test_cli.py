@@ -15,7 +15,7 @@ import pytest
 from kvtier import cli, config, plugins
 from kvtier.cli import plugins as plugins_command
 from kvtier.plugins import PluginError, Registry
-from tests.config.test_config import Sections, make_registry
+from tests.config.conftest import BAD_FILES, Sections, make_registry
 
 AVAILABLE_BYTES = 100 * 1024**3
 """Memory the tests' machine has available, whatever the machine running them has."""
@@ -154,24 +154,6 @@ def test_validate_falls_back_to_kvtier_config_like_show(
     monkeypatch.delenv("KVTIER_CONFIG")
     status, out, _ = run(capsys, "config", "validate")
     assert (status, out) == (0, "KVTIER_* variables and defaults: valid kvtier configuration\n")
-
-
-BAD_FILES = {
-    "unknown type": (
-        "copy:\n  type: turbo\n",
-        "copy.type: unknown copy backend type; installed: torch, twin (got 'turbo')",
-    ),
-    "unknown key": (
-        "cpu_bytez: 1\n",
-        "cpu_bytez: unknown key; valid keys here: close_timeout_s, copy, copy_deadline_s, "
-        "cpu_bytes, cpu_bytes_per_rank, index, layout, namespace, report_deadline_s, "
-        "same_step_load_bytes, store_mode, tiers (got 1)",
-    ),
-    "negative size": ("cpu_bytes: -8\n", "cpu_bytes: Input should be greater than 0 (got -8)"),
-    "zero size": ("cpu_bytes_per_rank: 0\n", "cpu_bytes_per_rank: Input should be greater than 0"),
-    "wrong type": ("store_mode: [eager]\n", "store_mode: Input should be 'eager' or 'lazy'"),
-    "unparseable": ("copy: {type: torch\n", "(file): cannot parse YAML: "),
-}
 
 
 @pytest.mark.parametrize("case", sorted(BAD_FILES))

@@ -11,7 +11,7 @@ import torch
 from kvtier.config import load_config
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, Direction
 from kvtier.kinds import COPY_BACKEND
-from kvtier.layout.base import BlockRegion, KVLayout, LayoutError
+from kvtier.layout.base import KVLayout, LayoutError
 from kvtier.offload import (
     FailureCause,
     LoadFailures,
@@ -23,15 +23,7 @@ from kvtier.offload import (
 from kvtier.plugins import default_registry
 from kvtier.testing.faults import FlakyBackend, ManualClock
 from kvtier.tiers import HostTier
-
-NUM_BLOCKS = 8
-BLOCK_BYTES = 16
-
-
-def make_layout() -> KVLayout:
-    kv = torch.arange(2 * NUM_BLOCKS * BLOCK_BYTES, dtype=torch.int64).remainder(251)
-    kv = kv.to(torch.uint8).reshape(2, NUM_BLOCKS, BLOCK_BYTES)
-    return KVLayout((BlockRegion("k", kv[0]), BlockRegion("v", kv[1])), "flash_attn")
+from tests.offload.conftest import make_layout
 
 
 def make_worker(

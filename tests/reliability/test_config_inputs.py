@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.config.conftest import FLOAT_FILES, NOT_POSITIVE_SIZES
+
 TIMEOUT_S = 60
 MEMORY_LIMIT_BYTES = 2 << 30
 MAX_LINE_CHARS = 400
@@ -156,19 +158,6 @@ NOT_FINITE = "Input should be a finite number"
 TOO_LARGE = "Input should be less than or equal to 1024"
 
 
-FLOAT_FILES = {
-    "YAML": (
-        "kvtier.yaml",
-        "index:\n  history_factor: .inf\n  low_value_ratio: .nan\n"
-        "  first_sight_memory_factor: 1e308\n",
-    ),
-    "TOML": (
-        "kvtier.toml",
-        "[index]\nhistory_factor = inf\nlow_value_ratio = nan\nfirst_sight_memory_factor = 1e308\n",
-    ),
-}
-
-
 @pytest.mark.parametrize(("name", "content"), FLOAT_FILES.values(), ids=list(FLOAT_FILES))
 def test_float_fields_in_files_must_be_finite_and_bounded(
     name: str, content: str, tmp_path: Path
@@ -196,9 +185,6 @@ def test_float_fields_in_env_must_be_finite_and_bounded(tmp_path: Path) -> None:
         f"env KVTIER_INDEX__FIRST_SIGHT_MEMORY_FACTOR: index.first_sight_memory_factor: "
         f"{TOO_LARGE}",
     )
-
-
-NOT_POSITIVE_SIZES = "cpu_bytes: -1\ncpu_bytes_per_rank: 0\ncopy:\n  cuda_staging_bytes: 0GiB\n"
 
 
 def test_sizes_must_be_positive(tmp_path: Path) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import os
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import simulate as simulate_command
-from kvtier.cli.simulate import add_arguments, run
+from kvtier.cli.simulate import run
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.index.prefix_arc import PrefixARCConfig
@@ -22,6 +21,7 @@ from kvtier.simulator.policies import PolicyError, parse_policy, split_unquoted
 from kvtier.simulator.replay import replay
 from kvtier.simulator.traces import TraceError, TraceRequest, load_trace, mooncake_key
 from tests.conftest import REPO_ROOT
+from tests.simulator.conftest import parse
 
 MOONCAKE_TRACE = REPO_ROOT / ".." / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
@@ -145,12 +145,6 @@ def test_agent_trace_grows_long_contexts_on_shared_prompts_with_branches() -> No
         for parent, child in zip(chain[68:], chain[69:], strict=False):
             children.setdefault(parent, set()).add(child)
     assert any(len(kids) > 1 for kids in children.values())
-
-
-def parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return parser.parse_args(argv)
 
 
 def test_command_prints_json_and_writes_a_plot(

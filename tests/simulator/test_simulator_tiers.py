@@ -12,7 +12,7 @@ from kvtier.index.policy import PolicyIndex
 from kvtier.simulator.generate import generate_trace
 from kvtier.simulator.replay import replay
 from kvtier.simulator.tiers import parse_tiers
-from tests.simulator.test_simulator import parse
+from tests.simulator.conftest import parse
 
 
 def test_parse_gives_host_capacities_and_every_lower_combination() -> None:

@@ -6,7 +6,6 @@ import errno
 import fcntl
 import os
 import resource
-import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,6 +38,7 @@ from kvtier.tiers.disk import (
     build_disk_tier,
 )
 from kvtier.tiers.record import HEADER_FIXED_BYTES, RecordCodec
+from tests.conftest import mount_tmpfs, unmount
 
 RECORD = 8192 + 100
 SLOT = DiskTier.slot_bytes_for(RECORD)
@@ -587,22 +587,6 @@ def test_a_filesystem_that_refuses_o_direct_is_a_start_up_error(
 
 
 # ------------------------------------------------------------------ full or read-only disks
-
-
-def mount_tmpfs(target: Path, size_bytes: int, *, read_only: bool = False) -> bool:
-    """Mount a tmpfs of ``size_bytes`` on ``target``; ``False`` if this process may not."""
-    target.mkdir(parents=True, exist_ok=True)
-    options = f"size={size_bytes}" + (",ro" if read_only else "")
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)],
-        capture_output=True,
-        check=False,
-    )
-    return result.returncode == 0
-
-
-def unmount(target: Path) -> None:
-    subprocess.run(["umount", "-l", str(target)], capture_output=True, check=False)
 
 
 @pytest.fixture

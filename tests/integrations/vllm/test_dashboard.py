@@ -15,7 +15,7 @@ pytestmark = pytest.mark.vllm033
 
 from kvtier.integrations.vllm.stats import KVTierPromMetrics  # noqa: E402
 from tests.conftest import REPO_ROOT, load_script  # noqa: E402
-from tests.integrations.vllm.test_vllm_connector import MIB, _Registered, _vllm_config  # noqa: E402
+from tests.integrations.vllm.conftest import MIB, Registered, vllm_config  # noqa: E402
 
 promql = load_script(REPO_ROOT / "dashboards" / "promql.py")
 DASHBOARD = promql.DASHBOARD
@@ -31,10 +31,10 @@ selectors = promql.selectors
 
 def exported_series() -> dict[str, set[str]]:
     """Sample name -> label names, of everything the connector's exporter publishes."""
-    bound = _Registered()
+    bound = Registered()
     # a storage tier in the config, so that the per-tier series exist from start-up
     disk = {"type": "disk", "path": "/var/cache/kvtier", "capacity_bytes": 64 * MIB}
-    config = _vllm_config({"cpu_bytes": 4 * MIB, "tiers": [disk]})
+    config = vllm_config({"cpu_bytes": 4 * MIB, "tiers": [disk]})
     prom = KVTierPromMetrics(config, bound.types, ["model_name", "engine"], {0: ["m", "0"]})
     # the one series not published at start-up
     prom.observe({"capacity_blocks": 256}, engine_idx=0)

@@ -13,8 +13,6 @@ pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.vllm033
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
-
 from kvtier.copy.base import Direction  # noqa: E402
 from kvtier.integrations.vllm.adapters import (  # noqa: E402
     VLLM_0_32,
@@ -45,9 +43,9 @@ from kvtier.offload import (  # noqa: E402
     WorkerReport,
 )
 from tests.conftest import REPO_ROOT  # noqa: E402
+from tests.integrations.vllm.conftest import MIB, Registered, vllm_config  # noqa: E402
 
 DOCS = REPO_ROOT / "docs" / "metrics.md"
-MIB = 1 << 20
 LABELS = {"model_name": "m", "engine": "0"}
 
 
@@ -158,42 +156,9 @@ def test_stats_survive_pickling_and_vllms_engine_messages() -> None:
     assert KVTierStats(data=received.kv_connector_stats).data == stats.data
 
 
-class _Registered:
-    """Metric classes bound to a private registry, as vLLM's factory passes them."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.types = {kind: self._bound(kind) for kind in (Counter, Gauge, Histogram)}
-
-    def _bound(self, kind: type) -> type:
-        registry = self.registry
-
-        class Bound(kind):  # type: ignore[misc, valid-type]
-            def __init__(self, *args: object, **kwargs: object) -> None:
-                super().__init__(*args, registry=registry, **kwargs)
-
-        return Bound
-
-
-def _vllm_config(kvtier: dict[str, object] | None = None, world_size: int = 1):  # noqa: ANN202
-    from vllm.config import DeviceConfig, KVTransferConfig, ParallelConfig, VllmConfig
-
-    transfer = None
-    if kvtier is not None:
-        transfer = KVTransferConfig(
-            kv_connector="KVTierConnector",
-            kv_connector_module_path="kvtier.integrations.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config=kvtier,
-        )
-    config = VllmConfig(device_config=DeviceConfig("cpu"), kv_transfer_config=transfer)
-    config.parallel_config = ParallelConfig(tensor_parallel_size=world_size)
-    return config
-
-
 def test_prometheus_metrics_publish_every_payload() -> None:
-    bound = _Registered()
-    config = _vllm_config({"cpu_bytes": 4 * MIB})
+    bound = Registered()
+    config = vllm_config({"cpu_bytes": 4 * MIB})
     prom = KVTierPromMetrics(config, bound.types, ["model_name", "engine"], {0: ["m", "0"]})
     prom.observe({"hit_tokens": 64, "used_blocks": 3}, engine_idx=0)
     prom.observe({"hit_tokens": 32, "used_blocks": 5}, engine_idx=0)
@@ -203,9 +168,9 @@ def test_prometheus_metrics_publish_every_payload() -> None:
 
 
 def test_prometheus_histograms_and_failures_count_every_observation() -> None:
-    bound = _Registered()
+    bound = Registered()
     prom = KVTierPromMetrics(
-        _vllm_config({"cpu_bytes": 4 * MIB}), bound.types, ["model_name", "engine"], {0: ["m", "0"]}
+        vllm_config({"cpu_bytes": 4 * MIB}), bound.types, ["model_name", "engine"], {0: ["m", "0"]}
     )
     payload = KVTierStats()
     payload.observe("load_seconds", [0.002, 0.004, 3.0])
@@ -236,9 +201,9 @@ def test_prometheus_histograms_and_failures_count_every_observation() -> None:
 def test_every_series_has_a_value_at_start_up(
     kvtier: dict[str, object], world_size: int, capacity: int
 ) -> None:
-    bound = _Registered()
+    bound = Registered()
     engines = {0: ["m", "0"], 1: ["m", "1"]}
-    config = _vllm_config(kvtier, world_size)
+    config = vllm_config(kvtier, world_size)
     KVTierPromMetrics(config, bound.types, ["model_name", "engine"], engines)
     value = bound.registry.get_sample_value
     for engine in ("0", "1"):
@@ -260,20 +225,20 @@ def test_every_series_has_a_value_at_start_up(
 
 
 def test_start_up_capacity_is_zero_when_prefix_caching_disables_kvtier() -> None:
-    bound = _Registered()
-    config = _vllm_config({"cpu_bytes": 4 * MIB})
+    bound = Registered()
+    config = vllm_config({"cpu_bytes": 4 * MIB})
     config.cache_config.enable_prefix_caching = False
     KVTierPromMetrics(config, bound.types, ["model_name", "engine"], {0: ["m", "0"]})
     assert bound.registry.get_sample_value(f"{PROMETHEUS_PREFIX}capacity_bytes", LABELS) == 0
 
 
 def test_start_up_publishes_each_configured_tier_at_zero(tmp_path: Path) -> None:
-    bound = _Registered()
+    bound = Registered()
     tiers = [
         {"type": "disk", "path": str(tmp_path / "a"), "capacity_bytes": 4 * MIB},
         {"type": "disk", "path": str(tmp_path / "b"), "capacity_bytes": 4 * MIB},
     ]
-    config = _vllm_config({"cpu_bytes": 4 * MIB, "tiers": tiers})
+    config = vllm_config({"cpu_bytes": 4 * MIB, "tiers": tiers})
     KVTierPromMetrics(config, bound.types, ["model_name", "engine"], {0: ["m", "0"]})
     value = bound.registry.get_sample_value
     for tier in ("disk0", "disk1"):
@@ -308,7 +273,7 @@ def test_per_tier_counters_publish_with_a_tier_label() -> None:
     assert stats.reduce()["tier_hits_disk"] == 3
     with pytest.raises(ValueError, match="takes a 'tier' label"):
         stats.record("tier_hits", 1)
-    bound = _Registered()
+    bound = Registered()
     config = VllmConfig(device_config=DeviceConfig("cpu"))
     prom = KVTierPromMetrics(config, bound.types, ["model_name", "engine"], {0: ["m", "0"]})
     prom.observe(stats.data, engine_idx=0)

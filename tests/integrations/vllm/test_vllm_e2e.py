@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -15,78 +14,19 @@ import kvtier
 import kvtier.plugins
 from kvtier.config import ConfigError, PluginConfig
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
-from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
+from kvtier.integrations.checkpoints import TinyLlamaSpec
 from kvtier.kinds import COPY_BACKEND
 from kvtier.plugins import build_plugin_manager, collect, default_registry
+from tests.integrations.vllm.conftest import BLOCK, MIB, manager_of, random_prompts, start_engine
 
 pytest.importorskip("vllm")
 
-pytestmark = pytest.mark.vllm
-
-BLOCK = 32
-MIB = 1 << 20
-
-
-ENGINE_ENVIRONMENT = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_ATTN_SPLIT_KV": "0",
-}
-"""In-process engines (a few seconds each instead of half a minute), and CPU attention that
-rounds a request the same way whatever else shares its step.
-
-vLLM's CPU attention splits long sequences' KV across threads by default, and how it
-splits depends on the whole batch and on the thread count. A request's logits then round
-differently when its neighbours change, and bfloat16 greedy tokens flip at ties. kvtier
-changes which requests share a step (a tier hit skips most of a prefill, a load delays a
-request), so outputs with and without it are only comparable token for token with the
-split off; with it off they do not depend on the machine's core count either."""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _engine_environment() -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in ENGINE_ENVIRONMENT}
-    os.environ.update(ENGINE_ENVIRONMENT)
-    yield
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), TinyLlamaSpec()))
-
-
-def _engine(model_dir: str, kvtier: dict | None, **kwargs: object):  # noqa: ANN202
-    from vllm import LLM, envs
-    from vllm.distributed.kv_transfer import has_kv_transfer_group
-
-    # vLLM keeps one worker connector per process: a live engine's would serve the new one.
-    assert not has_kv_transfer_group(), "an earlier engine in this process was not shut down"
-    # vLLM freezes its environment when an engine starts; one started before this module's
-    # fixture would have frozen the split on.
-    assert not envs.VLLM_CPU_ATTN_SPLIT_KV, "vLLM's CPU attention still splits KV across threads"
-
-    from kvtier.integrations.vllm.offline import engine_kwargs
-
-    return LLM(**engine_kwargs(model_dir, kvtier=kvtier, **kwargs))
-
-
-def _tier(llm):  # noqa: ANN001, ANN202
-    """The scheduler connector's offload manager of an in-process engine."""
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector.manager
-
-
-def _random_prompts(rng: random.Random, count: int, low: int, high: int) -> list[list[int]]:
-    return [[rng.randrange(1000) for _ in range(rng.randrange(low, high))] for _ in range(count)]
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engine_environment")]
 
 
 def _shared_prefix_prompts(rng: random.Random, count: int) -> list[list[int]]:
     """Prompts that share one of a few prefixes, cut at random lengths, plus a private tail."""
-    prefixes = _random_prompts(rng, 6, 200, 400)
+    prefixes = random_prompts(rng, 6, 200, 400)
     prompts = []
     for _ in range(count):
         prefix = rng.choice(prefixes)
@@ -96,7 +36,7 @@ def _shared_prefix_prompts(rng: random.Random, count: int) -> list[list[int]]:
 
 
 CHURN_PROMPTS = _shared_prefix_prompts(random.Random(3), 240)
-PREEMPT_PROMPTS = _random_prompts(random.Random(4), 24, 300, 600)
+PREEMPT_PROMPTS = random_prompts(random.Random(4), 24, 300, 600)
 
 SMALL_DEVICE: dict[str, int] = {
     "num_device_blocks": 48,
@@ -149,7 +89,7 @@ def vanilla_small(model_dir: str) -> Baseline:
     """
     from kvtier.integrations.vllm.offline import shutdown
 
-    llm = _engine(model_dir, None, **SMALL_DEVICE)
+    llm = start_engine(model_dir, None, **SMALL_DEVICE)
     try:
         churn = _churn(llm)
         preempt, preemptions = _preempting_run(llm)
@@ -165,7 +105,7 @@ def eager_engine(model_dir: str) -> Iterator[object]:
 
     from kvtier.integrations.vllm.offline import shutdown
 
-    llm = _engine(
+    llm = start_engine(
         model_dir,
         {"cpu_bytes": 64 * MIB},
         num_device_blocks=256,
@@ -181,7 +121,7 @@ class TestEagerEngine:
     def test_accuracy_from_the_tier(self, eager_engine: object) -> None:
         from kvtier.integrations.vllm.offline import generate, metric_values, reset_device_cache
 
-        prompts = _random_prompts(random.Random(1), 8, 100, 600)
+        prompts = random_prompts(random.Random(1), 8, 100, 600)
         cold = generate(eager_engine, prompts, max_tokens=12)
         reset_device_cache(eager_engine)
         before = metric_values(eager_engine)
@@ -208,7 +148,7 @@ class TestEagerEngine:
             monkeypatch.setattr(
                 KVTierConnector, hook, lambda self, name, *_, **__: calls.append(name)
             )
-        prompts = _random_prompts(random.Random(9), 2, 100, 200)
+        prompts = random_prompts(random.Random(9), 2, 100, 200)
         cold = generate(eager_engine, prompts, max_tokens=4)
         reset_device_cache(eager_engine)
         assert generate(eager_engine, prompts, max_tokens=4) == cold
@@ -218,11 +158,11 @@ class TestEagerEngine:
         """Output token 63 fills block 1 in the request's last step; the tier must still get it."""
         from kvtier.integrations.vllm.offline import generate, reset_device_cache, settle
 
-        prompt = _random_prompts(random.Random(6), 1, 60, 61)[0]
+        prompt = random_prompts(random.Random(6), 1, 60, 61)[0]
         (reply,) = generate(eager_engine, [prompt], max_tokens=5)  # computes KV of tokens 0..63
         settle(eager_engine)
         reset_device_cache(eager_engine)
-        tier = _tier(eager_engine)
+        tier = manager_of(eager_engine)
         hits_before = tier.stats().hit_tokens
         extended = prompt + reply[:4] + [7, 8, 9]
         generate(eager_engine, [extended], max_tokens=1)
@@ -238,7 +178,7 @@ class TestEagerEngine:
             published.append(batch) or publish(batch)
         )
         try:
-            prompt = _random_prompts(random.Random(7), 1, 3 * BLOCK + 5, 3 * BLOCK + 6)[0]
+            prompt = random_prompts(random.Random(7), 1, 3 * BLOCK + 5, 3 * BLOCK + 6)[0]
             generate(eager_engine, [prompt], max_tokens=1)
             settle(eager_engine)
         finally:
@@ -258,10 +198,10 @@ class TestEagerEngine:
     def test_reset_cache_empties_the_tier(self, eager_engine: object) -> None:
         from kvtier.integrations.vllm.offline import generate, reset_device_cache, settle
 
-        prompts = _random_prompts(random.Random(8), 2, 100, 200)
+        prompts = random_prompts(random.Random(8), 2, 100, 200)
         generate(eager_engine, prompts, max_tokens=1)
         settle(eager_engine)
-        tier = _tier(eager_engine)
+        tier = manager_of(eager_engine)
         assert tier.stats().used_slots > 0
         assert eager_engine.reset_prefix_cache(reset_connector=True)
         assert tier.stats().used_slots == 0
@@ -274,7 +214,7 @@ class TestEagerEngine:
 def test_lazy_mode_serves_blocks_flushed_from_the_device(model_dir: str) -> None:
     from kvtier.integrations.vllm.offline import generate, settle, shutdown
 
-    llm = _engine(
+    llm = start_engine(
         model_dir,
         {"cpu_bytes": 64 * MIB, "store_mode": "lazy"},
         num_device_blocks=80,
@@ -283,11 +223,11 @@ def test_lazy_mode_serves_blocks_flushed_from_the_device(model_dir: str) -> None
     )
     try:
         rng = random.Random(2)
-        prompts = _random_prompts(rng, 4, 200, 500)
+        prompts = random_prompts(rng, 4, 200, 500)
         cold = generate(llm, prompts, max_tokens=8)
-        tier = _tier(llm)
+        tier = manager_of(llm)
         for _ in range(3):  # filler requests push the prompts' blocks out of the device cache
-            generate(llm, _random_prompts(rng, 4, 500, 600), max_tokens=1)
+            generate(llm, random_prompts(rng, 4, 500, 600), max_tokens=1)
         settle(llm)
         assert tier.stats().stored_blocks > 0
         hits_before = tier.stats().hit_tokens
@@ -304,7 +244,7 @@ def small_engine(model_dir: str, vanilla_small: Baseline) -> Iterator[object]:
     from kvtier.integrations.vllm.offline import shutdown
 
     record_bytes = TinyLlamaSpec().kv_bytes_per_token() * BLOCK
-    llm = _engine(model_dir, {"cpu_bytes": 40 * record_bytes}, **SMALL_DEVICE)
+    llm = start_engine(model_dir, {"cpu_bytes": 40 * record_bytes}, **SMALL_DEVICE)
     yield llm
     shutdown(llm)
 
@@ -316,7 +256,7 @@ class TestSmallTier:
         self, vanilla_small: Baseline, small_engine: object
     ) -> None:
         assert _churn(small_engine) == vanilla_small.churn
-        stats = _tier(small_engine).stats()
+        stats = manager_of(small_engine).stats()
         assert stats.evicted_blocks > 0, "the tier was meant to be smaller than the working set"
         assert stats.loaded_blocks > 0
         assert stats.failed_loads == 0 and stats.failed_stores == 0
@@ -332,7 +272,7 @@ class TestSmallTier:
 
 def test_bad_extra_config_fails_at_start_with_config_lines(model_dir: str) -> None:
     with pytest.raises(ConfigError) as raised:
-        _engine(model_dir, {"cpu_bytes": -1, "store_mode": "sometimes"}, num_device_blocks=256)
+        start_engine(model_dir, {"cpu_bytes": -1, "store_mode": "sometimes"}, num_device_blocks=256)
     lines = raised.value.lines
     assert any(line.startswith("explicit: cpu_bytes: ") for line in lines), lines
     assert any(line.startswith("explicit: store_mode: ") for line in lines), lines
@@ -344,7 +284,7 @@ def test_host_tier_larger_than_memory_is_refused_before_it_is_allocated(model_di
     from kvtier.integrations.vllm.connector import ConfigRefused
 
     with pytest.raises(ConfigRefused) as raised:
-        _engine(model_dir, {"cpu_bytes": "4096TiB"}, num_device_blocks=256)
+        start_engine(model_dir, {"cpu_bytes": "4096TiB"}, num_device_blocks=256)
     (line,) = raised.value.lines
     assert line.startswith(f"explicit: cpu_bytes: the host tier needs {4096 * 2**40} bytes"), line
     assert "of memory available on this machine" in line
@@ -363,12 +303,12 @@ def test_multiprocess_engine_accuracy(model_dir: str, monkeypatch: pytest.Monkey
     )
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    llm = _engine(model_dir, {"cpu_bytes": 64 * MIB}, num_device_blocks=256)
+    llm = start_engine(model_dir, {"cpu_bytes": 64 * MIB}, num_device_blocks=256)
     try:
         idle = metric_values(llm)
         assert idle["vllm:kvtier_capacity_bytes"] == 64 * MIB, "published before any request"
         assert idle["vllm:kvtier_used_blocks"] == 0 and idle["vllm:kvtier_failures"] == 0
-        prompts = _random_prompts(random.Random(5), 4, 100, 400)
+        prompts = random_prompts(random.Random(5), 4, 100, 400)
         cold = generate(llm, prompts, max_tokens=8)
         reset_device_cache(llm)
         warm = generate(llm, prompts, max_tokens=8)
@@ -427,16 +367,16 @@ def test_failed_loads_are_recomputed(model_dir: str, monkeypatch: pytest.MonkeyP
     manager.register(_FlakyPlugin(), name="flaky-test-plugin")
     # The connector builds from the process's default registry; give it one with the plugin.
     monkeypatch.setattr(kvtier.plugins, "_default_registry", collect(manager))
-    llm = _engine(
+    llm = start_engine(
         model_dir, {"cpu_bytes": 64 * MIB, "copy": {"type": "flaky"}}, num_device_blocks=256
     )
     try:
-        prompts = _random_prompts(random.Random(9), 4, 100, 400)
+        prompts = random_prompts(random.Random(9), 4, 100, 400)
         cold = generate(llm, prompts, max_tokens=8)
         reset_device_cache(llm)
         warm = generate(llm, prompts, max_tokens=8)
         assert warm == cold
-        stats = _tier(llm).stats()
+        stats = manager_of(llm).stats()
         assert stats.hit_tokens > 0, "the tier was meant to offer hits"
         assert stats.loaded_blocks == 0
         assert stats.failed_loads == stats.hit_tokens // BLOCK
@@ -447,12 +387,12 @@ def test_failed_loads_are_recomputed(model_dir: str, monkeypatch: pytest.MonkeyP
 def test_without_prefix_caching_the_connector_stands_aside(model_dir: str) -> None:
     from kvtier.integrations.vllm.offline import generate, shutdown
 
-    llm = _engine(
+    llm = start_engine(
         model_dir, {"cpu_bytes": 64 * MIB}, num_device_blocks=256, enable_prefix_caching=False
     )
     try:
-        prompts = _random_prompts(random.Random(10), 2, 100, 200)
+        prompts = random_prompts(random.Random(10), 2, 100, 200)
         assert generate(llm, prompts, max_tokens=4) == generate(llm, prompts, max_tokens=4)
-        assert _tier(llm) is None
+        assert manager_of(llm) is None
     finally:
         shutdown(llm)

@@ -16,18 +16,11 @@ from dataclasses import dataclass
 import pytest
 
 from kvtier.integrations.checkpoints import TinyGemma3Spec, write_tiny_gemma3
-from tests.integrations.vllm.test_vllm_e2e import (  # noqa: F401 (an autouse fixture)
-    BLOCK,
-    MIB,
-    _engine,
-    _engine_environment,
-    _random_prompts,
-    _tier,
-)
+from tests.integrations.vllm.conftest import BLOCK, MIB, manager_of, random_prompts, start_engine
 
 pytest.importorskip("vllm")
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engine_environment")]
 
 SPEC = TinyGemma3Spec()
 WINDOW_BLOCKS = -(-SPEC.sliding_window // BLOCK)
@@ -45,11 +38,11 @@ DEVICE: dict[str, object] = {
 """One device cache for every engine of the module: small enough to evict and to preempt
 (about a dozen blocks per group), and a token budget that prefills REPEAT_PROMPTS in one step."""
 
-REPEAT_PROMPTS = _random_prompts(random.Random(21), 3, 70, 160)
-FILLER_PROMPTS = [_random_prompts(random.Random(22 + i), 1, 100, 120) for i in range(4)]
+REPEAT_PROMPTS = random_prompts(random.Random(21), 3, 70, 160)
+FILLER_PROMPTS = [random_prompts(random.Random(22 + i), 1, 100, 120) for i in range(4)]
 """One short prompt a step: lazy mode stores a block at vLLM's eviction frontier in the step
 before it is reused, and a step that took the whole device cache at once would leave none."""
-PREEMPT_PROMPTS = _random_prompts(random.Random(24), 6, 90, 180)
+PREEMPT_PROMPTS = random_prompts(random.Random(24), 6, 90, 180)
 MAX_TOKENS = 6
 PREEMPT_TOKENS = 40
 
@@ -100,7 +93,7 @@ def vanilla(model_dir: str) -> Vanilla:
     """vLLM without the connector, through every scenario the kvtier engines run."""
     from kvtier.integrations.vllm.offline import shutdown
 
-    llm = _engine(model_dir, None, **DEVICE)
+    llm = start_engine(model_dir, None, **DEVICE)
     try:
         groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
         assert [type(g.kv_cache_spec).__name__ for g in groups] == [
@@ -121,7 +114,7 @@ class GroupCounts:
     def __init__(self, llm: object) -> None:
         self.stored: Counter[int] = Counter()
         self.loaded: Counter[int] = Counter()
-        manager = _tier(llm)
+        manager = manager_of(llm)
         build_plan = manager.build_plan
 
         def counting_build_plan(*args: object, **kwargs: object) -> object:
@@ -138,7 +131,7 @@ class GroupCounts:
 def _engine_with_counts(model_dir: str, store_mode: str) -> Iterator[tuple[object, GroupCounts]]:
     from kvtier.integrations.vllm.offline import shutdown
 
-    llm = _engine(model_dir, {"cpu_bytes": 64 * MIB, "store_mode": store_mode}, **DEVICE)
+    llm = start_engine(model_dir, {"cpu_bytes": 64 * MIB, "store_mode": store_mode}, **DEVICE)
     try:
         yield llm, GroupCounts(llm)
     finally:
@@ -180,7 +173,7 @@ class TestEager:
         assert counts.stored[SLIDING] == _window_stores(REPEAT_PROMPTS, MAX_TOKENS)
         assert counts.loaded[FULL] == full_blocks
         assert counts.loaded[SLIDING] > 0
-        assert _tier(llm).stats().hit_tokens == full_blocks * BLOCK
+        assert manager_of(llm).stats().hit_tokens == full_blocks * BLOCK
 
     def test_preemption_keeps_outputs_identical(
         self, vanilla: Vanilla, eager: tuple[object, GroupCounts]
@@ -200,7 +193,7 @@ class TestLazy:
         cold, warm = _flushed(llm)
         assert (cold, warm) == vanilla.flushed
         assert counts.loaded[FULL] > 0 and counts.loaded[SLIDING] > 0
-        assert _tier(llm).stats().failed_loads == 0
+        assert manager_of(llm).stats().failed_loads == 0
         assert counts.stored[SLIDING] < counts.stored[FULL], "windows only"
 
     def test_preemption_keeps_outputs_identical(

@@ -42,7 +42,7 @@ STOP_TIMEOUT_S = 20.0
 
 SERVER_ENVIRONMENT = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
-    # Same rounding whatever shares a step (see test_vllm_e2e.ENGINE_ENVIRONMENT).
+    # Same rounding whatever shares a step (see conftest.ENGINE_ENVIRONMENT).
     "VLLM_CPU_ATTN_SPLIT_KV": "0",
     "VLLM_LOGGING_COLOR": "0",
 }

@@ -17,17 +17,12 @@ import pytest
 
 from kvtier.integrations.checkpoints import TinyLlamaSpec
 from kvtier.offload import OffloadStats
-from tests.integrations.vllm.test_vllm_e2e import (  # noqa: F401 (fixtures)
-    BLOCK,
-    _engine,
-    _engine_environment,
-    _tier,
-    model_dir,
-)
+from tests.conftest import mount_tmpfs, unmount
+from tests.integrations.vllm.conftest import BLOCK, manager_of, start_engine
 
 pytest.importorskip("vllm")
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engine_environment")]
 
 RECORD_BYTES = TinyLlamaSpec().kv_bytes_per_token() * BLOCK
 PROMPTS = [[random.Random(seed).randrange(1000) for _ in range(6 * BLOCK + 5)] for seed in range(8)]
@@ -54,10 +49,10 @@ def run(
     """Serve ``prompts`` on a fresh engine, shut it down; its outputs and its tier's stats."""
     from kvtier.integrations.vllm.offline import shutdown
 
-    llm = _engine(model, config, **DEVICE)
+    llm = start_engine(model, config, **DEVICE)
     try:
         got = serve(llm, prompts)
-        stats = _tier(llm).stats()
+        stats = manager_of(llm).stats()
     finally:
         shutdown(llm)
     return got, stats
@@ -98,7 +93,7 @@ def chain_config(disk_dir: Path, redis_server: Any) -> dict[str, Any]:  # noqa: 
 
 @pytest.fixture(scope="module")
 def first_run(
-    model_dir: str,  # noqa: F811
+    model_dir: str,
     chain_config: dict[str, Any],
 ) -> tuple[list[list[int]], OffloadStats]:
     """Engine A: serves the prompts, demoting what the host tier evicts to disk and Redis."""
@@ -106,7 +101,7 @@ def first_run(
 
 
 def test_a_restarted_engine_serves_disk_hits_with_identical_tokens(
-    model_dir: str,  # noqa: F811
+    model_dir: str,
     disk_dir: Path,
     chain_config: dict[str, Any],
     first_run: tuple[list[list[int]], OffloadStats],
@@ -133,7 +128,7 @@ def test_a_restarted_engine_serves_disk_hits_with_identical_tokens(
 
 
 def test_another_tenant_on_the_same_stores_gets_no_hits(
-    model_dir: str,  # noqa: F811
+    model_dir: str,
     chain_config: dict[str, Any],
     first_run: tuple[list[list[int]], OffloadStats],
 ) -> None:
@@ -145,7 +140,7 @@ def test_another_tenant_on_the_same_stores_gets_no_hits(
 
 
 def test_an_engine_sharing_the_redis_and_a_redis_that_restarts(
-    model_dir: str,  # noqa: F811
+    model_dir: str,
     redis_server: Any,  # noqa: ANN401
     first_run: tuple[list[list[int]], OffloadStats],
 ) -> None:
@@ -153,35 +148,34 @@ def test_an_engine_sharing_the_redis_and_a_redis_that_restarts(
 
     expected, _ = first_run
     config = {"cpu_bytes": HOST_BYTES, "tiers": [redis_tier(redis_server)]}
-    llm = _engine(model_dir, config, **DEVICE)
+    llm = start_engine(model_dir, config, **DEVICE)
     try:
         # an engine on another machine would find what engine A demoted
         assert serve(llm, PROMPTS[:3]) == expected[:3]
-        before = _tier(llm).stats()
+        before = manager_of(llm).stats()
         assert before.promoted_blocks > 0
         # the server dies: lookups miss and stores drop, counted; tokens stay right
         redis_server.kill()
         assert serve(llm, PROMPTS[3:6]) == expected[3:6]
-        down = _tier(llm).stats()
+        down = manager_of(llm).stats()
         assert down.tiers["redis"].get("errors.connection", 0) > 0
         # it comes back, empty: once the back-off window that the last failure
         # opened has passed, the next batch reconnects and stores again
         redis_server.start()
         time.sleep(redis_tier(redis_server)["reconnect_max_backoff_s"])
         assert serve(llm, PROMPTS[6:] + PROMPTS[:2]) == expected[6:] + expected[:2]
-        after = _tier(llm).stats()
+        after = manager_of(llm).stats()
         assert after.tiers["redis"]["stores"] > down.tiers["redis"].get("stores", 0)
     finally:
         shutdown(llm)
 
 
 def test_a_disk_that_fills_up_drops_stores_and_keeps_tokens_right(
-    model_dir: str,  # noqa: F811
+    model_dir: str,
     tmp_path: Path,
     first_run: tuple[list[list[int]], OffloadStats],
 ) -> None:
     from kvtier.tiers.disk import HEADER_AREA_BYTES, PAGE_BYTES, SUPERBLOCK_BYTES
-    from tests.tiers.test_tier_disk import mount_tmpfs, unmount
 
     expected, _ = first_run
     slot_bytes = HEADER_AREA_BYTES + -(-RECORD_BYTES // PAGE_BYTES) * PAGE_BYTES

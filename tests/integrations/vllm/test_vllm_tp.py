@@ -21,18 +21,11 @@ import pytest
 import kvtier.plugins
 from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
 from kvtier.testing.faults import install_rank_faults, read_rank_counts
-from tests.integrations.vllm.test_vllm_e2e import (  # noqa: F401 (an autouse fixture)
-    BLOCK,
-    MIB,
-    _engine,
-    _engine_environment,
-    _random_prompts,
-    _tier,
-)
+from tests.integrations.vllm.conftest import BLOCK, MIB, manager_of, random_prompts, start_engine
 
 pytest.importorskip("vllm")
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engine_environment")]
 
 SPEC = TinyLlamaSpec(num_layers=4)
 RANKS = 2
@@ -49,8 +42,8 @@ PARALLEL: dict[str, object] = {
     "num_device_blocks": 128,
     "max_model_len": 1024,
 }
-PROMPTS = _random_prompts(random.Random(31), 4, 80, 250)
-FAULT_PROMPTS = _random_prompts(random.Random(32), 3, 80, 250)
+PROMPTS = random_prompts(random.Random(31), 4, 80, 250)
+FAULT_PROMPTS = random_prompts(random.Random(32), 3, 80, 250)
 MAX_TOKENS = 8
 
 
@@ -76,7 +69,7 @@ class Vanilla:
 def vanilla(model_dir: str) -> Vanilla:
     from kvtier.integrations.vllm.offline import generate, shutdown
 
-    llm = _engine(model_dir, None, **PARALLEL)
+    llm = start_engine(model_dir, None, **PARALLEL)
     try:
         return Vanilla(
             generate(llm, PROMPTS, max_tokens=MAX_TOKENS),
@@ -105,7 +98,7 @@ def tiered(
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(plugin_dir))  # spawned workers start with this sys.path
         patch.setattr(kvtier.plugins, "_default_registry", None)
-        llm = _engine(
+        llm = start_engine(
             model_dir,
             {
                 "cpu_bytes": CPU_BYTES,
@@ -132,7 +125,7 @@ def test_every_rank_holds_cpu_bytes_per_rank(tiered: Tiered) -> None:
     for rank in range(RANKS):
         assert counts[rank]["host_slots"] == slots
         assert counts[rank]["host_bytes"] == slots * RECORD_BYTES_PER_RANK
-    manager = _tier(tiered.llm)
+    manager = manager_of(tiered.llm)
     assert manager.world_size == RANKS and manager.index.num_slots == slots
 
 
@@ -149,7 +142,7 @@ def test_tier_hits_on_every_rank_give_vanillas_tokens(vanilla: Vanilla, tiered: 
     blocks = _full_blocks(PROMPTS)
     for rank in range(RANKS):
         assert after[rank]["loaded_blocks"] - before[rank]["loaded_blocks"] == blocks, rank
-    stats = _tier(tiered.llm).stats()
+    stats = manager_of(tiered.llm).stats()
     assert stats.loaded_blocks == blocks
     assert stats.hit_tokens == blocks * BLOCK
     assert stats.loaded_bytes == blocks * RECORD_BYTES_PER_RANK * RANKS
@@ -161,7 +154,7 @@ def test_a_load_failing_on_one_rank_is_recomputed_on_every_rank(
     """Rank 1's loads fail (their device blocks filled with noise); rank 0's succeed."""
     from kvtier.integrations.vllm.offline import generate, reset_device_cache
 
-    manager = _tier(tiered.llm)
+    manager = manager_of(tiered.llm)
     cold = generate(tiered.llm, FAULT_PROMPTS, max_tokens=MAX_TOKENS)
     reset_device_cache(tiered.llm)
     before, stats_before = read_rank_counts(tiered.ranks_dir), manager.stats()
