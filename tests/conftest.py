@@ -1,5 +1,6 @@
-"""What every test folder shares: where the checkout is, loading a script of it, small tmpfs
-mounts (a full or read-only disk), and a directory of its own for vLLM's sockets."""
+"""What every test folder shares: where the checkout is, loading a script of it, the benchmarks'
+modules, small tmpfs mounts (a full or read-only disk), an in-process vLLM engine's environment,
+and a directory of its own for vLLM's sockets."""
 
 from __future__ import annotations
 
@@ -46,6 +47,27 @@ def mount_tmpfs(target: Path, size_bytes: int, *, read_only: bool = False) -> bo
 def unmount(target: Path) -> None:
     """Undo :func:`mount_tmpfs`, even while files on it are still open."""
     subprocess.run(["umount", "-l", str(target)], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="session")
+def benchmarks_on_path() -> Iterator[None]:
+    """``benchmarks/`` on ``sys.path``, as a benchmark run as a script has it, so its modules
+    (``vllm_bench``, ``null_connector``) import by the names the benchmarks use."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(REPO_ROOT / "benchmarks"))
+        yield
+
+
+@pytest.fixture
+def in_process_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small vLLM engine in the test's own process, rounding the same way whatever shares
+    its step."""
+    for name, value in {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_ATTN_SPLIT_KV": "0",
+    }.items():
+        monkeypatch.setenv(name, value)
 
 
 @pytest.fixture(scope="session", autouse=True)
