@@ -178,11 +178,11 @@ def test_quickstart_error_example_is_what_the_command_prints(
     assert capsys.readouterr().err == shown
 
 
-MARKDOWN = sorted([REPO_ROOT / "README.md", *DOCS.glob("*.md")])
+MARKDOWN = sorted([REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", *DOCS.rglob("*.md")])
 _PARENT_PATH = re.compile(r"(?:\.\./)+[\w.\-/]*")
 
 
-@pytest.mark.parametrize("page", MARKDOWN, ids=lambda page: page.name)
+@pytest.mark.parametrize("page", MARKDOWN, ids=lambda page: str(page.relative_to(REPO_ROOT)))
 def test_paths_that_climb_out_of_a_folder_name_files_of_the_repository(page: Path) -> None:
     for path in _PARENT_PATH.findall(page.read_text()):
         # A link resolves from the page's folder, a command from the repository root.
