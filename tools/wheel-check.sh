@@ -5,9 +5,9 @@
 #
 #   tools/wheel-check.sh [VENV]      (default: .venv-wheel in the checkout)
 #
-# The environment's third-party packages (CPU torch first, then kvtier's dependencies) are
-# installed once per version of the two pyproject.toml files; kvtier and the example plugin are
-# built and reinstalled on every run.
+# The environment's third-party packages (CPU torch and the build backend first, then kvtier's
+# dependencies) are installed once per version of the two pyproject.toml files; kvtier and the
+# example plugin are built and reinstalled on every run.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -28,11 +28,13 @@ deps=$(cat "$repo/pyproject.toml" "$repo/plugins/kvtier-example/pyproject.toml" 
 if [ "$(cat "$stamp" 2>/dev/null)" != "$deps" ]; then
 	rm -rf "$venv"
 	"$python" -m venv "$venv"
-	"$venv/bin/pip" install -q torch==2.13.0
+	"$venv/bin/pip" install -q torch==2.13.0 'setuptools>=68'
 	fresh=1
 fi
 pip=("$venv/bin/pip" -q)
-"${pip[@]}" wheel --no-deps -w "$work/wheels" "$work/src" "$work/src/plugins/kvtier-example"
+# The build backend both pyproject.toml files name is in the environment: no isolated one to make.
+"${pip[@]}" wheel --no-deps --no-build-isolation -w "$work/wheels" "$work/src" \
+	"$work/src/plugins/kvtier-example"
 if [ "${fresh:-0}" = 1 ]; then
 	"${pip[@]}" install "$work"/wheels/*.whl
 	echo "$deps" >"$stamp"
