@@ -1,11 +1,13 @@
 """What the vLLM tests share: in-process engines started the same way, a random-weight model,
-the offload manager behind an engine, and vLLM config objects built without an engine."""
+the offload manager behind an engine, vLLM config objects built without an engine, and kvtier
+storage tiers to run below vLLM's own CPU tier."""
 
 from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -112,3 +114,78 @@ def vllm_config(kvtier: dict[str, object] | None = None, world_size: int = 1) ->
     config = VllmConfig(device_config=DeviceConfig("cpu"), kv_transfer_config=transfer)
     config.parallel_config = ParallelConfig(tensor_parallel_size=world_size)
     return config
+
+
+DISK_CAPACITY_BYTES = 64 * 8192
+"""Room for 64 of the test engine's chunks, with their headers."""
+
+
+@pytest.fixture(scope="session")
+def tiering_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """One real ``redis-server`` for the session."""
+    pytest.importorskip("redis")
+    from kvtier.testing.redis_server import RedisServer, redis_server_binary
+
+    if redis_server_binary() is None:
+        pytest.skip("redis-server is not installed")
+    server = RedisServer(tmp_path_factory.mktemp("tiering-redis")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["disk", "redis"])
+def kvtier_tier(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
+    """A kvtier storage-tier config: the disk tier in a fresh directory, or an emptied Redis."""
+    if request.param == "disk":
+        return {
+            "type": "disk",
+            "path": str(tmp_path / "disk-tier"),
+            "capacity_bytes": DISK_CAPACITY_BYTES,
+        }
+    server = request.getfixturevalue("tiering_redis")
+    server.client().flushall()
+    return {"type": "redis", "url": server.url, "timeout_s": 2.0}
+
+
+@pytest.fixture
+def tiering_engine() -> Iterator[Callable[..., Any]]:
+    """Build :class:`~kvtier.testing.vllm_tiering.TieringEngine` s; each is closed at the end."""
+    from kvtier.testing.vllm_tiering import TieringEngine
+
+    engines: list[TieringEngine] = []
+
+    def build(*secondary_tiers: dict[str, Any], **options: Any) -> TieringEngine:
+        engine = TieringEngine(secondary_tiers, **options)
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        engine.close()
+
+
+@pytest.fixture
+def damage_record(request: pytest.FixtureRequest) -> Callable[[dict[str, Any], bytes], None]:
+    """Flip one byte of the stored record whose payload is the given bytes, in the store itself."""
+
+    def damage(tier: dict[str, Any], payload: bytes) -> None:
+        if tier["type"] == "disk":
+            for path in Path(tier["path"]).rglob("*.kvtier"):
+                data = bytearray(path.read_bytes())
+                at = data.find(payload)
+                if at >= 0:
+                    data[at + len(payload) // 2] ^= 0x01
+                    path.write_bytes(bytes(data))
+                    return
+        else:
+            client = request.getfixturevalue("tiering_redis").client()
+            for name in client.scan_iter():
+                data = bytearray(client.get(name))
+                at = data.find(payload)
+                if at >= 0:
+                    data[at + len(payload) // 2] ^= 0x01
+                    client.set(name, bytes(data))
+                    return
+        raise AssertionError(f"no record of the {tier['type']} tier holds that payload")
+
+    return damage
