@@ -7,7 +7,9 @@ Marked ``vllm033`` too, so ``make test`` runs them under vLLM 0.33 as well.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,9 +18,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.config import ConfigError  # noqa: E402
-from kvtier.integrations.vllm.tiering import KVTierSecondaryTier  # noqa: E402
-from kvtier.testing.vllm_tiering import chunk_bytes, chunk_keys, secondary_tier  # noqa: E402
+from kvtier.config import ConfigError, load_config  # noqa: E402
+from kvtier.integrations.vllm.tiering import KVTierSecondaryTier, tier_config  # noqa: E402
+from kvtier.testing.vllm_tiering import (  # noqa: E402
+    TIER_CLASS,
+    TIER_MODULE,
+    chunk_bytes,
+    chunk_keys,
+    secondary_tier,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm033]
 
@@ -163,3 +171,31 @@ def test_a_missing_tier_says_what_to_give(tiering_engine: Engine) -> None:
         tiering_engine(entry)
     (line,) = caught.value.lines
     assert line.startswith("vLLM secondary tier KVTierSecondaryTier: tier: required")
+
+
+DOCS_PAGE = Path(__file__).resolve().parents[3] / "docs" / "vllm-native.md"
+
+
+def _documented_transfer_configs() -> dict[str, dict[str, Any]]:
+    page = DOCS_PAGE.read_text()
+    configs = [json.loads(text) for text in re.findall(r"--kv-transfer-config '(.*?)'", page, re.S)]
+    return {config["kv_connector"]: config for config in configs}
+
+
+def test_the_documented_configs_are_valid() -> None:
+    configs = _documented_transfer_configs()
+    load_config(configs["KVTierConnector"]["kv_connector_extra_config"], env={})
+    native = configs["OffloadingConnector"]["kv_connector_extra_config"]
+    assert native["spec_name"] == "TieringOffloadingSpec"
+    for entry in native["secondary_tiers"]:
+        assert (entry["type"], entry["module_path"]) == (TIER_CLASS, TIER_MODULE)
+        tier_config(entry["tier"], entry.get("namespace", ""), entry["type"])
+
+
+def test_the_documented_error_is_what_vllm_shows(tiering_engine: Engine) -> None:
+    page = DOCS_PAGE.read_text()
+    shown = re.search(r"```text\n(invalid kvtier configuration.*?)\n```", page, re.S)
+    assert shown is not None
+    with pytest.raises(ConfigError) as caught:
+        tiering_engine(secondary_tier({"type": "tape"}))
+    assert str(caught.value) == shown.group(1)
