@@ -44,7 +44,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -94,16 +94,13 @@ TIER_ERRORS_METRIC = "tier_errors"
 """The per-tier metric that adds up every fault counter of a tier."""
 
 
-def tier_config(
-    tier: Mapping[str, Any] | None, namespace: str, tier_type: str, registry: Any = None
-) -> KVTierConfig:
+def tier_config(tier: Mapping[str, Any] | None, namespace: str, tier_type: str) -> KVTierConfig:
     """Validate one secondary tier's kvtier settings: the storage tier and the tenant namespace.
 
     Args:
         tier: The ``tier`` entry of vLLM's tier config: a kvtier storage-tier config.
         namespace: Tenant namespace of every key ("" for none).
         tier_type: The entry's ``type`` in vLLM's config, named in error lines.
-        registry: Plugins to validate against; the process's default registry if ``None``.
 
     Raises:
         ConfigError: One line per problem, as ``vLLM secondary tier <type>: tier.<path>: ...``.
@@ -125,7 +122,7 @@ def tier_config(
         return load_config(
             {"tiers": [tier], "namespace": namespace},
             env={},
-            registry=registry or default_registry(),
+            registry=default_registry(),
         )
     except ConfigError as exc:
         raise ConfigError(
@@ -357,7 +354,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         start = int(chunk_id) * self.block_size_bytes
         return self._primary[start : start + self.block_size_bytes]
 
-    def _start(self, submit: Any) -> Future[Any]:
+    def _start(self, submit: Callable[[], Future[Any]]) -> Future[Any]:
         with self._done_lock:
             self._in_flight += 1
         try:

@@ -131,6 +131,17 @@ def test_records_are_sealed_with_the_tier_configs_keys(
     assert _tier(stranger).tier.stats().errors == {"auth": 3}
 
 
+def test_vllm_declares_the_kvtier_tier_counters(tmp_path: Path) -> None:
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    disk = {"type": "disk", "path": str(tmp_path), "capacity_bytes": "1MiB"}
+    definitions = TieringOffloadingSpec.build_metric_definitions(
+        {"secondary_tiers": [secondary_tier(disk)]}
+    )
+    for name in ("hits", "misses", "stores", "drops", "auth_failures", "errors"):
+        assert definitions[f"vllm:kvtier_tier_{name}"].labelnames == ("tier",)
+
+
 def test_backpressure_settings_reach_vllms_detector(
     tiering_engine: Engine, kvtier_tier: dict[str, Any]
 ) -> None:
