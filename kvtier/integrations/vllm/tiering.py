@@ -105,7 +105,7 @@ def tier_config(tier: Mapping[str, Any] | None, namespace: str, tier_type: str) 
     Raises:
         ConfigError: One line per problem, as ``vLLM secondary tier <type>: tier.<path>: ...``.
     """
-    source = f"vLLM secondary tier {tier_type}"
+    source = _source(tier_type)
     if tier is None:
         raise ConfigError(
             [
@@ -137,6 +137,30 @@ def tier_config(tier: Mapping[str, Any] | None, namespace: str, tier_type: str) 
                 for problem in exc.problems
             ]
         ) from None
+
+
+def _source(tier_type: str) -> str:
+    """Where a problem of this entry of vLLM's ``secondary_tiers`` is, in error lines."""
+    return f"vLLM secondary tier {tier_type}"
+
+
+def _locality(locality: str | None, tier_type: str) -> Locality | None:
+    """vLLM's ``locality`` setting of this entry; ``None`` when it is not set."""
+    if locality is None:
+        return None
+    choices = [choice.value for choice in Locality]
+    if locality not in choices:
+        raise ConfigError(
+            [
+                Problem(
+                    _source(tier_type),
+                    "locality",
+                    f"expected one of {', '.join(choices)}",
+                    locality,
+                )
+            ]
+        )
+    return Locality(locality)
 
 
 def _vllm_path(path: str) -> str:
@@ -227,6 +251,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         """
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         config = tier_config(tier, namespace, tier_type)
+        self.locality = _locality(locality, tier_type)
         keys = KeyNamespace(
             offloading_spec.config.model.name,
             chunk_layout_fingerprint(offloading_spec, self.block_size_bytes),
@@ -237,7 +262,6 @@ class KVTierSecondaryTier(SecondaryTierManager):
             config, record_bytes=self.block_size_bytes, keys=keys, registry=default_registry()
         )
         self.tier_name, self.tier = self._chain.tiers[0]
-        self.locality = Locality(locality) if locality is not None else None
         if self.locality is None:
             self.locality = Locality.REMOTE if self.tier.shared else Locality.LOCAL
         if self.tier.shared:

@@ -18,6 +18,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.v1.kv_offload.base import Locality  # noqa: E402
+
 from kvtier.config import ConfigError, load_config  # noqa: E402
 from kvtier.integrations.vllm.tiering import KVTierSecondaryTier, tier_config  # noqa: E402
 from kvtier.testing.vllm_tiering import (  # noqa: E402
@@ -51,6 +53,8 @@ def test_a_store_cascades_into_the_kvtier_tier(
     keys = chunk_keys(4, "cascade")
     engine.store(keys)
     tier = _tier(engine)
+    shared = kvtier_tier["type"] == "redis"
+    assert tier.locality is (Locality.REMOTE if shared else Locality.LOCAL)
     assert tier.tier.stats().stores == 4
     assert tier.tier.contains(tier.tier_keys(keys)).result().present == (True,) * 4
     counters = _stats_counters(engine)
@@ -173,6 +177,16 @@ def test_an_unknown_tier_type_lists_the_installed_ones(tiering_engine: Engine) -
     (line,) = caught.value.lines
     assert line.startswith("vLLM secondary tier KVTierSecondaryTier: tier.type: unknown")
     assert "disk" in line and "redis" in line and line.endswith("(got 'tape')")
+
+
+def test_a_bad_locality_is_a_config_line(tiering_engine: Engine, tmp_path: Path) -> None:
+    disk = {"type": "disk", "path": str(tmp_path), "capacity_bytes": "1MiB"}
+    with pytest.raises(ConfigError) as caught:
+        tiering_engine(secondary_tier(disk, locality="nearby"))
+    assert caught.value.lines == [
+        "vLLM secondary tier KVTierSecondaryTier: locality: expected one of LOCAL, REMOTE "
+        "(got 'nearby')"
+    ]
 
 
 def test_a_missing_tier_says_what_to_give(tiering_engine: Engine) -> None:
