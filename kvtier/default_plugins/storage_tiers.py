@@ -12,3 +12,8 @@ def register_storage_tiers(register: Register[StorageTierFactory]) -> None:
     register(
         "redis", LazyFactory("kvtier.tiers.redis", "build_redis_tier"), configs.RedisTierConfig
     )
+    register(
+        "mooncake",
+        LazyFactory("kvtier.tiers.mooncake", "build_mooncake_tier"),
+        configs.MooncakeTierConfig,
+    )

@@ -1,7 +1,7 @@
 """Config models of the built-in storage tiers, importable without their I/O libraries.
 
 Validating a config needs these models; the tiers themselves (and ``redis``,
-``xxhash``) are imported only when a config picks one.
+``mooncake``, ``xxhash``) are imported only when a config picks one.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from kvtier.config import (
     LocalPath,
     PluginConfig,
 )
+from kvtier.config.units import ByteBudget
+from kvtier.tiers.mooncake_address import check_master_address, check_metadata_server
 from kvtier.tiers.redis_url import check_redis_url
 
 
@@ -279,3 +281,141 @@ class RedisTierConfig(RecordKeyConfig):
     def _known_scheme(cls, url: SecretStr) -> SecretStr:
         check_redis_url(url.get_secret_value())
         return url
+
+
+class MooncakeTierConfig(RecordKeyConfig):
+    """Block records in a Mooncake Store shared by many engines."""
+
+    type: Literal["mooncake"] = "mooncake"
+    master_address: str = Field(
+        description="The store's master, host:port (mooncake_master's rpc_port).",
+    )
+    metadata_server: str = Field(
+        description=(
+            "Where the store's transfer engines publish their addresses: "
+            "http://host:port/metadata (the master's own, with "
+            "--enable_http_metadata_server), etcd://host:port, redis://host:port, or "
+            "P2PHANDSHAKE for none."
+        ),
+    )
+    protocol: Literal["tcp", "rdma"] = Field(
+        "tcp", description="Transport that moves the records: tcp, or rdma on RDMA NICs."
+    )
+    rdma_devices: str = Field(
+        "",
+        description=(
+            "RDMA devices to use with protocol rdma, comma separated (such as mlx5_0,mlx5_1); "
+            "empty lets the store pick."
+        ),
+    )
+    local_hostname: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        max_length=255,
+        description=(
+            "This host's address as the store's other clients reach it; with "
+            "global_segment_bytes above 0 it must be an address they can connect to."
+        ),
+    )
+    global_segment_bytes: ByteBudget = Field(
+        0,
+        description=(
+            "Memory in bytes this rank lends to the store's pool for everyone's records, "
+            "released when the engine stops (its records go with it); 0 lends none, for a "
+            "store whose memory is held by its own servers (mooncake_client). Accepts sizes "
+            "such as '4GiB'."
+        ),
+    )
+    local_buffer_bytes: ByteCount = Field(
+        64 << 20,
+        description=(
+            "The client's own transfer buffer in bytes; it must hold a batch of records with "
+            "their headers. Accepts sizes such as '64MiB'."
+        ),
+    )
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="Copies of each record the store keeps, on different segments. At most 16.",
+    )
+    soft_pin_ttl_s: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_DURATION_S,
+        description=(
+            "Seconds each record is soft-pinned after it is written: the store evicts "
+            "unpinned records first. Null pins nothing. At most "
+            f"{MAX_DURATION_S:g}."
+        ),
+    )
+    required: bool = Field(
+        True,
+        description=(
+            "Fail start-up when the master does not answer; false logs a warning and runs "
+            "with the tier disabled (every get a miss, every put dropped, counted)."
+        ),
+    )
+    namespace: str = Field(
+        "",
+        description=(
+            "Tenant namespace mixed into every key, so engines sharing the store never "
+            "see each other's blocks. Empty uses the engine's namespace as it is."
+        ),
+    )
+    io_threads: int = Field(
+        2,
+        ge=1,
+        le=256,
+        description=(
+            "Threads doing the tier's requests through the rank's one client. At most 256."
+        ),
+    )
+    queue_depth: int = Field(
+        64,
+        ge=1,
+        le=MAX_QUEUE_DEPTH,
+        description=(
+            "Requests of each kind (reads, writes) that may wait for an I/O thread; beyond "
+            f"it a put is dropped and a get is a miss, both counted. At most {MAX_QUEUE_DEPTH}."
+        ),
+    )
+    get_deadline_s: float | None = Field(
+        1.0,
+        gt=0,
+        le=MAX_DURATION_S,
+        description=(
+            "Seconds a get may take before its keys are reported as misses; null waits "
+            f"as long as the client does. At most {MAX_DURATION_S:g}."
+        ),
+    )
+    reconnect_backoff_s: float = Field(
+        0.5,
+        gt=0,
+        le=MAX_DURATION_S,
+        description=(
+            "Seconds the tier waits after the master failed to answer before it tries again. "
+            f"At most {MAX_DURATION_S:g}."
+        ),
+    )
+    reconnect_max_backoff_s: float = Field(
+        30.0,
+        gt=0,
+        le=MAX_DURATION_S,
+        description=(
+            "The longest wait between tries; each failure in a row doubles the wait. "
+            f"At most {MAX_DURATION_S:g}."
+        ),
+    )
+
+    @field_validator("master_address")
+    @classmethod
+    def _host_and_port(cls, address: str) -> str:
+        check_master_address(address)
+        return address
+
+    @field_validator("metadata_server")
+    @classmethod
+    def _known_metadata_server(cls, server: str) -> str:
+        check_metadata_server(server)
+        return server
