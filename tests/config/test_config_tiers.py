@@ -13,7 +13,7 @@ from pydantic import Field
 import kvtier
 from kvtier import cli, hookspecs, plugins
 from kvtier.config import ConfigError, KVTierConfig, PluginConfig, config_model, load_config
-from kvtier.config_reference import render_config_reference
+from kvtier.config_reference import render_config_reference, render_storage_tier_reference
 from kvtier.default_plugins import storage_tiers as tier_plugin
 from kvtier.plugins import Registry
 from kvtier.tiers.configs import DiskTierConfig, RedisTierConfig
@@ -97,10 +97,10 @@ def test_every_problem_is_one_line_naming_the_entry(registry: Registry) -> None:
         },
     ) == [
         "explicit: tiers[0].path: Field required (got nothing)",
-        "explicit: tiers[1].type: unknown storage tier type; installed: disk, memory, redis "
-        "(got 'dsk')",
-        "explicit: tiers[2]: missing 'type'; installed storage tier types: disk, memory, redis "
-        "(got {'blocks': 1})",
+        "explicit: tiers[1].type: unknown storage tier type; installed: disk, memory, mooncake, "
+        "redis (got 'dsk')",
+        "explicit: tiers[2]: missing 'type'; installed storage tier types: disk, memory, "
+        "mooncake, redis (got {'blocks': 1})",
         "explicit: tiers[3].blocks: Input should be greater than 0 (got 0)",
         "explicit: tiers[3].color: unknown key; valid keys here: blocks, type (got 'red')",
     ]
@@ -177,6 +177,9 @@ def test_schema_and_reference_cover_the_tiers(registry: Registry) -> None:
         jsonschema.validate({"tiers": [{"type": "memory", "blocks": "two"}]}, schema)
     reference = render_config_reference(registry)
     assert "| `tiers` |" in reference and "| `namespace` |" in reference
+    tiers = render_storage_tier_reference(registry)
+    for name, key in (("disk", "path"), ("redis", "url"), ("mooncake", "master_address")):
+        assert f"### `type: {name}`" in tiers and f"| `{key}` |" in tiers
 
 
 def test_config_show_masks_the_redis_password(
