@@ -15,6 +15,11 @@ Three comparisons, each pair of arms run in turn ``--repeats`` times
   that SETs and GETs the same payloads in batches of the same size, on a
   ``redis-server`` the benchmark starts on 127.0.0.1 (or ``--redis-url``).
   Both arms write new keys in every run and delete them after it, untimed.
+- ``mooncake``: the mooncake tier's put and get against the bare store client
+  (``batch_put_from`` and ``batch_get_into`` of the same payloads, each read
+  into a new buffer like the tier's) in batches of the same size, from as many
+  threads as the tier has I/O threads, on a ``mooncake_master`` and a
+  memory-holding ``mooncake_client`` the benchmark starts on 127.0.0.1.
 
 - ``sealing``: what a key costs. For ``disk`` and ``redis``, the tier sealing
   records with a MAC (``mac``: a key) and with AES-256-GCM (``aead``:
@@ -48,7 +53,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -60,8 +65,10 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvtier.keys import KeyNamespace
+from kvtier.testing.mooncake_server import MooncakeStore, mooncake_binaries
 from kvtier.testing.redis_server import RedisServer, redis_server_binary
 from kvtier.tiers.base import StorageTier, TierSpec
+from kvtier.tiers.configs import MooncakeTierConfig
 from kvtier.tiers.disk import DiskTier, DiskTierConfig, aligned_buffer, build_disk_tier
 from kvtier.tiers.redis import RedisTier, RedisTierConfig
 
@@ -480,6 +487,80 @@ def hash_speeds(record_bytes: int, total_mib: int, runs: int = 5) -> dict[str, A
     return speeds
 
 
+def bench_mooncake(
+    args: argparse.Namespace, record_bytes: int, store: MooncakeStore
+) -> dict[str, Any]:
+    from kvtier.tiers.mooncake import MooncakeTier
+
+    count = max(args.mooncake_total_mib * 2**20 // record_bytes, 1)
+    records = payloads(count, record_bytes)
+    config = MooncakeTierConfig.model_validate(
+        {**store.tier_settings(), "queue_depth": count, **io_threads(args)}
+    )
+    tier = MooncakeTier(config, spec(record_bytes))
+    client = store.client()
+    pool = ThreadPoolExecutor(config.io_threads)
+    addresses = [np.frombuffer(record, dtype=np.uint8).ctypes.data for record in records]
+    runs = itertools.count(1)
+    names: list[str] = []
+    batches = [
+        range(start, min(start + args.batch, count)) for start in range(0, count, args.batch)
+    ]
+
+    def next_names() -> None:
+        run = next(runs)
+        names[:] = [f"bare:run-{run}/block-{i}" for i in range(count)]
+
+    def put_batch(b: range) -> None:
+        codes = client.batch_put_from(
+            [names[i] for i in b], [addresses[i] for i in b], [record_bytes] * len(b)
+        )
+        if any(code != 0 for code in codes):
+            raise RuntimeError(f"the bare client's put failed: {codes}")
+
+    def bare_put() -> None:
+        list(pool.map(put_batch, batches))
+
+    def get_batch(b: range) -> list[bytearray]:
+        buffers = [bytearray(record_bytes) for _ in b]
+        codes = client.batch_get_into(
+            [names[i] for i in b],
+            [np.frombuffer(buffer, dtype=np.uint8).ctypes.data for buffer in buffers],
+            [record_bytes] * len(b),
+        )
+        if any(code != record_bytes for code in codes):
+            raise RuntimeError(f"the bare client's get failed: {codes}")
+        return buffers
+
+    read: list[bytearray] = []
+
+    def bare_get() -> None:
+        read[:] = [buffer for buffers in pool.map(get_batch, batches) for buffer in buffers]
+
+    def bare_check() -> None:
+        if read != records:
+            raise RuntimeError("the bare client returned other bytes")
+        read.clear()
+        client.batch_remove(names, force=True)
+        next_names()
+
+    next_names()
+    tier_arm = TierArm(tier, records, args.batch).arm()
+    try:
+        result = measure(
+            tier_arm,
+            Arm(bare_put, bare_get, bare_check),
+            "client",
+            args.repeats,
+            count * record_bytes,
+        )
+    finally:
+        tier.close()
+        pool.shutdown()
+        client.close()
+    return {"record_bytes": record_bytes, "records": count, **result}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -491,6 +572,9 @@ def main() -> int:
     parser.add_argument(
         "--redis-total-mib", type=int, default=256, help="MiB per redis measurement"
     )
+    parser.add_argument(
+        "--mooncake-total-mib", type=int, default=256, help="MiB per mooncake measurement"
+    )
     parser.add_argument("--batch", type=int, default=8, help="records per request or pipeline")
     parser.add_argument(
         "--io-threads", type=int, default=None, help="the tiers' I/O threads (default: each tier's)"
@@ -499,7 +583,10 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=None, help="directory for the disk files")
     parser.add_argument("--redis-url", default=None, help="use this server instead of starting one")
     parser.add_argument(
-        "--skip", choices=("disk", "o_direct", "redis", "sealing"), action="append", default=[]
+        "--skip",
+        choices=("disk", "o_direct", "redis", "sealing", "mooncake"),
+        action="append",
+        default=[],
     )
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",")]
@@ -545,6 +632,20 @@ def main() -> int:
             report["redis"] = [bench_redis(args, size, url) for size in sizes]
         if "sealing" not in args.skip:
             report["sealing"] = bench_sealing(args, sizes, directory, url)
+        if "mooncake" not in args.skip:
+            if mooncake_binaries() is None:
+                print(
+                    "mooncake_master is not installed; skipping the mooncake tier", file=sys.stderr
+                )
+            else:
+                with tempfile.TemporaryDirectory(prefix="kvtier-bench-mooncake-") as name:
+                    # Room for both arms' records with the eviction watermark far away.
+                    segment = max(4 * args.mooncake_total_mib << 20, 64 << 20)
+                    store = MooncakeStore(Path(name), segment_bytes=segment).start()
+                    try:
+                        report["mooncake"] = [bench_mooncake(args, size, store) for size in sizes]
+                    finally:
+                        store.stop()
     report["load_average"]["end"] = os.getloadavg()
     json.dump(report, sys.stdout, indent=2)
     print()
