@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvtier.testing.mooncake_server import mooncake_binaries
 from kvtier.testing.redis_server import redis_server_binary
 from tests.conftest import REPO_ROOT
 
@@ -40,6 +41,8 @@ def test_every_field_the_tier_benchmark_prints_is_documented(tmp_path: Path) -> 
         "1",
         "--redis-total-mib",
         "1",
+        "--mooncake-total-mib",
+        "1",
         "--repeats",
         "2",
         "--dir",
@@ -47,6 +50,8 @@ def test_every_field_the_tier_benchmark_prints_is_documented(tmp_path: Path) -> 
     ]
     if redis_server_binary() is None:
         command += ["--skip", "redis"]
+    if mooncake_binaries() is None:
+        command += ["--skip", "mooncake"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmp_path)}
     run = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
@@ -54,6 +59,8 @@ def test_every_field_the_tier_benchmark_prints_is_documented(tmp_path: Path) -> 
     report = json.loads(run.stdout)
     assert report["disk"][0]["records"] == 64
     assert report["disk_o_direct"], "O_DIRECT arms ran, or say why they were skipped"
+    if mooncake_binaries() is not None:
+        assert report["mooncake"][0]["records"] == 64
     for row in report["disk"]:
         assert 0 < row["put_ratio"]["min"] <= row["put_ratio"]["median"] <= row["put_ratio"]["max"]
     sealing = report["sealing"]
