@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from kvtier.config import load_config
+from kvtier.keys import KeyNamespace
 from kvtier.kinds import STORAGE_TIER
 from kvtier.plugins import default_registry
 from kvtier.testing.contracts_tier import (
@@ -24,6 +26,7 @@ from kvtier.testing.contracts_tier import (
 from kvtier.testing.mooncake_server import MooncakeStore, mooncake_binaries
 from kvtier.testing.redis_server import free_port
 from kvtier.tiers.base import Cause, TierError, TierSpec
+from kvtier.tiers.chain import TierChain
 from kvtier.tiers.configs import MooncakeTierConfig
 from kvtier.tiers.mooncake import MooncakeTier
 from kvtier.tiers.record import RecordCodec, RecordKeys
@@ -110,6 +113,34 @@ def test_the_registry_builds_the_mooncake_tier(mooncake: MooncakeStore) -> None:
         assert isinstance(tier, MooncakeTier) and tier.capacity_bytes is None
     finally:
         tier.close()
+
+
+def test_a_config_builds_the_tier_and_its_counts_are_reported_under_its_name(
+    mooncake: MooncakeStore,
+) -> None:
+    """The per-tier metrics read a chain's counts by tier name: ``mooncake`` here."""
+    mooncake.clear()
+    config = load_config({"tiers": [mooncake.tier_settings()]}, env={})
+    chain = TierChain.from_config(
+        config,
+        record_bytes=RECORD,
+        keys=KeyNamespace("model", "layout", 0, 1),
+        registry=default_registry(),
+    )
+    try:
+        [(name, tier)] = chain.tiers
+        assert name == "mooncake" and isinstance(tier, MooncakeTier)
+        hashes = block_hashes("chain", 2)
+        chain.store(0, hashes, payloads(2, RECORD, seed=5))
+        deadline = time.monotonic() + 10
+        while tier.stats().stores < 2:
+            assert time.monotonic() < deadline, "the chain's stores never reached the store"
+            time.sleep(0.01)
+        counts = chain.take_counts()
+        assert counts["mooncake"]["stores"] == 2
+        assert counts["mooncake"]["bytes_written"] == 2 * RECORD
+    finally:
+        chain.close()
 
 
 def test_records_outlive_the_tier_that_wrote_them(
