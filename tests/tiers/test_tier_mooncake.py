@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -113,6 +115,14 @@ def test_the_registry_builds_the_mooncake_tier(mooncake: MooncakeStore) -> None:
         assert isinstance(tier, MooncakeTier) and tier.capacity_bytes is None
     finally:
         tier.close()
+
+
+def test_kvtier_plugins_lists_the_tier() -> None:
+    listed = subprocess.run(
+        [sys.executable, "-m", "kvtier", "plugins"], capture_output=True, text=True, check=True
+    )
+    rows = [line.split()[:4] for line in listed.stdout.splitlines()]
+    assert ["storage", "tier", "mooncake", "kvtier"] in rows
 
 
 def test_a_config_builds_the_tier_and_its_counts_are_reported_under_its_name(
