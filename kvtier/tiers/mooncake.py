@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kvtier.index.base import BlockKey
+from kvtier.tiers.backoff import Backoff
 from kvtier.tiers.base import Cause, TierError, TierSpec
 from kvtier.tiers.configs import MooncakeTierConfig
 from kvtier.tiers.queued import QueuedTier
@@ -76,51 +75,6 @@ def _address(buffer: memoryview | bytes | bytearray) -> tuple[int, np.ndarray]:
     """The address of ``buffer``'s first byte, and the array that keeps it alive."""
     array = np.frombuffer(buffer, dtype=np.uint8)
     return array.ctypes.data, array
-
-
-class Backoff:
-    """When to call a store again after it stopped answering: a wait doubling per failure."""
-
-    def __init__(self, name: str, where: str, first_s: float, longest_s: float) -> None:
-        self._name = name
-        self._where = where
-        self._first_s = first_s
-        self._longest_s = longest_s
-        self._lock = threading.Lock()
-        self._failures = 0
-        self._next_wait_s = first_s
-        self._retry_at = 0.0
-
-    def waiting(self) -> bool:
-        """Whether the store failed and its wait is not over."""
-        with self._lock:
-            return time.monotonic() < self._retry_at
-
-    def failed(self, reason: str) -> None:
-        """Start, or double, the wait."""
-        with self._lock:
-            wait = min(self._next_wait_s, self._longest_s)
-            self._next_wait_s = 2 * wait
-            self._failures += 1
-            self._retry_at = time.monotonic() + wait
-            first = self._failures == 1
-        if first:
-            logger.warning(
-                "%s tier: %s failed (%s); misses and dropped stores until it answers, "
-                "next try in %.2f s",
-                self._name,
-                self._where,
-                reason,
-                wait,
-            )
-
-    def answered(self) -> None:
-        """The store answered: the next failure waits the first wait again."""
-        with self._lock:
-            recovered, self._failures = self._failures > 0, 0
-            self._next_wait_s = self._first_s
-        if recovered:
-            logger.info("%s tier: %s answers again", self._name, self._where)
 
 
 def _master_answers(address: str) -> str | None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -49,6 +48,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvtier.index.base import BlockKey
+from kvtier.tiers.backoff import Backoff
 from kvtier.tiers.base import Cause, TierError, TierSpec
 from kvtier.tiers.configs import RedisTierConfig
 from kvtier.tiers.queued import QueuedTier
@@ -208,12 +208,9 @@ class RedisTier(QueuedTier):
             tier="redis",
             shared=self.shared,
         )
-        self._backoff_s = config.reconnect_backoff_s
-        self._max_backoff_s = config.reconnect_max_backoff_s
-        self._failures = 0
-        self._next_wait_s = self._backoff_s
-        self._retry_at = 0.0
-        self._health_lock = threading.Lock()
+        self._backoff = Backoff(
+            "redis", self.url, config.reconnect_backoff_s, config.reconnect_max_backoff_s
+        )
         self._buffers = threading.local()
         self._client: Any = None
         try:
@@ -274,23 +271,16 @@ class RedisTier(QueuedTier):
 
     def _batch(self, send: Callable[[], list[Any]]) -> list[Any] | Cause:
         """Run one batch unless backing off: its replies, or why it failed as a whole."""
-        now = time.monotonic()
-        with self._health_lock:
-            backing_off = now < self._retry_at
-        if backing_off:
+        if self._backoff.waiting():
             return Cause.CONNECTION
         try:
             replies = send()
         except _FAILURES as exc:
             cause = _cause_of(exc)
             if cause in (Cause.CONNECTION, Cause.TIMEOUT):
-                self._failed(exc)
+                self._backoff.failed(str(exc))
             return cause
-        with self._health_lock:
-            if self._failures:
-                logger.info("redis tier: %s answers again", self.url)
-            self._failures = 0
-            self._next_wait_s = self._backoff_s
+        self._backoff.answered()
         return replies
 
     def _pipeline(
@@ -375,22 +365,6 @@ class RedisTier(QueuedTier):
             raise
         finally:
             pool.release(connection)
-
-    def _failed(self, exc: BaseException) -> None:
-        with self._health_lock:
-            wait = min(self._next_wait_s, self._max_backoff_s)
-            self._next_wait_s = 2 * wait
-            self._failures += 1
-            self._retry_at = time.monotonic() + wait
-            first = self._failures == 1
-        if first:
-            logger.warning(
-                "redis tier: %s failed (%s); misses and dropped stores until it answers, "
-                "next try in %.2f s",
-                self.url,
-                exc,
-                wait,
-            )
 
     def _read_bound(self, key: BlockKey) -> int:
         """The last byte a read of ``key`` asks for: one past its record, so that a longer
