@@ -1,4 +1,4 @@
-"""End to end: real vLLM on CPU with disk and Redis tiers below a host tier too small to hold much.
+"""End to end: real vLLM on CPU with disk, Redis and Mooncake tiers below a small host tier.
 
 Engines run one after another in this process (vLLM keeps one worker connector
 per process): each serves the same prompts, and every engine's tokens must
@@ -195,3 +195,31 @@ def test_a_disk_that_fills_up_drops_stores_and_keeps_tokens_right(
     assert got == expected[:4]
     counts = stats.tiers["disk"]
     assert counts["errors.no_space"] > 0 and counts["drops"] >= counts["errors.no_space"]
+
+
+@pytest.fixture(scope="module")
+def mooncake_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from kvtier.testing.mooncake_server import MooncakeStore, mooncake_binaries
+
+    if mooncake_binaries() is None:
+        pytest.skip("mooncake_master is not installed; `make install` installs kvtier[mooncake]")
+    store = MooncakeStore(tmp_path_factory.mktemp("mooncake")).start()
+    yield store
+    store.stop()
+
+
+def test_two_engines_one_after_the_other_share_a_mooncake_store(
+    model_dir: str,  # noqa: F811
+    mooncake_store: Any,  # noqa: ANN401
+    first_run: tuple[list[list[int]], OffloadStats],
+) -> None:
+    expected, _ = first_run
+    config = {"cpu_bytes": HOST_BYTES, "tiers": [mooncake_store.tier_settings()]}
+    got, first = run(model_dir, config, PROMPTS)
+    assert got == expected
+    assert first.demoted_blocks > 0 and first.tiers["mooncake"]["stores"] > 0
+    # the second engine finds what the first one demoted, and its tokens stay the same
+    got, second = run(model_dir, config, PROMPTS[:3])
+    assert got == expected[:3]
+    assert second.promoted_blocks > 0
+    assert second.tiers["mooncake"]["hits"] >= second.promoted_blocks
