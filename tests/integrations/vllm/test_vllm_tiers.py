@@ -209,7 +209,7 @@ def mooncake_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 def test_two_engines_one_after_the_other_share_a_mooncake_store(
-    model_dir: str,  # noqa: F811
+    model_dir: str,
     mooncake_store: Any,  # noqa: ANN401
     first_run: tuple[list[list[int]], OffloadStats],
 ) -> None:
