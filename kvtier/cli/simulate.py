@@ -7,6 +7,12 @@ FILE.png``). With ``--trace-state N`` each policy's own counters
 (:meth:`~kvtier.index.EvictionPolicy.state`) are sampled every N requests and
 written to the JSON and the plot.
 
+With ``--fleet N`` the trace is replayed across N engines, each with its own
+host tier, over the tiers below it shared (``--tiers``), routed by
+``--routing``; ``--fleet-sweep`` replays 1, 2, 4, ... N engines and
+``--shared-target`` searches the shared capacity that reaches a fraction of
+an unbounded one's hit rate (:mod:`kvtier.simulator.fleet`).
+
 Policies come from ``--policies`` (``NAME`` or ``NAME:KEY=VALUE[:KEY=VALUE...]``,
 quoting a value that holds ``,``, ``:`` or ``=``) and ``--policy-file`` (JSON
 or YAML); see :mod:`kvtier.simulator.policies`.
@@ -25,6 +31,7 @@ from kvtier.config.units import parse_bytes
 from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
 from kvtier.simulator import simulate
+from kvtier.simulator.fleet import ROUTINGS, Routing, fleet_sizes, simulate_fleet
 from kvtier.simulator.generate import WORKLOADS, generate_trace
 from kvtier.simulator.policies import (
     PolicyError,
@@ -33,12 +40,21 @@ from kvtier.simulator.policies import (
     read_policy_file,
     split_unquoted,
 )
-from kvtier.simulator.report import format_table, plot_hit_rates, summarize
+from kvtier.simulator.report import (
+    format_fleet_table,
+    format_table,
+    plot_fleet,
+    plot_hit_rates,
+    summarize,
+    summarize_fleet,
+)
 from kvtier.simulator.tiers import LowerChain, parse_tiers
 from kvtier.simulator.traces import TraceError, TraceRequest, check_trace_file, load_trace
 
 DEFAULT_CAPACITIES = "500,1000,2000,4000,8000,16000,32000"
 SYNTHETIC_PREFIX = "synthetic:"
+MAX_FLEET = 1024
+"""Most engines a fleet replay builds (each with its own manager and host tier index)."""
 MAX_CAPACITY_BLOCKS = 1 << 24
 """Largest tier replayed, in blocks: each policy's index keeps about 50 bytes per slot
 (about 800 MiB at this size, which is 2 TiB of 128 KiB blocks)."""
@@ -91,7 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "replaces --capacities",
     )
     parser.add_argument(
-        "--block-bytes", help="bytes per block (one KV block, all layers), for --capacity-bytes"
+        "--block-bytes",
+        help="bytes per block (one KV block, all layers), for --capacity-bytes and a fleet's "
+        "shared tier bytes per second",
     )
     parser.add_argument(
         "--device-blocks",
@@ -104,6 +122,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("eager", "lazy"),
         default="eager",
         help="eager: store every computed block; lazy: store blocks the device cache evicts",
+    )
+    parser.add_argument(
+        "--lower-writes",
+        choices=("eviction", "store"),
+        default="eviction",
+        help="with --tiers, when the tiers below the host tier are written: as the host tier "
+        "evicts a block (as the offload path does; default) or as soon as it stores one "
+        "(write-through; eager stores only)",
     )
     parser.add_argument(
         "--no-belady", action="store_true", help="skip the Belady (farthest next use) bound"
@@ -133,8 +159,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=4000,
         help="requests in a synthetic trace (default: 4000)",
     )
+    parser.add_argument(
+        "--fleet",
+        metavar="N",
+        type=int,
+        help="replay the trace across N engines, each with its own host tier (and device "
+        "cache), sharing the tiers below it that --tiers names",
+    )
+    parser.add_argument(
+        "--routing",
+        default="round_robin",
+        help="with --fleet, how requests reach engines, a comma list to compare several: "
+        "round_robin (in turn) or prefix_affinity (by a hash of the first block); "
+        "default round_robin",
+    )
+    parser.add_argument(
+        "--fleet-sweep",
+        action="store_true",
+        help="with --fleet N, replay fleets of 1, 2, 4, ... N engines",
+    )
+    parser.add_argument(
+        "--shared-target",
+        metavar="FRACTION",
+        type=float,
+        help="with --fleet, also search the smallest capacity of the last shared tier whose "
+        "hit rate reaches FRACTION (e.g. 0.9) of an unbounded one's",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--plot", metavar="FILE.png", help="write hit rate vs capacity to FILE.png")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="write hit rate vs capacity (with --fleet: hit rate, shared traffic and sizing vs "
+        "engines) to FILE.png",
+    )
 
 
 class UsageError(ValueError):
@@ -155,17 +212,15 @@ def _capacities(args: argparse.Namespace) -> list[int]:
         except ValueError as exc:
             raise UsageError(f"--capacities must be whole numbers of blocks: {exc}") from exc
     else:
-        if args.block_bytes is None:
+        block_bytes = _block_bytes(args)
+        if block_bytes is None:
             raise UsageError("--capacity-bytes needs --block-bytes (the size of one block)")
         try:
-            block_bytes = parse_bytes(args.block_bytes)
             sizes = [
                 parse_bytes(size) for size in _parse_list(args.capacity_bytes, "--capacity-bytes")
             ]
         except ValueError as exc:
-            raise UsageError(f"--capacity-bytes/--block-bytes: {exc}") from exc
-        if block_bytes <= 0:
-            raise UsageError("--block-bytes must be positive")
+            raise UsageError(f"--capacity-bytes: {exc}") from exc
         capacities = [size // block_bytes for size in sizes]
     if any(capacity <= 0 for capacity in capacities):
         raise UsageError(f"every capacity must hold at least one block, got {capacities}")
@@ -194,6 +249,11 @@ def _check_options(args: argparse.Namespace) -> None:
         raise UsageError("--device-blocks must not be negative")
     if args.store_mode == "lazy" and args.device_blocks <= 0:
         raise UsageError("--store-mode lazy needs a device cache: give --device-blocks")
+    if args.lower_writes == "store" and args.store_mode == "lazy":
+        raise UsageError(
+            "--lower-writes store writes what the host tier stores as it is computed; "
+            "use it with --store-mode eager"
+        )
     if args.plot:
         if importlib.util.find_spec("matplotlib") is None:
             raise UsageError("--plot needs matplotlib; install it with 'pip install matplotlib'")
@@ -210,6 +270,52 @@ def _check_options(args: argparse.Namespace) -> None:
                 f"--plot {args.plot}: name the file with one of the suffixes "
                 f"{', '.join('.' + name for name in sorted(formats))}"
             )
+
+
+def _check_fleet(args: argparse.Namespace, lower_chains: list[LowerChain]) -> list[Routing]:
+    """Refuse fleet options given alone or out of range; return the routings to replay."""
+    if args.fleet is None:
+        for option, given in (
+            ("--fleet-sweep", args.fleet_sweep),
+            ("--shared-target", args.shared_target is not None),
+            ("--routing", args.routing != "round_robin"),
+        ):
+            if given:
+                raise UsageError(f"{option} needs --fleet N (the number of engines)")
+        return []
+    if not 1 <= args.fleet <= MAX_FLEET:
+        raise UsageError(f"--fleet must be from 1 to {MAX_FLEET} engines, got {args.fleet}")
+    if not all(lower_chains):
+        raise UsageError(
+            "--fleet needs the shared tiers below the host tier: give --tiers, e.g. "
+            "host=4000,redis=64000"
+        )
+    if args.trace_state is not None:
+        raise UsageError("--trace-state is not recorded in a fleet replay; drop it or --fleet")
+    if args.shared_target is not None and not 0 < args.shared_target <= 1:
+        raise UsageError(
+            f"--shared-target is a fraction of the unbounded hit rate in (0, 1], "
+            f"got {args.shared_target}"
+        )
+    routings = _parse_list(args.routing, "--routing")
+    unknown = [routing for routing in routings if routing not in ROUTINGS]
+    if unknown:
+        raise UsageError(
+            f"--routing {', '.join(map(repr, unknown))}: choose {' or '.join(ROUTINGS)}"
+        )
+    return routings  # type: ignore[return-value]
+
+
+def _block_bytes(args: argparse.Namespace) -> int | None:
+    if args.block_bytes is None:
+        return None
+    try:
+        block_bytes = parse_bytes(args.block_bytes)
+    except ValueError as exc:
+        raise UsageError(f"--block-bytes: {exc}") from exc
+    if block_bytes <= 0:
+        raise UsageError("--block-bytes must be positive")
+    return block_bytes
 
 
 def _policies(args: argparse.Namespace) -> list[PolicySpec]:
@@ -252,9 +358,18 @@ def run(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 raise UsageError(f"--tiers {exc}") from None
         _check_options(args)
+        routings = _check_fleet(args, lower_chains)
+        block_bytes = _block_bytes(args)
         if not args.trace.startswith(SYNTHETIC_PREFIX):
             check_trace_file(args.trace)
         policies = _policies(args)
+        if args.fleet is not None and len(policies) != 1:
+            if args.policies is not None or args.policy_file is not None:
+                raise UsageError(
+                    f"--fleet replays one host tier policy; {len(policies)} were given "
+                    f"({', '.join(spec.label for spec in policies)})"
+                )
+            policies = [parse_policy(BLOCK_INDEX.default)]
         requests = _trace(args)
     except (UsageError, PolicyError, TraceError) as exc:
         print(f"kvtier simulate: {exc}", file=sys.stderr)
@@ -265,25 +380,44 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"kvtier simulate: cannot read {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
-    results = simulate(
-        requests,
-        policies,
-        capacities,
-        belady=not args.no_belady,
-        device_blocks=args.device_blocks,
-        store_mode=args.store_mode,
-        show_progress=sys.stderr.isatty(),
-        lower_chains=lower_chains,
-        state_every=args.trace_state or 0,
-    )
-    summary = summarize(args.trace, requests, results)
+    if args.fleet is not None:
+        runs = simulate_fleet(
+            requests,
+            policies[0],
+            capacities,
+            lower_chains,
+            fleet_sizes(args.fleet) if args.fleet_sweep else [args.fleet],
+            routings,
+            device_blocks=args.device_blocks,
+            store_mode=args.store_mode,
+            lower_writes=args.lower_writes,
+            target_fraction=args.shared_target,
+            show_progress=sys.stderr.isatty(),
+        )
+        summary = summarize_fleet(args.trace, requests, runs, block_bytes)
+        table, plot = format_fleet_table, plot_fleet
+    else:
+        results = simulate(
+            requests,
+            policies,
+            capacities,
+            belady=not args.no_belady,
+            device_blocks=args.device_blocks,
+            store_mode=args.store_mode,
+            show_progress=sys.stderr.isatty(),
+            lower_chains=lower_chains,
+            lower_writes=args.lower_writes,
+            state_every=args.trace_state or 0,
+        )
+        summary = summarize(args.trace, requests, results)
+        table, plot = format_table, plot_hit_rates
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        print(format_table(summary))
+        print(table(summary))
     if args.plot:
         try:
-            plot_hit_rates(summary, args.plot)
+            plot(summary, args.plot)
         except OSError as exc:
             print(f"kvtier simulate: cannot write {args.plot}: {exc.strerror}", file=sys.stderr)
             return 1

@@ -25,7 +25,7 @@ from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
 from kvtier.simulator.belady import belady_index
 from kvtier.simulator.policies import PolicySpec, parse_policy
-from kvtier.simulator.replay import REPLAY_NAMESPACE, ReplayResult, replay
+from kvtier.simulator.replay import REPLAY_NAMESPACE, LowerWrites, ReplayResult, replay
 from kvtier.simulator.report import BELADY
 from kvtier.simulator.tiers import LowerChain
 from kvtier.simulator.traces import TraceRequest
@@ -45,6 +45,7 @@ def simulate(
     store_mode: str = "eager",
     show_progress: bool = False,
     lower_chains: Sequence[LowerChain] = ((),),
+    lower_writes: LowerWrites = "eviction",
     state_every: int = 0,
 ) -> list[ReplayResult]:
     """Replay ``requests`` once per policy and capacity (plus the Belady bound).
@@ -61,6 +62,8 @@ def simulate(
         show_progress: Draw a progress bar on stderr.
         lower_chains: Tiers below the host tier to replay each capacity over, one
             chain at a time (see :mod:`kvtier.simulator.tiers`); ``((),)`` for none.
+        lower_writes: When the lower tiers are written: as the host tier evicts a block,
+            or as it stores one (see :data:`kvtier.simulator.replay.LowerWrites`).
         state_every: Sample each policy's :meth:`~kvtier.index.EvictionPolicy.state`
             every this many requests into :attr:`ReplayResult.state`; 0 for never.
 
@@ -102,6 +105,7 @@ def simulate(
                     before_request=hook,
                     progress=bar.update,
                     lower_tiers=chain,
+                    lower_writes=lower_writes,
                 )
                 if tracked is not None:
                     samples.append({"request": len(requests), **tracked.policy.state()})

@@ -29,8 +29,11 @@ With lower tiers (``lower_tiers``), each is a directory of the given capacity
 (LRU) on the instant worker side: a host miss is looked up down the chain as
 the manager plans it (a promotion; the lookup is asked again once the
 promotion is reported), and every block the host tier evicts is written to
-every lower tier. :attr:`ReplayResult.lower_hits` says how many of the tier
-hits each lower tier supplied.
+every lower tier, as the offload path writes them; with ``lower_writes="store"``
+every block the host tier stores is written to every lower tier at once instead
+(write-through). :attr:`ReplayResult.lower_hits` says how many of the tier
+hits each lower tier supplied. :class:`EngineReplay` is one engine's side of
+this, so a fleet of them can share lower tiers (:mod:`kvtier.simulator.fleet`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
 from kvtier.simulator.traces import TraceRequest
 
 StoreMode = Literal["eager", "lazy"]
+LowerWrites = Literal["eviction", "store"]
+"""When blocks reach the lower tiers: as the host tier evicts them (what the offload path
+does), or as soon as the host tier stores them (write-through; eager stores only)."""
 
 REPLAY_NAMESPACE = KeyNamespace()
 """The namespace the replay's manager turns trace keys into index keys with."""
@@ -137,6 +143,7 @@ def replay(
     before_request: Callable[[int], None] | None = None,
     progress: Callable[[int], None] | None = None,
     lower_tiers: Sequence[tuple[str, int]] = (),
+    lower_writes: LowerWrites = "eviction",
 ) -> ReplayResult:
     """Replay ``requests`` through an offload manager over ``index``; count hits, stores, evictions.
 
@@ -151,43 +158,89 @@ def replay(
         before_request: Called with each request's position before it is replayed.
         progress: Called with the number of requests replayed since the last call.
         lower_tiers: Tiers below the host tier, in lookup order: (name, capacity in blocks).
+        lower_writes: When blocks are written to the lower tiers (see :data:`LowerWrites`).
 
     Returns:
         The replay's counts.
     """
-    if store_mode == "lazy" and device_blocks <= 0:
-        raise ValueError(
-            "lazy store mode stores blocks as the device cache evicts them; "
-            "give the device cache a size (device_blocks > 0)"
-        )
-    device = DeviceCache(device_blocks) if device_blocks > 0 else None
-    # One token stands for one block: the manager only ever counts whole blocks.
-    manager = OffloadManager(
+    engine = EngineReplay(
         index,
-        block_tokens=1,
-        record_bytes=1,
-        world_size=world_size,
+        [LowerTier(name, capacity) for name, capacity in lower_tiers],
+        device_blocks=device_blocks,
         store_mode=store_mode,
-        namespace=REPLAY_NAMESPACE,
-        lower_tiers=bool(lower_tiers),
+        world_size=world_size,
+        lower_writes=lower_writes,
     )
-    chain = [_LowerTier(name, capacity) for name, capacity in lower_tiers]
-    blocks = device_hits = 0
     started = time.perf_counter()
     for position, request in enumerate(requests):
         if before_request is not None:
             before_request(position)
+        engine.serve(position, request)
+        if progress is not None:
+            progress(1)
+    return engine.result(policy_name, time.perf_counter() - started)
+
+
+class EngineReplay:
+    """One engine's replay: its offload manager over its host tier's index, its device cache.
+
+    The lower tiers are given, so several engines can share them (see
+    :mod:`kvtier.simulator.fleet`); :meth:`serve` replays one request.
+    """
+
+    def __init__(
+        self,
+        index: BlockIndex,
+        lower_tiers: Sequence[LowerTier] = (),
+        *,
+        device_blocks: int = 0,
+        store_mode: StoreMode = "eager",
+        world_size: int = 1,
+        lower_writes: LowerWrites = "eviction",
+    ) -> None:
+        if store_mode == "lazy" and device_blocks <= 0:
+            raise ValueError(
+                "lazy store mode stores blocks as the device cache evicts them; "
+                "give the device cache a size (device_blocks > 0)"
+            )
+        if lower_writes == "store" and store_mode != "eager":
+            raise ValueError("writing lower tiers on store needs eager stores")
+        self.device = DeviceCache(device_blocks) if device_blocks > 0 else None
+        self.store_mode = store_mode
+        # One token stands for one block: the manager only ever counts whole blocks.
+        self.manager = OffloadManager(
+            index,
+            block_tokens=1,
+            record_bytes=1,
+            world_size=world_size,
+            store_mode=store_mode,
+            namespace=REPLAY_NAMESPACE,
+            lower_tiers=bool(lower_tiers),
+        )
+        self.index = index
+        self.chain = list(lower_tiers)
+        self.requests = 0
+        self.blocks = 0
+        self.device_hits = 0
+        self.lower_writes = lower_writes
+
+    def serve(self, position: int, request: TraceRequest) -> None:
+        """Replay ``request``, the trace's ``position``-th, from lookup to finish."""
+        manager, device, chain = self.manager, self.device, self.chain
         keys = request.keys
+        # One request at a time, finished before the next: every store in these steps is its.
+        written_on_store = keys if self.lower_writes == "store" else None
         request_id = str(position)
         num_blocks = len(keys)
-        blocks += num_blocks
+        self.requests += 1
+        self.blocks += num_blocks
         on_device = device.lookup(keys) if device is not None else 0
-        device_hits += on_device
+        self.device_hits += on_device
         block_ids = [range(num_blocks)]
         hits = manager.lookup(request_id, keys, on_device, num_blocks)
         if hits is None:
             # a promotion: the instant workers answer it in the next step
-            _step(manager, (), chain)
+            _step(manager, (), chain, written_on_store)
             hits = manager.lookup(request_id, keys, on_device, num_blocks)
             assert hits is not None, "an instant promotion is answered in one step"
         manager.allocated(request_id, keys, block_ids, on_device, hits)
@@ -195,36 +248,43 @@ def replay(
         candidates: list[LazyCandidate] = []
         if device is not None:
             evicted = device.use(keys)
-            if store_mode == "lazy":
+            if self.store_mode == "lazy":
                 candidates = [LazyCandidate(key, 0, 0) for key, _ in evicted]
-        _step(manager, candidates, chain)
+        _step(manager, candidates, chain, written_on_store)
         if manager.finished(request_id, num_blocks):
-            _step(manager, (), chain)
-        if progress is not None:
-            progress(1)
-    stats = manager.stats()
-    return ReplayResult(
-        policy=policy_name,
-        capacity_blocks=index.num_slots,
-        requests=len(requests),
-        blocks=blocks,
-        device_hits=device_hits,
-        tier_hits=stats.loaded_blocks,
-        stored=stats.stored_blocks,
-        evicted=stats.evicted_blocks,
-        seconds=time.perf_counter() - started,
-        lower_tiers=tuple(lower_tiers),
-        lower_hits=tuple((tier.name, tier.served) for tier in chain),
-    )
+            _step(manager, (), chain, written_on_store)
+
+    def result(self, policy_name: str, seconds: float) -> ReplayResult:
+        """The counts so far, with the lower tiers' (shared ones: every engine's) hits."""
+        stats = self.manager.stats()
+        return ReplayResult(
+            policy=policy_name,
+            capacity_blocks=self.index.num_slots,
+            requests=self.requests,
+            blocks=self.blocks,
+            device_hits=self.device_hits,
+            tier_hits=stats.loaded_blocks,
+            stored=stats.stored_blocks,
+            evicted=stats.evicted_blocks,
+            seconds=seconds,
+            lower_tiers=tuple((tier.name, tier.capacity) for tier in self.chain),
+            lower_hits=tuple((tier.name, tier.served) for tier in self.chain),
+        )
 
 
-class _LowerTier:
-    """A lower tier's directory on the instant worker side: which keys it holds, LRU."""
+class LowerTier:
+    """A lower tier's directory on the instant worker side: which keys it holds, LRU.
+
+    Counts the blocks it served (:attr:`served`) and the blocks written to it
+    (:attr:`written`: every demotion, held before or not, as the tiers write them).
+    """
 
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name
+        self.capacity = capacity
         self.index = PolicyIndex(capacity, LRUPolicy())
         self.served = 0
+        self.written = 0
 
     def holds(self, key: BlockKey) -> bool:
         if not self.index.lookup([key]):
@@ -233,28 +293,46 @@ class _LowerTier:
         return True
 
     def put(self, key: BlockKey) -> None:
+        self.written += 1
         if self.index.reserve([key])[0] is not None:
             self.index.commit([key])
         self.index.take_events()
 
 
 def _step(
-    manager: OffloadManager, candidates: Sequence[LazyCandidate], chain: Sequence[_LowerTier]
+    manager: OffloadManager,
+    candidates: Sequence[LazyCandidate],
+    chain: Sequence[LowerTier],
+    written_on_store: Sequence[BlockKey] | None = None,
 ) -> None:
     """One engine step: plan, and every rank reports every copy done at once."""
     plan = manager.build_plan(candidates)
-    manager.process(_instant_reports(plan, manager.world_size, chain))
+    manager.process(_instant_reports(plan, manager.world_size, chain, written_on_store))
 
 
 def _instant_reports(
-    plan: TransferPlan, world_size: int, chain: Sequence[_LowerTier]
+    plan: TransferPlan,
+    world_size: int,
+    chain: Sequence[LowerTier],
+    written_on_store: Sequence[BlockKey] | None = None,
 ) -> list[WorkerReport]:
-    """Each rank's report of ``plan`` on a worker side where every copy completes at once."""
+    """Each rank's report of ``plan`` on a worker side where every copy completes at once.
+
+    With ``written_on_store`` (the trace keys of the request being replayed, whose device
+    block ``i`` holds key ``i``), the blocks stored to the host tier are written to every
+    lower tier at once, and demotions are not written again.
+    """
     done = {transfer.batch_id: 1 for transfer in (*plan.stores, *plan.loads)}
-    for demotion in plan.demotions:
-        for block_hash in demotion.block_hashes:
-            for tier in chain:
-                tier.put(REPLAY_NAMESPACE.key(block_hash, demotion.group))
+    if written_on_store is None:
+        for demotion in plan.demotions:
+            for block_hash in demotion.block_hashes:
+                for tier in chain:
+                    tier.put(REPLAY_NAMESPACE.key(block_hash, demotion.group))
+    else:
+        for store in plan.stores:
+            for block in store.device_blocks:
+                for tier in chain:
+                    tier.put(REPLAY_NAMESPACE.key(written_on_store[block], store.group))
     promoted = {}
     for promotion in plan.promotions:
         keys = REPLAY_NAMESPACE.keys(promotion.block_hashes, promotion.group)
