@@ -7,6 +7,8 @@ use) bound is replayed alongside. :func:`simulate` returns the prefix hit rate
 of each policy at each capacity with the blocks stored, loaded and evicted;
 :mod:`kvtier.simulator.report` turns them into a table, JSON or a plot, and
 ``kvtier simulate`` (:mod:`kvtier.cli.simulate`) runs it from the command line.
+:mod:`kvtier.simulator.fleet` replays a trace across a fleet of engines over
+shared lower tiers and sizes the shared tier.
 """
 
 from __future__ import annotations
