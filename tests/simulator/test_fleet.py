@@ -23,7 +23,7 @@ from kvtier.simulator.policies import parse_policy
 from kvtier.simulator.replay import LowerWrites, replay
 from kvtier.simulator.report import summarize_fleet
 from kvtier.simulator.traces import TraceRequest
-from tests.simulator.test_simulator import parse, requests_of
+from tests.simulator.conftest import parse, requests_of
 
 
 def lru(slots: int) -> BlockIndex:

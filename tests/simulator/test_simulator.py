@@ -19,9 +19,9 @@ from kvtier.simulator import simulate
 from kvtier.simulator.generate import WORKLOADS, generate_records, generate_trace
 from kvtier.simulator.policies import PolicyError, parse_policy, split_unquoted
 from kvtier.simulator.replay import replay
-from kvtier.simulator.traces import TraceError, TraceRequest, load_trace, mooncake_key
+from kvtier.simulator.traces import TraceError, load_trace, mooncake_key
 from tests.conftest import REPO_ROOT
-from tests.simulator.conftest import parse
+from tests.simulator.conftest import parse, requests_of
 
 MOONCAKE_TRACE = REPO_ROOT / ".." / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 
@@ -29,10 +29,6 @@ MOONCAKE_TRACE = REPO_ROOT / ".." / "shared" / "traces" / "mooncake_synthetic_tr
 def write_lines(path: Path, records: list[object]) -> Path:
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return path
-
-
-def requests_of(*chains: list[int]) -> list[TraceRequest]:
-    return [TraceRequest(0.0, tuple(mooncake_key(h) for h in chain)) for chain in chains]
 
 
 def test_loads_both_formats(tmp_path: Path) -> None:
