@@ -106,7 +106,11 @@ def doc_configs() -> Iterator[tuple[str, Any]]:
                 yield f"{name}:{line}", data
         for match in KV_TRANSFER_CONFIG.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
-            extra = json.loads(match.group(1))["kv_connector_extra_config"]
+            transfer = json.loads(match.group(1))
+            # Another connector's extra config (vLLM's own offloading) is not a kvtier config.
+            if transfer["kv_connector"] != "KVTierConnector":
+                continue
+            extra = transfer["kv_connector_extra_config"]
             # A file the extra config names is read as a file; the key itself is no setting.
             extra.pop(CONFIG_FILE_KEY, None)
             if extra:
