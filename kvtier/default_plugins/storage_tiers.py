@@ -17,3 +17,4 @@ def register_storage_tiers(register: Register[StorageTierFactory]) -> None:
         LazyFactory("kvtier.tiers.mooncake", "build_mooncake_tier"),
         configs.MooncakeTierConfig,
     )
+    register("s3", LazyFactory("kvtier.tiers.s3", "build_s3_tier"), configs.S3TierConfig)

@@ -1,4 +1,4 @@
-"""Storage tiers below the engine's own KV cache: host memory first, then disk and Redis.
+"""Storage tiers below the engine's own KV cache: host memory first, then disk, Redis and S3.
 
 The names below load on first use: validating a config imports only the tiers'
 config models (:mod:`kvtier.tiers.configs`), never the host tier's torch or the

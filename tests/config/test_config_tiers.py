@@ -98,9 +98,9 @@ def test_every_problem_is_one_line_naming_the_entry(registry: Registry) -> None:
     ) == [
         "explicit: tiers[0].path: Field required (got nothing)",
         "explicit: tiers[1].type: unknown storage tier type; installed: disk, memory, mooncake, "
-        "redis (got 'dsk')",
+        "redis, s3 (got 'dsk')",
         "explicit: tiers[2]: missing 'type'; installed storage tier types: disk, memory, "
-        "mooncake, redis (got {'blocks': 1})",
+        "mooncake, redis, s3 (got {'blocks': 1})",
         "explicit: tiers[3].blocks: Input should be greater than 0 (got 0)",
         "explicit: tiers[3].color: unknown key; valid keys here: blocks, type (got 'red')",
     ]

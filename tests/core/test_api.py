@@ -52,5 +52,6 @@ def test_listing_plugins_and_validating_a_config_import_no_implementation() -> N
         "kvtier.tiers.queued",
         "kvtier.tiers.disk",
         "kvtier.tiers.redis",
+        "kvtier.tiers.s3",
     }
     assert imported.isdisjoint(implementations)
