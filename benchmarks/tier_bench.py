@@ -1,6 +1,6 @@
 """Storage-tier bandwidth, 256 KiB to 2 MiB records, against the bare I/O in the same run.
 
-Three comparisons, each pair of arms run in turn ``--repeats`` times
+The comparisons, each pair of arms run in turn ``--repeats`` times
 (alternating, so both see the same machine), medians reported in GB/s:
 
 - ``disk``: the disk tier's put and get of N records (header, checksum, index,
@@ -20,7 +20,13 @@ Three comparisons, each pair of arms run in turn ``--repeats`` times
   into a new buffer like the tier's) in batches of the same size, from as many
   threads as the tier has I/O threads, on a ``mooncake_master`` and a
   memory-holding ``mooncake_client`` the benchmark starts on 127.0.0.1.
-
+- ``s3``: the s3 tier's put and get against bare boto3 ``put_object`` and
+  ``get_object`` of the same payloads, one object per record, from as many
+  threads as the tier has I/O threads, each taking a batch of the same size;
+  on moto's S3 server, which the benchmark starts in a child process (or
+  ``--s3-endpoint`` with ``--s3-bucket``, credentials from the AWS chain).
+  The tier runs with ``chunk_blocks: 1`` so that both arms write the same
+  objects.
 - ``sealing``: what a key costs. For ``disk`` and ``redis``, the tier sealing
   records with a MAC (``mac``: a key) and with AES-256-GCM (``aead``:
   ``encrypt: true``), each against the same tier sealing them with checksums
@@ -58,6 +64,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import blake3
+import boto3
+import botocore.config
 import numpy as np
 import redis
 import xxhash
@@ -67,10 +75,12 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from kvtier.keys import KeyNamespace
 from kvtier.testing.mooncake_server import MooncakeStore, mooncake_binaries
 from kvtier.testing.redis_server import RedisServer, redis_server_binary
+from kvtier.testing.s3_server import MotoS3Server, aws_test_environment
 from kvtier.tiers.base import StorageTier, TierSpec
 from kvtier.tiers.configs import MooncakeTierConfig
 from kvtier.tiers.disk import DiskTier, DiskTierConfig, aligned_buffer, build_disk_tier
 from kvtier.tiers.redis import RedisTier, RedisTierConfig
+from kvtier.tiers.s3 import S3Tier, S3TierConfig
 
 TARGET_RATIO = 0.8
 SEALING_TARGET_RATIO = 0.9
@@ -561,6 +571,93 @@ def bench_mooncake(
     return {"record_bytes": record_bytes, "records": count, **result}
 
 
+def bench_s3(args: argparse.Namespace, record_bytes: int, config: S3TierConfig) -> dict[str, Any]:
+    count = max(args.s3_total_mib * 2**20 // record_bytes, 1)
+    records = payloads(count, record_bytes)
+    tier = S3Tier(config.model_copy(update={"queue_depth": count}), spec(record_bytes))
+    client = boto3.session.Session(profile_name=config.profile).client(
+        "s3",
+        endpoint_url=config.endpoint_url,
+        region_name=config.region or ("us-east-1" if config.endpoint_url else None),
+        config=botocore.config.Config(
+            max_pool_connections=config.io_threads,
+            s3={"addressing_style": config.addressing_style},
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        ),
+    )
+    threads = ThreadPoolExecutor(config.io_threads)
+    runs = itertools.count(1)
+    names: list[str] = []
+    batches = [
+        range(start, min(start + args.batch, count)) for start in range(0, count, args.batch)
+    ]
+
+    def next_names() -> None:
+        run = next(runs)
+        names[:] = [f"{config.prefix}bare/run-{run}/block-{i}" for i in range(count)]
+
+    def put_batch(batch: range) -> None:
+        for i in batch:
+            client.put_object(Bucket=config.bucket, Key=names[i], Body=records[i])
+
+    def get_batch(batch: range) -> list[bytes]:
+        return [client.get_object(Bucket=config.bucket, Key=names[i])["Body"].read() for i in batch]
+
+    read: list[bytes] = []
+
+    def bare_put() -> None:
+        list(threads.map(put_batch, batches))
+
+    def bare_get() -> None:
+        read[:] = [record for got in threads.map(get_batch, batches) for record in got]
+
+    def bare_check() -> None:
+        if read != records:
+            raise RuntimeError("the bare boto3 client returned other bytes")
+        read.clear()
+        for start in range(0, count, 1000):
+            objects = [{"Key": name} for name in names[start : start + 1000]]
+            client.delete_objects(Bucket=config.bucket, Delete={"Objects": objects})
+        next_names()
+
+    next_names()
+    tier_arm = TierArm(tier, records, args.batch).arm()
+    try:
+        result = measure(
+            tier_arm,
+            Arm(bare_put, bare_get, bare_check),
+            "boto3",
+            args.repeats,
+            count * record_bytes,
+        )
+    finally:
+        tier.close()
+        threads.shutdown()
+        client.close()
+    return {"record_bytes": record_bytes, "records": count, **result}
+
+
+def s3_config(args: argparse.Namespace, server: MotoS3Server | None) -> S3TierConfig:
+    """The tier's config: on the server started here, or on ``--s3-endpoint``."""
+    fields: dict[str, Any] = {"chunk_blocks": 1, "prefix": "kvtier-bench/", **io_threads(args)}
+    if server is not None:
+        return S3TierConfig(
+            bucket=server.create_bucket("kvtier-bench"),
+            endpoint_url=server.url,
+            addressing_style="path",
+            # moto is slow to answer on a busy machine.
+            timeout_s=60.0,
+            **fields,
+        )
+    return S3TierConfig(
+        bucket=args.s3_bucket,
+        endpoint_url=args.s3_endpoint,
+        addressing_style=args.s3_addressing_style,
+        **fields,
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -575,6 +672,7 @@ def main() -> int:
     parser.add_argument(
         "--mooncake-total-mib", type=int, default=256, help="MiB per mooncake measurement"
     )
+    parser.add_argument("--s3-total-mib", type=int, default=64, help="MiB per s3 measurement")
     parser.add_argument("--batch", type=int, default=8, help="records per request or pipeline")
     parser.add_argument(
         "--io-threads", type=int, default=None, help="the tiers' I/O threads (default: each tier's)"
@@ -583,18 +681,32 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=None, help="directory for the disk files")
     parser.add_argument("--redis-url", default=None, help="use this server instead of starting one")
     parser.add_argument(
+        "--s3-endpoint", default=None, help="use this S3 server instead of starting moto's"
+    )
+    parser.add_argument("--s3-bucket", default=None, help="bucket on --s3-endpoint")
+    parser.add_argument(
+        "--s3-addressing-style",
+        choices=("path", "virtual"),
+        default="path",
+        help="for --s3-endpoint",
+    )
+    parser.add_argument(
         "--skip",
-        choices=("disk", "o_direct", "redis", "sealing", "mooncake"),
+        choices=("disk", "o_direct", "redis", "sealing", "mooncake", "s3"),
         action="append",
         default=[],
     )
     args = parser.parse_args()
+    if args.s3_endpoint is not None and args.s3_bucket is None:
+        parser.error("--s3-endpoint needs --s3-bucket")
     sizes = [int(size) for size in args.sizes.split(",")]
 
     report: dict[str, Any] = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "settings": {
-            key: value for key, value in vars(args).items() if key not in ("skip", "redis_url")
+            key: value
+            for key, value in vars(args).items()
+            if key not in ("skip", "redis_url", "s3_endpoint", "s3_bucket", "s3_addressing_style")
         }
         | {"dir": str(args.dir) if args.dir else None},
         "statistic": (
@@ -646,6 +758,14 @@ def main() -> int:
                         report["mooncake"] = [bench_mooncake(args, size, store) for size in sizes]
                     finally:
                         store.stop()
+        if "s3" not in args.skip:
+            s3_server = None
+            if args.s3_endpoint is None:
+                os.environ.update(aws_test_environment())
+                s3_server = MotoS3Server().start()
+                stack.callback(s3_server.stop)
+            config = s3_config(args, s3_server)
+            report["s3"] = [bench_s3(args, size, config) for size in sizes]
     report["load_average"]["end"] = os.getloadavg()
     json.dump(report, sys.stdout, indent=2)
     print()

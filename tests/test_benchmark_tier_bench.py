@@ -43,6 +43,8 @@ def test_every_field_the_tier_benchmark_prints_is_documented(tmp_path: Path) -> 
         "1",
         "--mooncake-total-mib",
         "1",
+        "--s3-total-mib",
+        "1",
         "--repeats",
         "2",
         "--dir",
@@ -58,6 +60,7 @@ def test_every_field_the_tier_benchmark_prints_is_documented(tmp_path: Path) -> 
     assert not list(tmp_path.iterdir())
     report = json.loads(run.stdout)
     assert report["disk"][0]["records"] == 64
+    assert report["s3"][0]["records"] == 64
     assert report["disk_o_direct"], "O_DIRECT arms ran, or say why they were skipped"
     if mooncake_binaries() is not None:
         assert report["mooncake"][0]["records"] == 64
