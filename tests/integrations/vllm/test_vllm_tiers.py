@@ -7,11 +7,13 @@ equal the first engine's, whatever it found in the lower tiers.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -223,3 +225,37 @@ def test_two_engines_one_after_the_other_share_a_mooncake_store(
     assert got == expected[:3]
     assert second.promoted_blocks > 0
     assert second.tiers["mooncake"]["hits"] >= second.promoted_blocks
+
+
+@pytest.fixture(scope="module")
+def s3_tier() -> Iterator[dict[str, Any]]:
+    """The s3 tier's config on a new bucket of moto's server; credentials in the environment."""
+    pytest.importorskip("moto")
+    from kvtier.testing.s3_server import MotoS3Server, aws_test_environment
+
+    with mock.patch.dict(os.environ, aws_test_environment()):
+        server = MotoS3Server().start()
+        try:
+            yield {
+                "type": "s3",
+                "bucket": server.create_bucket("kvtier-vllm"),
+                "endpoint_url": server.url,
+                "addressing_style": "path",
+                "timeout_s": 10.0,
+                "get_deadline_s": 10.0,
+            }
+        finally:
+            server.stop()
+
+
+def test_a_second_engine_serves_the_first_engines_prefixes_from_an_s3_bucket(
+    model_dir: str, s3_tier: dict[str, Any]
+) -> None:
+    config = {"cpu_bytes": HOST_BYTES, "tiers": [s3_tier]}
+    expected, first = run(model_dir, config, PROMPTS)
+    assert first.demoted_blocks > 0 and first.tiers["s3"]["stores"] > 0
+    got, second = run(model_dir, config, PROMPTS)
+    assert got == expected
+    assert second.promoted_blocks > 0
+    assert second.tiers["s3"]["hits"] >= second.promoted_blocks
+    assert "errors.server" not in second.tiers["s3"]
