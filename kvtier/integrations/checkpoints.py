@@ -4,10 +4,13 @@ The demo (``make demo``), ``benchmarks/vllm_ttft.py`` and the end-to-end tests
 serve a model written by :func:`write_tiny_llama`: a ``transformers``
 Llama built from a :class:`TinyLlamaSpec` and a fixed seed, saved with
 ``save_pretrained``, so any engine that loads Hugging Face checkpoints from a
-directory can serve it. Prompts are token ids (there is no tokenizer), and
-greedy outputs are deterministic, so two runs of the same engine can be
-compared token for token. :func:`write_tiny_gemma3` writes a hybrid model
-(sliding-window and full attention layers) the same way. Writing needs
+directory can serve it. Beside the weights lies a byte-level BPE tokenizer
+trained at creation on seeded random words, with as many tokens as the model's
+vocabulary, so a served model takes text (and any benchmark client that
+tokenizes runs unchanged); prompts may also be token ids. Greedy outputs are
+deterministic, so two runs of the same engine can be compared token for
+token. :func:`write_tiny_gemma3` writes a hybrid model (sliding-window and
+full attention layers) the same way. Writing needs
 ``transformers``, which vLLM depends on.
 
 Example::
@@ -24,19 +27,24 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 _SPEC_FILE = "kvtier_model_spec.json"
+_TOKENIZER_FILE = "tokenizer.json"
+END_OF_TEXT = "<|endoftext|>"
+"""The tokenizer's one special token (id 0), its end-of-sequence token."""
+_LETTERS = "etaoinshrdlucmfwypvbgkjqxz"
 
 
 @dataclass(frozen=True)
 class TinyLlamaSpec:
     """Shape of a random-weight Llama.
 
-    The defaults make a model of about 2 M parameters whose KV cache is
+    The defaults make a model of 557,696 parameters whose KV cache is
     ``2 * num_layers * num_kv_heads * head_dim * 2`` bytes per token in bf16.
     """
 
@@ -111,8 +119,7 @@ def write_tiny_llama(directory: str | Path, spec: TinyLlamaSpec | None = None) -
     """
     spec = spec or TinyLlamaSpec()
     path = Path(directory)
-    marker = path / _SPEC_FILE
-    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+    if _written(path, spec):
         return path
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -140,8 +147,7 @@ def write_tiny_gemma3(directory: str | Path, spec: TinyGemma3Spec | None = None)
     """
     spec = spec or TinyGemma3Spec()
     path = Path(directory)
-    marker = path / _SPEC_FILE
-    if marker.exists() and json.loads(marker.read_text()) == asdict(spec):
+    if _written(path, spec):
         return path
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -166,6 +172,51 @@ def write_tiny_gemma3(directory: str | Path, spec: TinyGemma3Spec | None = None)
     return _save(path, spec, Gemma3ForCausalLM, config, "float32")
 
 
+def _written(path: Path, spec: TinyLlamaSpec) -> bool:
+    """Whether ``path`` holds a checkpoint of ``spec`` and its tokenizer."""
+    marker = path / _SPEC_FILE
+    return (
+        marker.exists()
+        and (path / _TOKENIZER_FILE).exists()
+        and json.loads(marker.read_text()) == asdict(spec)
+    )
+
+
+def _training_text(seed: int, lines: int = 400, words: int = 50) -> list[str]:
+    """Seeded lines of random lower-case words, some from few letters, so merges repeat."""
+    rng = random.Random(seed)
+
+    def word() -> str:
+        letters = _LETTERS[: rng.choice((8, 14, 26))]
+        return "".join(rng.choice(letters) for _ in range(rng.choice((1, 2, 3, 4, 5, 6, 8))))
+
+    return [" ".join(word() for _ in range(words)) for _ in range(lines)]
+
+
+def write_tokenizer(path: Path, vocab_size: int, seed: int = 0) -> None:
+    """Train a byte-level BPE tokenizer of ``vocab_size`` tokens and save it in ``path``.
+
+    The 256 byte tokens come first after :data:`END_OF_TEXT`, so every text
+    encodes; merges fill the rest. Training takes well under a second.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[END_OF_TEXT],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_training_text(seed), trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END_OF_TEXT).save_pretrained(
+        path
+    )
+
+
 def _save(path: Path, spec: TinyLlamaSpec, model_class: type, config: object, dtype: str) -> Path:
     """Build ``model_class(config)`` from the spec's seed, save it and its spec marker."""
     import torch
@@ -178,6 +229,7 @@ def _save(path: Path, spec: TinyLlamaSpec, model_class: type, config: object, dt
     finally:
         torch.random.set_rng_state(generator_state)
     model.save_pretrained(path)
+    write_tokenizer(path, spec.vocab_size, spec.seed)
     (path / _SPEC_FILE).write_text(json.dumps(asdict(spec)))
     logger.info("wrote a random-weight %s (%s) to %s", model_class.__name__, spec, path)
     return path
