@@ -12,14 +12,25 @@ with::
 where ``JSON`` loads :class:`~kvtier.integrations.vllm.KVTierConnector` and
 names the config file, so vLLM's processes read the same file and report
 where each value came from. This module imports no vLLM.
+
+Thread layout: vLLM's CPU build reserves one more core per rank for the
+connector whenever a transfer config is given (room for a connector with its
+own transfer threads). kvtier's connector runs inside vLLM's processes and
+needs no core of its own; on a small machine that extra reservation cannot be
+met, and the model's OpenMP threads then spread over every core, competing
+with the scheduler and the API server. So on the CPU build ``kvtier serve``
+sets ``VLLM_CPU_NUM_OF_RESERVED_CPU`` to what vLLM reserves without a
+connector, unless it is set already, and says so in one line at start-up.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -32,6 +43,9 @@ CONNECTOR_MODULE = "kvtier.integrations.vllm"
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 TRANSFER_CONFIG_FLAG = "--kv-transfer-config"
 EXIT_USAGE = 2
+RESERVED_CPU_VARIABLE = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+CPU_BUILD_DISTRIBUTION = "vllm-cpu"
+_ONE_CORE_PER_RANK_MACHINES = ("x86_64", "amd64", "aarch64", "arm64", "riscv64")
 
 
 def transfer_config_fields(kvtier_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -51,6 +65,53 @@ def world_size_of(vllm_args: Sequence[str]) -> int:
     parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
     known, _ = parser.parse_known_args(list(vllm_args))
     return max(1, known.tensor_parallel_size) * max(1, known.pipeline_parallel_size)
+
+
+def vanilla_reserved_cpus(world_size: int, machine: str | None = None) -> int:
+    """Cores vLLM's CPU build reserves for its own processes when no transfer config is given.
+
+    One per rank on x86, Arm and RISC-V machines, one in all elsewhere.
+    """
+    machine = (machine or platform.machine()).lower()
+    return world_size if machine in _ONE_CORE_PER_RANK_MACHINES else 1
+
+
+def thread_layout(environ: Mapping[str, str], world_size: int) -> tuple[dict[str, str], str]:
+    """Variables that give vLLM's CPU build vanilla vLLM's thread layout, and a line saying so.
+
+    Args:
+        environ: The environment vLLM will start with.
+        world_size: Ranks of the engine (see :func:`world_size_of`).
+
+    Returns:
+        The variables to add (none when ``environ`` sets the reservation itself) and one
+        line for the start-up log.
+    """
+    vanilla = vanilla_reserved_cpus(world_size)
+    given = environ.get(RESERVED_CPU_VARIABLE)
+    if given is None:
+        return {RESERVED_CPU_VARIABLE: str(vanilla)}, (
+            f"kvtier serve: {RESERVED_CPU_VARIABLE}={vanilla}, the cores vLLM reserves without "
+            "a connector, so its model threads are laid out as vanilla vLLM's (vLLM reserves "
+            "one more per rank for any connector; kvtier's needs none, so ignore vLLM's "
+            "'less than the minimum requirement' warning); set the variable to choose yourself"
+        )
+    if given == str(vanilla):
+        return {}, f"kvtier serve: {RESERVED_CPU_VARIABLE}={given} from the environment, as vanilla"
+    return {}, (
+        f"kvtier serve: {RESERVED_CPU_VARIABLE}={given} from the environment, kept; vanilla "
+        f"vLLM reserves {vanilla}, so compare against a vanilla server started with the same "
+        "value"
+    )
+
+
+def cpu_build_installed() -> bool:
+    """Whether vLLM is installed as its CPU build (the distribution ``vllm-cpu``)."""
+    try:
+        importlib.metadata.distribution(CPU_BUILD_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def transfer_config_given(vllm_args: Sequence[str]) -> bool:
@@ -137,6 +198,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    if cpu_build_installed():
+        variables, line = thread_layout(os.environ, world_size_of(args.vllm_args))
+        os.environ.update(variables)
+        print(line, file=sys.stderr)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(command[0], command)

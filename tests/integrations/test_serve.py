@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main
-from kvtier.integrations.serve import VLLM_SERVER_MODULE, world_size_of
+from kvtier.integrations import serve
+from kvtier.integrations.serve import (
+    VLLM_SERVER_MODULE,
+    thread_layout,
+    vanilla_reserved_cpus,
+    world_size_of,
+)
 
 
 class _Started(Exception):
@@ -115,3 +121,38 @@ def test_a_transfer_config_of_ones_own_is_refused(
     assert main(["serve", "m", "--kv-transfer-config={}"]) == 2
     assert exec_calls == []
     assert "--kvtier-config FILE" in capsys.readouterr().err
+
+
+def test_vanilla_reserves_one_core_per_rank_on_x86_and_arm_and_one_elsewhere() -> None:
+    assert vanilla_reserved_cpus(1, "x86_64") == 1
+    assert vanilla_reserved_cpus(4, "aarch64") == 4
+    assert vanilla_reserved_cpus(4, "ppc64le") == 1
+
+
+def test_thread_layout_is_vanillas_unless_the_environment_sets_it() -> None:
+    variables, line = thread_layout({}, world_size=1)
+    assert variables == {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(vanilla_reserved_cpus(1))}
+    assert line.startswith("kvtier serve: VLLM_CPU_NUM_OF_RESERVED_CPU=")
+    assert "\n" not in line
+    variables, line = thread_layout({"VLLM_CPU_NUM_OF_RESERVED_CPU": "7"}, world_size=1)
+    assert variables == {}
+    assert "=7 from the environment, kept" in line
+
+
+def test_the_cpu_build_starts_with_vanillas_thread_layout(
+    tmp_path: Path,
+    exec_calls: list[list[str]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("kvtier serve starts nothing without vLLM installed")
+    monkeypatch.setattr(serve, "cpu_build_installed", lambda: True)
+    # Set first so that the variable kvtier serve sets is undone after the test.
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "")
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    with pytest.raises(_Started):
+        main(["serve", "/models/m", "-tp", "2"])
+    assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == str(vanilla_reserved_cpus(2))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert "the cores vLLM reserves without a connector" in line
