@@ -212,9 +212,8 @@ def write_tokenizer(path: Path, vocab_size: int, seed: int = 0) -> None:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_training_text(seed), trainer)
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END_OF_TEXT).save_pretrained(
-        path
-    )
+    saved = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END_OF_TEXT)
+    saved.save_pretrained(path)
 
 
 def _save(path: Path, spec: TinyLlamaSpec, model_class: type, config: object, dtype: str) -> Path:
