@@ -1,14 +1,9 @@
 """Offload: the scheduler-side manager that plans transfers and the worker side that runs them."""
 
 from kvtier.offload.failures import FailureCause
-from kvtier.offload.manager import (
-    GroupBlockIds,
-    Observations,
-    OffloadManager,
-    OffloadStats,
-    Progress,
-    StoreMode,
-)
+from kvtier.offload.frontier import EvictionFrontier
+from kvtier.offload.ledger import Progress
+from kvtier.offload.manager import OffloadManager
 from kvtier.offload.messages import (
     Demotion,
     DeviceBlock,
@@ -18,12 +13,15 @@ from kvtier.offload.messages import (
     TransferPlan,
     WorkerReport,
 )
+from kvtier.offload.setup import GroupBlockIds, StoreMode
+from kvtier.offload.stats import Observations, OffloadStats
 from kvtier.offload.worker import BackendFactory, LoadFailures, OffloadWorker
 
 __all__ = [
     "BackendFactory",
     "Demotion",
     "DeviceBlock",
+    "EvictionFrontier",
     "FailureCause",
     "GroupBlockIds",
     "LazyCandidate",

@@ -12,7 +12,8 @@ read blocks of running requests, or of finished ones the manager holds.
 
 from __future__ import annotations
 
-from kvtier.offload.manager import OffloadManager, Progress
+from kvtier.offload.ledger import Progress
+from kvtier.offload.manager import OffloadManager
 from kvtier.offload.messages import DeviceBlock, TransferPlan
 
 

@@ -16,6 +16,7 @@ and runs requests step by step: prefix hits in the engine, then in the tier
 (loaded asynchronously), stores of computed blocks, and release of finished
 requests' blocks once every worker reported their copies. It uses the same
 engine-neutral helpers an engine integration does: a
+:class:`~kvtier.offload.EvictionFrontier` over its free list and a
 :class:`~kvtier.offload.protection.LazyStoreGuard` for lazy stores, the
 workers' :meth:`~kvtier.offload.OffloadWorker.take_load_failures`, and
 :class:`~kvtier.offload.events.RequestTokens` for KV-cache events.
@@ -28,7 +29,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -43,9 +44,10 @@ from kvtier.keys import hash_token_blocks
 from kvtier.kinds import LAYOUT_RESOLVER
 from kvtier.layout.base import KVCaches, KVLayout, LayoutResolver
 from kvtier.offload.events import BlockEvent, RequestTokens
-from kvtier.offload.manager import OffloadManager, StoreMode
+from kvtier.offload.manager import OffloadManager
 from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
 from kvtier.offload.protection import LazyStoreGuard
+from kvtier.offload.setup import StoreMode
 from kvtier.offload.worker import BackendFactory, OffloadWorker
 from kvtier.testing.contracts_layout import mamba_state_views
 from kvtier.tiers.chain import TierChain
@@ -301,6 +303,11 @@ class SyntheticEngine:
         self._cached[key] = block
         self._block_key[block] = key
 
+    @property
+    def first_free(self) -> int:
+        """The free block allocated next (``-1`` when none is free)."""
+        return next(iter(self._free), -1)
+
     def eviction_frontier(self, count: int) -> list[tuple[BlockKey, int]]:
         """Cached blocks among the ``count`` free blocks that would be reused next.
 
@@ -402,6 +409,24 @@ class RunStats:
     """Requests preempted."""
 
 
+class _Frontier:
+    """The eviction frontier of rank 0's engine (every rank's engine frees the same blocks)."""
+
+    def __init__(self, engine: SyntheticEngine, count: int) -> None:
+        self.engine = engine
+        self.count = count
+
+    def signature(self) -> tuple[int, int]:
+        return self.engine.num_free, self.engine.first_free
+
+    def blocks(self) -> list[tuple[int, BlockKey]]:
+        return [(block, key) for key, block in self.engine.eviction_frontier(self.count)]
+
+    def candidate(self, block_id: int, contents: Hashable) -> LazyCandidate:
+        assert isinstance(contents, bytes)
+        return LazyCandidate(contents, 0, block_id)
+
+
 class OffloadedEngine:
     """A synthetic engine driving an offload manager and ``world_size`` workers.
 
@@ -469,6 +494,7 @@ class OffloadedEngine:
             clock=clock,
         )
         self.guard = LazyStoreGuard(self.manager)
+        self._frontier = _Frontier(self.engines[0], max(1, spec.num_blocks // 4))
         self.tokens = RequestTokens(spec.block_tokens)
         self.events: list[BlockEvent] = []
         self.workers = [
@@ -546,7 +572,7 @@ class OffloadedEngine:
         self.manager.preempted(state.request_id for state in preempted)
         while self._waiting and self._admit(*self._waiting[0]):
             self._waiting.pop(0)
-        plan = self.manager.build_plan(self._lazy_candidates())
+        plan = self.manager.build_plan(frontier=self._frontier)
         self.last_plan = plan
         for ref in self.guard.protect(plan):
             for engine in self.engines:
@@ -640,12 +666,6 @@ class OffloadedEngine:
         self.stats.engine_hit_blocks += engine_hits
         self.stats.tier_hit_blocks += tier_hits
         return True
-
-    def _lazy_candidates(self) -> list[LazyCandidate]:
-        if self.manager.store_mode != "lazy":
-            return []
-        frontier = self.engine.eviction_frontier(max(1, self.spec.num_blocks // 4))
-        return [LazyCandidate(key, 0, block) for key, block in frontier]
 
     def _compute(self, state: _Running) -> None:
         first = state.computed_tokens // self.spec.block_tokens

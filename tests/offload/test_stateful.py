@@ -122,13 +122,13 @@ class OffloadMachine(RuleBasedStateMachine):
         stats = self.index.stats()
         held = stats.free + stats.writing + stats.readable + stats.discarded
         assert held == NUM_SLOTS, "slot leak"
-        assert stats.writing == len(self.manager._writing)
+        assert stats.writing == len(self.manager.ledger.writing)
 
     @invariant()
     def copies_never_share_a_slot_with_a_writer(self) -> None:
         store_slots: list[int] = []
         load_slots: set[int] = set()
-        for batch in self.manager._batches.values():
+        for batch in self.manager.ledger.batches.values():
             transfer = batch.transfer
             if transfer.direction is Direction.STORE:
                 store_slots.extend(transfer.host_slots)

@@ -35,10 +35,10 @@ may not load again, which tokens an event names) are
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Hashable, Iterator
+from typing import TYPE_CHECKING, cast
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import (
@@ -116,6 +116,29 @@ def lazy_frontier_blocks(num_groups: int, max_num_batched_tokens: int, block_tok
     return LAZY_HEADROOM * num_groups * -(-max_num_batched_tokens // block_tokens)
 
 
+class FreeQueueFrontier:
+    """vLLM's free block queue as the tier's eviction frontier: its first ``count`` blocks."""
+
+    def __init__(self, pool: BlockPool, count: int) -> None:
+        self.pool = pool
+        self.count = count
+
+    def signature(self) -> tuple[int, int]:
+        queue = self.pool.free_block_queue
+        first = next(queue.iter_blocks_after(None), None)
+        return queue.num_free_blocks, first.block_id if first is not None else -1
+
+    def blocks(self) -> Iterator[tuple[int, BlockHashWithGroupId]]:
+        frontier = self.pool.free_block_queue.iter_blocks_after(None)
+        for block in itertools.islice(frontier, self.count):
+            if block.block_hash is not None and not block.is_null:
+                yield block.block_id, block.block_hash
+
+    def candidate(self, block_id: int, contents: Hashable) -> LazyCandidate:
+        block_hash = cast(BlockHashWithGroupId, contents)
+        return LazyCandidate(get_block_hash(block_hash), get_group_id(block_hash), block_id)
+
+
 class KVTierScheduler:
     """The scheduler-side connector: wraps an :class:`~kvtier.offload.OffloadManager`."""
 
@@ -169,17 +192,8 @@ class KVTierScheduler:
         self.tokens = RequestTokens(block_tokens, keep_forgotten=self.record_events)
         self._block_pool: BlockPool | None = None
         self._lookup_base: dict[str, int] = {}
-        # Requests finished while waiting for their load: vLLM frees their blocks itself.
-        self._waiting_finished: set[str] = set()
-        # Lazy mode: device block id -> vLLM's hash of a block the tier already held at the
-        # frontier, skipped until the block is reused or some key leaves the tier.
-        self._lazy_held: dict[int, BlockHashWithGroupId] = {}
-        self._lazy_departures = -1
-        self._lazy_offered: list[tuple[BlockHashWithGroupId, LazyCandidate]] = []
-        # The free queue as the last scan of its frontier saw it (free blocks, first block),
-        # or None when that scan offered a block the tier did not take.
-        self._lazy_seen: tuple[int, int] | None = None
-        self._lazy_target = lazy_frontier_blocks(
+        self._frontier: FreeQueueFrontier | None = None
+        self._frontier_blocks = lazy_frontier_blocks(
             num_groups, vllm_config.scheduler_config.max_num_batched_tokens, block_tokens
         )
         self._reported = OffloadStats()
@@ -197,6 +211,8 @@ class KVTierScheduler:
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """Keep vLLM's block pool: lazy mode reads its free queue and protects blocks in it."""
         self._block_pool = gpu_block_pool
+        if self.config.store_mode == "lazy":
+            self._frontier = FreeQueueFrontier(gpu_block_pool, self._frontier_blocks)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -273,13 +289,8 @@ class KVTierScheduler:
                 resumed=req_id in cached.resumed_req_ids,
             )
         plan = manager.build_plan(
-            self._lazy_candidates(), idle=scheduler_output.total_num_scheduled_tokens == 0
+            idle=scheduler_output.total_num_scheduled_tokens == 0, frontier=self._frontier
         )
-        for block_hash, candidate in self._lazy_offered:
-            if manager.holds(candidate.block_hash, candidate.group):
-                self._lazy_held[candidate.block_id] = block_hash
-            else:
-                self._lazy_seen = None  # offer it again next step
         if plan.empty:
             return plan
         self._stats_stale = True
@@ -288,58 +299,7 @@ class KVTierScheduler:
             # Keep vLLM from reusing the blocks until their stores are over.
             pool = self._bound_pool()
             pool.touch([pool.blocks[ref.block_id] for ref in protect])
-        stale = self._waiting_finished & plan.holds.keys()
-        if stale:
-            # vLLM frees these when their loads report in; a hold would free them twice.
-            self._waiting_finished -= stale
-            plan = dataclasses.replace(
-                plan, holds={r: b for r, b in plan.holds.items() if r not in stale}
-            )
         return plan
-
-    def _lazy_candidates(self) -> list[LazyCandidate]:
-        """Cached blocks near vLLM's eviction frontier, less those the tier held last time.
-
-        The frontier is not read again while vLLM's free queue keeps its length
-        and first block and the tier took every block offered last time: the
-        same blocks are there, all held. (A block taken out of the middle and
-        another freed onto the end in one step leave both unchanged; the block
-        that moved into the frontier is offered once the queue next changes,
-        which happens before it can be reused: reaching the front takes more
-        allocations than one step makes.)
-        """
-        offered = self._lazy_offered
-        offered.clear()
-        if self.config.store_mode != "lazy" or self._block_pool is None:
-            return []
-        departures = self.manager.departures
-        if departures != self._lazy_departures:
-            self._lazy_held.clear()
-            self._lazy_departures = departures
-            self._lazy_seen = None
-        held = self._lazy_held
-        queue = self._block_pool.free_block_queue
-        frontier = queue.iter_blocks_after(None)
-        first = next(frontier, None)
-        seen = (queue.num_free_blocks, first.block_id if first is not None else -1)
-        if seen == self._lazy_seen:
-            return []
-        self._lazy_seen = seen
-        if first is None:
-            return []
-        for block in itertools.islice(itertools.chain((first,), frontier), self._lazy_target):
-            block_hash = block.block_hash
-            if block_hash is None or block.is_null or held.get(block.block_id) == block_hash:
-                continue
-            offered.append(
-                (
-                    block_hash,
-                    LazyCandidate(
-                        get_block_hash(block_hash), get_group_id(block_hash), block.block_id
-                    ),
-                )
-            )
-        return [candidate for _, candidate in offered]
 
     def _bound_pool(self) -> BlockPool:
         if self._block_pool is None:
@@ -368,13 +328,14 @@ class KVTierScheduler:
         request_id = request.request_id
         self._stats_stale = True
         self._lookup_base.pop(request_id, None)
-        hold = self.manager.finished(request_id, request.num_computed_tokens)
+        # A request waiting for its load is freed by vLLM itself once the load reports in.
+        waiting = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        hold = self.manager.finished(
+            request_id, request.num_computed_tokens, engine_frees_blocks=waiting
+        )
         if not hold:
             self.tokens.forget([request_id])
-        if hold and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            self._waiting_finished.add(request_id)
-            return False
-        return hold
+        return hold and not waiting
 
     def has_pending_push_work(self) -> bool:
         """Whether copies are in flight or lower-tier work waits for the next plan.

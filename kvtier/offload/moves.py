@@ -1,0 +1,235 @@
+"""Owns the moves between the host tier and the tiers below it: promotions and demotions.
+
+A lookup that misses in the host tier reserves host slots for the missing
+blocks and plans a *promotion*: workers read the blocks from the lower tiers
+into those slots, and the blocks every worker found become host hits. A block
+the host tier evicts is *demoted*: the next plan has workers copy it out of
+its slot, before anything reuses the slot, and write it to every lower tier.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvtier.index.base import BlockKey, EventKind, IndexEvent
+from kvtier.offload.failures import FailureCause, FailureLog
+from kvtier.offload.ledger import BatchLedger
+from kvtier.offload.messages import Demotion, Promotion, WorkerReport
+from kvtier.offload.setup import ManagerSetup
+from kvtier.offload.stats import Counters
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PromotionBatch:
+    """A promotion in flight: one request's blocks of one group, read into reserved slots."""
+
+    message: Promotion
+    keys: tuple[BlockKey, ...]
+    request_id: str
+    planned_at: float
+    reported: int = 0
+    found: int = 0
+    expired: bool = False
+
+
+class LowerTierMoves:
+    """Promotions in flight and to plan, and the evicted blocks to demote."""
+
+    def __init__(
+        self, setup: ManagerSetup, ledger: BatchLedger, counters: Counters, failures: FailureLog
+    ) -> None:
+        self.setup = setup
+        self.ledger = ledger
+        self.counters = counters
+        self.failures = failures
+        self.promotions: dict[int, PromotionBatch] = {}
+        self._to_plan: list[Promotion] = []
+        # Requests whose lookup waits for promotions (batch ids), or got its answer (empty set).
+        self._promoting: dict[str, set[int]] = {}
+        # Slots of readable blocks, to find an evicted block's bytes.
+        self._slots: dict[BlockKey, int] = {}
+        # Evicted blocks to demote in the next plan, with the slot that still holds each.
+        self.demotions: dict[BlockKey, int] = {}
+
+    @property
+    def has_work(self) -> bool:
+        """Whether demotions or promotions wait for the next plan."""
+        return bool(self.demotions or self._to_plan)
+
+    def wait_for(self, request_id: str, wanted: Sequence[bytes], hits: int) -> bool:
+        """Whether a lookup that found ``hits`` of ``wanted`` must be asked again later.
+
+        The first such lookup of a request starts a promotion of the missing blocks.
+        """
+        waiting = self._promoting.get(request_id)
+        if waiting is None:
+            return self._promote(request_id, wanted, hits)
+        return bool(waiting)
+
+    def forget(self, request_id: str) -> None:
+        """The request was allocated, preempted or finished: its next lookup may promote again."""
+        self._promoting.pop(request_id, None)
+
+    def _promote(self, request_id: str, wanted: Sequence[bytes], hits: int) -> bool:
+        """Reserve host slots for ``wanted[hits:]`` and plan their promotion; whether any was."""
+        setup = self.setup
+        index, namespace = setup.index, setup.namespace
+        self._promoting[request_id] = set()
+        if setup.windowed:
+            return False  # a windowed group's hit needs other blocks than the prefix's
+        missing = wanted[hits:]
+        reserved: list[tuple[int, list[BlockKey], list[int | None]]] = []
+        count = len(missing)
+        for group in range(setup.num_groups):
+            # blocks of this prefix still in the host tier, before the missing ones or among
+            # them, are not the ones to make room with
+            index.touch(namespace.keys(wanted, group))
+        for group in range(setup.num_groups):
+            keys = namespace.keys(missing, group)
+            parent = namespace.key(wanted[hits - 1], group) if hits else None
+            slots = index.reserve(keys, parent)
+            leading = next((i for i, slot in enumerate(slots) if slot is None), len(slots))
+            count = min(count, leading)
+            reserved.append((group, keys, slots))
+        for _, keys, slots in reserved:
+            # past the shortest leading run, no group's blocks can make a prefix hit
+            extra = [
+                key
+                for key, slot in zip(keys[count:], slots[count:], strict=True)
+                if slot is not None
+            ]
+            if extra:
+                index.abort(extra)
+        if count == 0:
+            return False
+        now = setup.clock()
+        for group, keys, slots in reserved:
+            message = Promotion(
+                self.ledger.new_batch_id(),
+                group,
+                tuple(missing[:count]),
+                tuple(slot for slot in slots[:count] if slot is not None),
+            )
+            self.promotions[message.batch_id] = PromotionBatch(
+                message, tuple(keys[:count]), request_id, now, found=count
+            )
+            for key in keys[:count]:
+                self.ledger.writing[key] = message.batch_id
+            self._to_plan.append(message)
+            self._promoting[request_id].add(message.batch_id)
+        return True
+
+    def take_promotions(self) -> tuple[Promotion, ...]:
+        promotions, self._to_plan = tuple(self._to_plan), []
+        return promotions
+
+    def take_demotions(self) -> tuple[Demotion, ...]:
+        """Blocks evicted since the last plan, per group, with the slots that still hold them."""
+        if not self.demotions:
+            return ()
+        per_group: dict[int, tuple[list[bytes], list[int]]] = {}
+        for key, slot in self.demotions.items():
+            group, block_hash = self.setup.namespace.split(key)
+            hashes, slots = per_group.setdefault(group, ([], []))
+            hashes.append(block_hash)
+            slots.append(slot)
+        self.counters.add("demoted_blocks", len(self.demotions))
+        self.demotions.clear()
+        return tuple(
+            Demotion(group, tuple(hashes), tuple(slots))
+            for group, (hashes, slots) in sorted(per_group.items())
+        )
+
+    def remember(self, committed: Iterable[tuple[Sequence[BlockKey], Sequence[int]]]) -> None:
+        """Stores became readable: remember their slots, to demote them when evicted."""
+        if self.setup.lower_tiers:
+            for keys, slots in committed:
+                self._slots.update(zip(keys, slots, strict=True))
+
+    def evicted(self, events: Sequence[IndexEvent]) -> None:
+        """The index evicted blocks: demote those whose slots are known."""
+        for event in events:
+            if event.kind is EventKind.EVICTED and event.key in self._slots:
+                self.demotions[event.key] = self._slots.pop(event.key)
+
+    def count(self, report: WorkerReport) -> None:
+        """Add one report's promotion answers; commit what every worker found."""
+        for batch_id, (workers, found) in report.promoted.items():
+            promotion = self.promotions.get(batch_id)
+            if (
+                promotion is None
+                or workers <= 0
+                or promotion.reported + workers > self.setup.world_size
+                or not 0 <= found <= len(promotion.keys)
+            ):
+                self.counters.add("rejected_reports", 1)
+                self.failures.failed(
+                    FailureCause.REJECTED_REPORT,
+                    "ignored a worker report for promotion %s (workers=%s, found=%s): it is not "
+                    "in flight or the numbers cannot be right",
+                    batch_id,
+                    workers,
+                    found,
+                )
+                continue
+            promotion.reported += workers
+            promotion.found = min(promotion.found, found)
+            if promotion.reported == self.setup.world_size:
+                self._complete(promotion)
+
+    def _complete(self, promotion: PromotionBatch) -> None:
+        index = self.setup.index
+        message = promotion.message
+        del self.promotions[message.batch_id]
+        for key in promotion.keys:
+            del self.ledger.writing[key]
+        found = promotion.keys[: promotion.found]
+        if found:
+            index.commit(found)
+            self._slots.update(zip(found, message.host_slots, strict=False))
+        if promotion.found < len(promotion.keys):
+            index.abort(promotion.keys[promotion.found :])
+            self.ledger.departures += len(promotion.keys) - promotion.found
+        self.counters.add("promoted_blocks", promotion.found)
+        self._answer(promotion)
+        logger.debug(
+            "request %s: %d of %d blocks promoted from the lower tiers",
+            promotion.request_id,
+            promotion.found,
+            len(promotion.keys),
+        )
+
+    def _answer(self, promotion: PromotionBatch) -> None:
+        waiting = self._promoting.get(promotion.request_id)
+        if waiting is not None:
+            waiting.discard(promotion.message.batch_id)
+
+    def expire(self) -> None:
+        """Answer the lookups of promotions not reported in time; their slots stay reserved."""
+        setup = self.setup
+        late = setup.clock() - setup.report_deadline_s
+        for promotion in self.promotions.values():
+            if promotion.expired or promotion.planned_at > late:
+                continue
+            promotion.expired = True
+            self.counters.add("expired_promotions", 1)
+            self._answer(promotion)
+            self.failures.failed(
+                FailureCause.REPORT_DEADLINE,
+                "promotion %d of %d blocks was not reported by every worker within "
+                "report_deadline_s=%s; request %s recomputes them, and their host slots stay "
+                "reserved until every worker reported",
+                promotion.message.batch_id,
+                len(promotion.keys),
+                setup.report_deadline_s,
+                promotion.request_id,
+            )
+
+    def reset(self) -> None:
+        """A reset forgets blocks; it does not move them down the chain."""
+        self._slots.clear()
+        self.demotions.clear()

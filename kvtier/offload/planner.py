@@ -1,0 +1,235 @@
+"""Owns planning: accepted tier hits become loads, computed or frontier blocks become stores.
+
+Loads: :meth:`Planner.accept_hit` pins the host slots of the blocks the engine
+accepted and queues them on the request; :meth:`Planner.plan_loads` turns the
+due requests' queued loads into transfers. Stores: eager mode stores the new
+full blocks of due requests (:meth:`Planner.plan_eager_stores`), lazy mode the
+candidates the engine offers from its eviction frontier
+(:meth:`Planner.plan_lazy_stores`), while host slots last.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from kvtier.copy.base import Direction
+from kvtier.index.base import BlockKey
+from kvtier.offload.ledger import BatchLedger
+from kvtier.offload.messages import DeviceBlock, LazyCandidate, Transfer
+from kvtier.offload.requests import PendingLoad, RequestState, RequestTable
+from kvtier.offload.setup import GroupBlockIds, ManagerSetup
+from kvtier.offload.stats import Counters
+
+logger = logging.getLogger(__name__)
+
+_GroupStores = list[tuple[list[int], list[int], list[BlockKey], set[str]]]
+"""Per group: device blocks, host slots, keys and requests of the stores being planned."""
+
+
+class Planner:
+    """Plans loads and stores over the request table, recording them in the ledger."""
+
+    def __init__(
+        self, setup: ManagerSetup, requests: RequestTable, ledger: BatchLedger, counters: Counters
+    ) -> None:
+        self.setup = setup
+        self.requests = requests
+        self.ledger = ledger
+        self.counters = counters
+
+    def accept_hit(
+        self,
+        state: RequestState,
+        hashes: Sequence[bytes],
+        block_ids: GroupBlockIds,
+        first: int,
+        looked_up: dict[int, list[BlockKey]],
+    ) -> None:
+        """Pin the slots of the accepted blocks ``hashes`` (from position ``first``) and queue
+        their loads; blocks no longer readable are failed loads."""
+        setup, index = self.setup, self.setup.index
+        count = len(hashes)
+        for group in range(setup.num_groups):
+            group_ids = block_ids[group][first : first + count] if group < len(block_ids) else []
+            if len(group_ids) != count:
+                raise ValueError(
+                    f"request {state.request_id}: group {group} has {len(group_ids)} device "
+                    f"blocks at positions {first}..{first + count - 1}, but {count} tier blocks "
+                    "were accepted; pass the request's block ids from position 0 for every group"
+                )
+            window = setup.group_windows[group]
+            skip = 0 if window is None else max(0, count - window)
+            blocks = list(group_ids[skip:])
+            keys = looked_up.get(group, [])[:count] if window is None else []
+            if len(keys) < count:
+                keys = setup.namespace.keys(hashes[skip:], group)
+            if setup.null_block_id in blocks:
+                kept = [i for i, block_id in enumerate(blocks) if block_id != setup.null_block_id]
+                keys, blocks = [keys[i] for i in kept], [blocks[i] for i in kept]
+            readable = index.lookup(keys)
+            if readable:
+                pinned = tuple(keys[:readable])
+                slots = tuple(index.pin(pinned))
+                state.pending_loads.append(
+                    PendingLoad(group, pinned, tuple(blocks[:readable]), slots)
+                )
+            if readable < len(keys):
+                logger.warning(
+                    "request %s: %d of %d tier blocks of group %d are no longer readable; "
+                    "they will be recomputed",
+                    state.request_id,
+                    len(keys) - readable,
+                    len(keys),
+                    group,
+                )
+                state.unavailable.extend(DeviceBlock(group, b) for b in blocks[readable:])
+                self.counters.add("failed_loads", len(keys) - readable)
+
+    def plan_loads(
+        self, due: Sequence[RequestState], now: float
+    ) -> tuple[list[Transfer], dict[str, tuple[int, ...]], frozenset[str]]:
+        """The due requests' queued loads, their unreadable blocks and the same-step requests."""
+        loads: list[Transfer] = []
+        unavailable: dict[str, tuple[int, ...]] = {}
+        same_step: set[str] = set()
+        observations = self.counters.observations
+        for state in due:
+            if state.same_step:
+                same_step.add(state.request_id)
+            for pending in state.pending_loads:
+                transfer = Transfer(
+                    self.ledger.new_batch_id(),
+                    Direction.LOAD,
+                    pending.group,
+                    pending.blocks,
+                    pending.slots,
+                    state.request_id,
+                )
+                self.ledger.add_load(transfer, pending.keys, state, now)
+                loads.append(transfer)
+                self.counters.observe(observations.load_blocks, len(transfer))
+            state.same_step = False
+            state.pending_loads.clear()
+            if state.unavailable:
+                unavailable[state.request_id] = tuple(b.block_id for b in state.unavailable)
+                self.ledger.unavailable[state.request_id] = tuple(state.unavailable)
+                state.unavailable.clear()
+        return loads, unavailable, frozenset(same_step)
+
+    def plan_eager_stores(self, due: Sequence[RequestState], now: float) -> list[Transfer]:
+        """Store the due requests' computed full blocks not stored yet, while slots last."""
+        setup, index, namespace = self.setup, self.setup.index, self.setup.namespace
+        per_group: _GroupStores = []
+        out_of_space = False
+        reserved_now: set[BlockKey] = set()
+        for state in due:
+            if state.hold_announced:
+                continue
+            if out_of_space:
+                self.requests.due.add(state.request_id)  # retried next step
+                continue
+            ready = setup.ready_blocks(state.block_hashes, state.computed_tokens)
+            for group in range(setup.num_groups):
+                group_ids = state.block_ids[group]
+                start, stop = state.store_cursor[group], min(ready, len(group_ids))
+                window = setup.group_windows[group]
+                if window is not None:
+                    # blocks that left the window may already be back in the engine's pool
+                    start = max(start, stop - window)
+                if start >= stop:
+                    state.store_cursor[group] = max(state.store_cursor[group], stop)
+                    continue
+                positions = [
+                    pos for pos in range(start, stop) if group_ids[pos] != setup.null_block_id
+                ]
+                keys = namespace.keys([state.block_hashes[pos] for pos in positions], group)
+                parent = namespace.key(state.block_hashes[start - 1], group) if start else None
+                slots = index.reserve(keys, parent) if keys else []
+                cursor = stop
+                if not per_group:  # the first request with blocks to store this step
+                    per_group = [([], [], [], set()) for _ in range(setup.num_groups)]
+                blocks, slot_list, key_list, requests = per_group[group]
+                for pos, key, slot in zip(positions, keys, slots, strict=True):
+                    if slot is not None:
+                        blocks.append(group_ids[pos])
+                        slot_list.append(slot)
+                        key_list.append(key)
+                        requests.add(state.request_id)
+                        reserved_now.add(key)
+                    elif (
+                        cursor == stop
+                        and key not in reserved_now
+                        and not self.ledger.present(key)
+                        and self._no_space()
+                    ):
+                        # retry from here next step; later keys of the chain got no slot either
+                        cursor = pos
+                        out_of_space = True
+                state.store_cursor[group] = cursor
+                if out_of_space:
+                    self.requests.due.add(state.request_id)
+                    break
+        return self._store_transfers(per_group, now)
+
+    def plan_lazy_stores(self, candidates: Sequence[LazyCandidate], now: float) -> list[Transfer]:
+        """Store the frontier candidates the tier does not hold, while slots last."""
+        setup, index = self.setup, self.setup.index
+        per_group: _GroupStores = [([], [], [], set()) for _ in range(setup.num_groups)]
+        wanted: dict[BlockKey, LazyCandidate] = {}
+        for candidate in candidates:
+            if candidate.block_id == setup.null_block_id:
+                continue
+            if not 0 <= candidate.group < setup.num_groups:
+                raise ValueError(
+                    f"lazy candidate names kv-cache group {candidate.group}, "
+                    f"but the manager has {setup.num_groups} groups"
+                )
+            key = setup.namespace.key(candidate.block_hash, candidate.group)
+            if key in wanted or self.ledger.present(key):
+                continue
+            if (
+                setup.group_windows[candidate.group] is not None
+                and self.requests.window_blocks[candidate.group].get(candidate.block_id) != key
+            ):
+                continue
+            wanted[key] = candidate
+        # With room for all, slots are taken in the prompt's order: the engine frees a
+        # request's blocks last first, so candidates come in reverse. A later hit then
+        # reads slots that count up along the prompt, as eager stores leave them, and
+        # its load is a few runs in one direction. Without room, the candidates nearest
+        # eviction go first.
+        slots: dict[BlockKey, int] = {}
+        backwards = len(wanted) <= index.stats().free
+        for key in reversed(wanted) if backwards else wanted:
+            (slot,) = index.reserve([key], lazy=True)
+            if slot is not None:
+                slots[key] = slot
+            elif self._no_space():
+                break
+        for key, candidate in wanted.items():
+            if key in slots:
+                blocks, slot_list, key_list, _ = per_group[candidate.group]
+                blocks.append(candidate.block_id)
+                slot_list.append(slots[key])
+                key_list.append(key)
+        return self._store_transfers(per_group, now)
+
+    def _no_space(self) -> bool:
+        stats = self.setup.index.stats()
+        # discarded slots are pinned too, but hold no readable block
+        return stats.free == 0 and stats.readable == stats.pinned - stats.discarded
+
+    def _store_transfers(self, per_group: _GroupStores, now: float) -> list[Transfer]:
+        transfers = []
+        observations = self.counters.observations
+        for group, (blocks, slots, keys, requests) in enumerate(per_group):
+            if not blocks:
+                continue
+            transfer = Transfer(
+                self.ledger.new_batch_id(), Direction.STORE, group, tuple(blocks), tuple(slots)
+            )
+            self.ledger.add_store(transfer, tuple(keys), requests, now)
+            transfers.append(transfer)
+            self.counters.observe(observations.store_blocks, len(transfer))
+        return transfers

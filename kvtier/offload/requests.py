@@ -1,0 +1,198 @@
+"""Owns the request table: each request's blocks, store progress and loads, and window logic.
+
+A request is tracked from its first allocation until the engine may free its
+blocks. Requests that may give the next plan work are marked *due*; a plan
+looks at those only, so a step in which no request filled a block costs the
+same whatever the number of running requests. Groups with a window (sliding
+window, Mamba) need only a hit's last ``window`` blocks; the table works out
+which of their blocks a later hit can read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from operator import attrgetter
+
+from kvtier.index.base import BlockKey
+from kvtier.offload.messages import DeviceBlock
+from kvtier.offload.setup import ManagerSetup
+
+
+@dataclass(frozen=True)
+class PendingLoad:
+    """A load accepted by the engine and not planned yet; its host slots are pinned."""
+
+    group: int
+    keys: tuple[BlockKey, ...]
+    blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    num_groups: int
+    block_hashes: Sequence[bytes] = ()
+    block_ids: list[list[int]] = field(default_factory=list)
+    store_cursor: list[int] = field(default_factory=list)
+    computed_tokens: int = 0
+    pending_loads: list[PendingLoad] = field(default_factory=list)
+    unavailable: list[DeviceBlock] = field(default_factory=list)
+    batches: set[int] = field(default_factory=set)
+    load_batches: set[int] = field(default_factory=set)
+    finished: bool = False
+    hold_announced: bool = False
+    engine_frees_blocks: bool = False
+    """The engine frees the finished request's blocks itself: its hold is never announced."""
+    load_end: int = 0
+    """Block position after the last one loaded from the tier."""
+    admitted: bool = False
+    """Whether its tier hit since it (re)started was counted in the observations."""
+    same_step: bool = False
+    """Its pending loads are for the step that runs it (:meth:`OffloadManager.allocated`)."""
+    seq: int = 0
+    """Order of arrival: plans take requests' loads and stores in this order."""
+    seen: tuple[int, int] = (-1, -1)
+    """Full blocks computed and block hashes known when a step last gave it work to check."""
+
+    def __post_init__(self) -> None:
+        if not self.block_ids:
+            self.clear_blocks()
+
+    def clear_blocks(self) -> None:
+        """Forget the request's device blocks and restart store progress in every group."""
+        self.block_ids = [[] for _ in range(self.num_groups)]
+        self.store_cursor = [0] * self.num_groups
+        self.seen = (-1, -1)
+
+
+class RequestTable:
+    """The requests the manager tracks, which of them are due, and which may not load again."""
+
+    def __init__(self, setup: ManagerSetup) -> None:
+        self.setup = setup
+        self.requests: dict[str, RequestState] = {}
+        self.due: set[str] = set()
+        self._next_seq = 0
+        self.released: list[str] = []
+        # Requests whose load failed recompute instead: asked again, they get no tier hit.
+        self.load_failed: set[str] = set()
+        # Lazy mode, per windowed group: device block -> the key it held while inside the
+        # window at the end of a step (where a later hit may start); other blocks are not stored.
+        self.window_blocks: list[dict[int, BlockKey]] = [{} for _ in range(setup.num_groups)]
+
+    def get(self, request_id: str) -> RequestState | None:
+        return self.requests.get(request_id)
+
+    def state(self, request_id: str) -> RequestState:
+        """The request's state, tracked from now on if it was not.
+
+        Raises:
+            ValueError: The request already finished (request ids must be unique).
+        """
+        state = self.requests.get(request_id)
+        if state is None:
+            state = RequestState(request_id, self.setup.num_groups, seq=self._next_seq)
+            self._next_seq += 1
+            self.requests[request_id] = state
+            self.setup.index.request_started(request_id)
+        elif state.finished:
+            raise ValueError(f"request {request_id} already finished; request ids must be unique")
+        return state
+
+    def take_due(self) -> list[RequestState]:
+        """The requests marked as possibly having work, in order of arrival; unmarks them."""
+        due = [self.requests[r] for r in self.due if r in self.requests]
+        self.due.clear()
+        due.sort(key=attrgetter("seq"))
+        return due
+
+    def release(self, request_id: str) -> None:
+        """Stop tracking a finished request; the next :class:`Progress` names it."""
+        del self.requests[request_id]
+        self.released.append(request_id)
+
+    def take_released(self) -> tuple[str, ...]:
+        released, self.released = tuple(self.released), []
+        return released
+
+    def refuse_reload(self, request_id: str) -> None:
+        """A load of the request failed: until it finishes, it gets no tier hit."""
+        state = self.requests.get(request_id)
+        if state is not None and not state.finished:
+            self.load_failed.add(request_id)
+
+    def cancel_pending_loads(self, state: RequestState) -> None:
+        for pending in state.pending_loads:
+            self.setup.index.unpin(pending.keys)
+        state.pending_loads.clear()
+        state.same_step = False
+
+    def restart(self, state: RequestState) -> None:
+        """The engine took the request's blocks back: drop its loads, restart its stores."""
+        self.cancel_pending_loads(state)
+        state.unavailable.clear()
+        state.clear_blocks()
+        state.computed_tokens = 0
+        state.load_end = 0
+        state.admitted = False
+
+    def has_unstored_blocks(self, state: RequestState) -> bool:
+        """Eager mode: whether some computed full block of the request is not stored yet."""
+        setup = self.setup
+        if setup.store_mode != "eager":
+            return False
+        ready = setup.ready_blocks(state.block_hashes, state.computed_tokens)
+        return any(
+            state.store_cursor[group] < min(ready, len(state.block_ids[group]))
+            for group in range(setup.num_groups)
+        )
+
+    def windowed_hits(self, wanted: Sequence[bytes], hits: int, group: int, window: int) -> int:
+        """The longest hit ``<= hits`` whose last ``window`` blocks ``group`` holds."""
+        setup = self.setup
+        keys = setup.namespace.keys(wanted[:hits], group)
+        while hits > 0:
+            start = max(0, hits - window)
+            readable = setup.index.lookup(keys[start:hits])
+            if readable == hits - start:
+                return hits
+            # the first missing block rules out every hit whose window contains it
+            hits = start + readable
+        return 0
+
+    def note_window_blocks(self, state: RequestState) -> None:
+        """Lazy mode: remember the windowed groups' blocks a hit at the request's end needs.
+
+        A hit can start where a step left the request (a finished, preempted or
+        repeated request starts from there); a windowed group's block that was
+        never among the last ``window`` blocks at such a point is never read
+        back, so lazy mode does not store it when it reaches the eviction
+        frontier (vLLM frees sliding-window blocks while their request runs).
+        """
+        setup = self.setup
+        if setup.store_mode != "lazy":
+            return
+        ready = setup.ready_blocks(state.block_hashes, state.computed_tokens)
+        for group, window in enumerate(setup.group_windows):
+            if window is None:
+                continue
+            group_ids = state.block_ids[group]
+            stop = min(ready, len(group_ids))
+            start = max(0, stop - window)
+            keys = setup.namespace.keys(state.block_hashes[start:stop], group)
+            for block_id, key in zip(group_ids[start:stop], keys, strict=True):
+                if block_id != setup.null_block_id:
+                    self.window_blocks[group][block_id] = key
+
+    def reset(self) -> None:
+        """After the tier was emptied: forget pending loads' blocks and store nothing older."""
+        setup = self.setup
+        for state in self.requests.values():
+            for pending in state.pending_loads:
+                setup.index.discard(pending.keys)
+            ready = setup.ready_blocks(state.block_hashes, state.computed_tokens)
+            # a cursor past the request's known blocks just means "nothing to store yet"
+            skip = max(ready, state.load_end)
+            state.store_cursor = [max(cursor, skip) for cursor in state.store_cursor]
