@@ -45,11 +45,25 @@ class FailureLog:
         self._counts: dict[FailureCause, int] = {}
         self.total = 0
         """Failures so far, of every cause."""
+        self._taken: dict[FailureCause, int] = {}
+        self._taken_total = 0
 
     @property
     def counts(self) -> Mapping[FailureCause, int]:
         """Failures so far, by cause (causes that never failed are absent)."""
         return dict(self._counts)
+
+    def take_new(self) -> dict[FailureCause, int]:
+        """Failures since the last call, by cause (empty when there were none)."""
+        if self.total == self._taken_total:
+            return {}  # most calls
+        new = {
+            cause: count - self._taken.get(cause, 0)
+            for cause, count in self._counts.items()
+            if count != self._taken.get(cause, 0)
+        }
+        self._taken, self._taken_total = dict(self._counts), self.total
+        return new
 
     def failed(
         self, cause: FailureCause, message: str, *args: object, exc_info: bool = False

@@ -239,7 +239,7 @@ class BatchLedger:
             elif not running:
                 self.abort_store(batch)
             if not ok:
-                counters.add("failed_stores", len(batch.keys))
+                counters.add("store_failures", len(batch.keys))
                 self.failures.failed(
                     FailureCause.STORE_DROPPED,
                     "store batch %d of %d blocks did not complete on %d of %d workers; the "
@@ -259,7 +259,7 @@ class BatchLedger:
             else:
                 # What could not be read once is not offered as a hit again.
                 setup.index.discard(batch.keys)
-                counters.add("failed_loads", len(transfer))
+                counters.add("load_failures", len(transfer))
                 assert transfer.request_id is not None
                 self.requests.refuse_reload(transfer.request_id)
                 collected.failed_loads.setdefault(transfer.request_id, []).extend(

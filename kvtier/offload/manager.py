@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config.model import DEFAULT_REPORT_DEADLINE_S
 from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent
@@ -107,36 +107,14 @@ class OffloadManager:
     ) -> None:
         """Create a manager over ``index``, the directory of the host tier.
 
+        Every argument but the two below is the :class:`~kvtier.offload.setup.ManagerSetup`
+        field of that name, which says what it means.
+
         Args:
-            index: The host tier's block index (its ``num_slots`` are the tier's slots).
-            block_tokens: Tokens per block (the engine's block size).
-            record_bytes: Bytes of one block's record on one rank, for the byte counters.
-            world_size: Number of workers that each execute every plan; a batch
-                completes when all of them reported it.
-            store_mode: ``"eager"`` stores newly computed full blocks of running
-                requests; ``"lazy"`` stores only blocks the engine offers from
-                its eviction frontier.
-            num_groups: Number of kv-cache groups (several for hybrid models).
-            namespace: Namespaces engine hashes into keys; a default one if ``None``.
-            null_block_id: A device block id that stands for "no block" (skipped
-                by stores and loads), if the engine has one.
             record_events: Keep the index's stored/evicted events for
                 :meth:`take_events`; otherwise they are only counted.
             record_observations: Keep latencies, batch sizes and per-request hits for
                 :meth:`take_observations` (whoever sets it must take them regularly).
-            group_windows: Per kv-cache group, ``None`` when a prefix needs all
-                its blocks (full attention), or ``w`` when only its last ``w``
-                blocks matter (sliding window: the blocks the window spans;
-                Mamba state: 1). Such a group loads and requires for a hit only
-                those blocks, and stores, in either mode, only blocks that were
-                among a request's last ``w`` at the end of a step (where a hit
-                can start). ``None`` means full attention everywhere.
-            report_deadline_s: Seconds after planning by which every worker must
-                have reported a batch; later, the batch fails (see :meth:`process`).
-            lower_tiers: Workers have storage tiers below the host tier: host
-                misses are looked up there (promotions) and evicted blocks are
-                written there (demotions).
-            clock: Monotonic time in seconds (tests pass a manual clock).
 
         Raises:
             ValueError: If a size or the deadline is not positive, ``store_mode``
@@ -151,11 +129,13 @@ class OffloadManager:
             num_groups,
             namespace if namespace is not None else KeyNamespace(),
             null_block_id,
-            (None,) * num_groups if group_windows is None else tuple(group_windows),
+            None if group_windows is None else tuple(group_windows),
             report_deadline_s,
             lower_tiers,
             clock,
         )
+        self.index, self.namespace = index, setup.namespace
+        self.store_mode, self.world_size = setup.store_mode, world_size
         self.record_events = record_events
         self.counters = counters = Counters(record_observations=record_observations)
         failures = FailureLog(logger)
@@ -170,22 +150,17 @@ class OffloadManager:
         # reuse when it is given the same hashes (the same sequence) and first block.
         self._looked_up: tuple[Sequence[bytes], int, dict[int, list[BlockKey]]] | None = None
         self._events: list[IndexEvent] = []
+        self._taken = OffloadStats()
 
     @classmethod
     def from_config(
         cls,
         config: KVTierConfig,
         *,
-        block_tokens: int,
         record_bytes: int,
         world_size: int = 1,
-        num_groups: int = 1,
-        namespace: KeyNamespace | None = None,
-        null_block_id: int | None = None,
-        record_events: bool = False,
-        record_observations: bool = False,
-        group_windows: Sequence[int | None] | None = None,
         registry: Registry | None = None,
+        **options: Any,
     ) -> OffloadManager:
         """Build a manager, and its index, from a validated :class:`~kvtier.config.KVTierConfig`.
 
@@ -194,6 +169,8 @@ class OffloadManager:
         <kvtier.offload.worker.OffloadWorker.from_config>` allocates (after it
         checked the memory available: vLLM builds the scheduler once the workers
         hold their buffers, so the memory left then says nothing about the tier).
+        ``options`` are the constructor's other arguments (``block_tokens``,
+        ``num_groups``, ...) but those the config sets.
         """
         from kvtier.plugins import default_registry
 
@@ -201,37 +178,13 @@ class OffloadManager:
         registry = registry if registry is not None else default_registry()
         return cls(
             registry.build(BLOCK_INDEX, config.index, num_slots),
-            block_tokens=block_tokens,
             record_bytes=record_bytes,
             world_size=world_size,
             store_mode=config.store_mode,
-            num_groups=num_groups,
-            namespace=namespace,
-            null_block_id=null_block_id,
-            record_events=record_events,
-            record_observations=record_observations,
-            group_windows=group_windows,
             report_deadline_s=config.report_deadline_s,
             lower_tiers=bool(config.tiers),
+            **options,
         )
-
-    @property
-    def index(self) -> BlockIndex:
-        """The host tier's block index."""
-        return self.setup.index
-
-    @property
-    def namespace(self) -> KeyNamespace:
-        """Namespaces engine hashes into the tier's keys."""
-        return self.setup.namespace
-
-    @property
-    def store_mode(self) -> StoreMode:
-        return self.setup.store_mode
-
-    @property
-    def world_size(self) -> int:
-        return self.setup.world_size
 
     # ------------------------------------------------------------------ requests
 
@@ -272,16 +225,8 @@ class OffloadManager:
         wanted = block_hashes[first : first + limit]
         if not wanted:
             return 0
-        hits = len(wanted)
-        looked_up: dict[int, list[BlockKey]] = {}
-        for group, window in enumerate(setup.group_windows):
-            if window is None and hits:
-                keys = looked_up[group] = setup.namespace.keys(wanted[:hits], group)
-                hits = min(hits, setup.index.lookup(keys))
+        hits, looked_up = self.requests.hits(wanted)
         self._looked_up = (block_hashes, first, looked_up)
-        for group, window in enumerate(setup.group_windows):
-            if window is not None:
-                hits = self.requests.windowed_hits(wanted, hits, group, window)
         if setup.lower_tiers and hits < len(wanted):
             if self.moves.wait_for(request_id, wanted, hits):
                 return None
@@ -338,23 +283,13 @@ class OffloadManager:
         state = self.requests.state(request_id)
         state.block_hashes = block_hashes
         first = num_computed_tokens // setup.block_tokens
-        last, self._looked_up = self._looked_up, None
-        reuse = last is not None and last[0] is block_hashes and last[1] == first
-        count = -(-num_external_tokens // setup.block_tokens)
         for group in range(setup.num_groups):
             setup.index.touch(setup.namespace.keys(block_hashes[:first], group))
-        if not state.admitted:
-            state.admitted = True
-            observations = self.counters.observations
-            self.counters.observe(observations.request_hit_tokens, count * setup.block_tokens)
-        if count == 0:
-            return
-        self.counters.add("hit_tokens", count * setup.block_tokens)
-        state.load_end = first + count
-        state.same_step = same_step
-        self.requests.due.add(request_id)
-        hashes = block_hashes[first : first + count]
-        self.planner.accept_hit(state, hashes, block_ids, first, last[2] if reuse else {})
+        last, self._looked_up = self._looked_up, None
+        looked_up = (
+            last[2] if last is not None and last[0] is block_hashes and last[1] == first else {}
+        )
+        self.planner.accept_hit(state, block_ids, first, num_external_tokens, looked_up, same_step)
 
     def scheduled(
         self,
@@ -380,34 +315,9 @@ class OffloadManager:
             resumed: The request resumes after a preemption: ``new_block_ids``
                 replace its block ids.
         """
-        requests, block_tokens = self.requests, self.setup.block_tokens
-        state = requests.get(request_id)
-        if (
-            state is not None
-            and not resumed
-            and not state.finished
-            and (new_block_ids is None or not any(new_block_ids))
-            and (block_hashes is None or block_hashes is state.block_hashes)
-            and (num_computed_tokens // block_tokens, len(state.block_hashes)) == state.seen
-        ):
-            # Most decode steps: no block filled, no hash or block came, so nothing read
-            # below can have changed but the exact token count.
-            state.computed_tokens = num_computed_tokens
-            return
-        state = requests.state(request_id)
-        if block_hashes is not None:
-            state.block_hashes = block_hashes
-        if resumed:
-            state.clear_blocks()
-        if new_block_ids is not None:
-            for group, ids in enumerate(new_block_ids[: self.setup.num_groups]):
-                if ids:
-                    state.block_ids[group].extend(ids)
-        state.computed_tokens = num_computed_tokens
-        state.seen = (num_computed_tokens // block_tokens, len(state.block_hashes))
-        requests.note_window_blocks(state)
-        if requests.has_unstored_blocks(state):
-            requests.due.add(request_id)
+        self.requests.scheduled(
+            request_id, num_computed_tokens, new_block_ids, block_hashes, resumed
+        )
 
     def preempted(self, request_ids: Iterable[str]) -> None:
         """The engine took these requests' device blocks back.
@@ -441,26 +351,13 @@ class OffloadManager:
             request_id: The request.
             num_computed_tokens: Tokens whose KV is written at the end; in
                 eager mode, full blocks not stored yet are stored before release.
+            engine_frees_blocks: The engine frees the blocks itself when the
+                request's loads end (vLLM, for a request still waiting for its
+                load): the request is tracked until its copies are over, but no
+                plan announces its hold.
         """
-        requests = self.requests
-        requests.load_failed.discard(request_id)
         self.moves.forget(request_id)
-        state = requests.get(request_id)
-        if state is None:
-            return False
-        self.setup.index.request_finished(request_id)
-        requests.cancel_pending_loads(state)
-        state.unavailable.clear()
-        if num_computed_tokens is not None:
-            state.computed_tokens = max(state.computed_tokens, num_computed_tokens)
-            requests.note_window_blocks(state)
-        state.finished = True
-        state.engine_frees_blocks = engine_frees_blocks
-        if state.batches or requests.has_unstored_blocks(state):
-            requests.due.add(request_id)  # its hold is announced by the next plan
-            return True
-        del requests.requests[request_id]
-        return False
+        return self.requests.finish(request_id, num_computed_tokens, engine_frees_blocks)
 
     # ---------------------------------------------------------------------- steps
 
@@ -478,6 +375,9 @@ class OffloadManager:
                 engine's eviction frontier, in eviction order; those not yet in
                 the tier are stored while slots last. Ignored in eager mode.
             idle: The engine computes nothing this step (see :attr:`TransferPlan.idle`).
+            frontier: In lazy mode, the engine's eviction frontier: its blocks
+                not offered before, or whose contents changed since, join
+                ``lazy_candidates`` (see :class:`~kvtier.offload.EvictionFrontier`).
         """
         self._drain_index_events()
         requests, moves, planner = self.requests, self.moves, self.planner
@@ -502,15 +402,7 @@ class OffloadManager:
             stores = planner.plan_lazy_stores(lazy_candidates, now)
         self.frontier.taken(offered)
         self._drain_index_events()
-        holds: dict[str, tuple[int, ...]] = {}
-        for state in due:
-            if not state.finished or state.hold_announced:
-                continue
-            state.hold_announced = True
-            if not state.engine_frees_blocks:
-                holds[state.request_id] = tuple(sorted(state.batches))
-            if not state.batches:
-                requests.release(state.request_id)
+        holds = requests.announce_holds(due)
         plan = TransferPlan(
             stores=tuple(stores),
             loads=tuple(loads),
@@ -613,17 +505,24 @@ class OffloadManager:
         return empty
 
     def stats(self) -> OffloadStats:
-        """Current counters and usage."""
+        """Cumulative counters and current usage."""
         self._drain_index_events()
         index_stats = self.setup.index.stats()
         return OffloadStats(
-            num_slots=index_stats.num_slots,
-            used_slots=index_stats.readable + index_stats.writing,
-            quarantined_slots=self.ledger.quarantined_slots,
+            capacity_blocks=index_stats.num_slots,
+            used_blocks=index_stats.readable + index_stats.writing,
+            quarantined_blocks=self.ledger.quarantined_slots,
             failures=self._failures.counts,
             tiers={name: dict(counts) for name, counts in self.counters.tiers.items()},
             **self.counters.values,
         )
+
+    def take_stats(self) -> OffloadStats | None:
+        """What the counters gained and the gauges' values since the last call (``None``
+        when nothing changed): :meth:`stats` ``.since()`` the previous call's."""
+        now = self.stats()
+        last, self._taken = self._taken, now
+        return None if now == last else now.since(last)
 
     def take_observations(self) -> Observations:
         """Return and forget the measurements since the last call (empty without

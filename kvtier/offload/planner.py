@@ -41,24 +41,37 @@ class Planner:
     def accept_hit(
         self,
         state: RequestState,
-        hashes: Sequence[bytes],
         block_ids: GroupBlockIds,
         first: int,
+        num_external_tokens: int,
         looked_up: dict[int, list[BlockKey]],
+        same_step: bool,
     ) -> None:
-        """Pin the slots of the accepted blocks ``hashes`` (from position ``first``) and queue
-        their loads; blocks no longer readable are failed loads."""
-        setup, index = self.setup, self.setup.index
-        count = len(hashes)
+        """Pin the slots of the blocks accepted from position ``first`` and queue their loads;
+        blocks no longer readable are failed loads. ``looked_up``: keys the lookup made."""
+        setup, counters = self.setup, self.counters
+        count = -(-num_external_tokens // setup.block_tokens)
+        if not state.admitted:
+            state.admitted = True
+            counters.observe(counters.observations.request_hit_tokens, count * setup.block_tokens)
+        if count == 0:
+            return
+        counters.add("hit_tokens", count * setup.block_tokens)
+        state.load_end = first + count
+        state.same_step = same_step
+        self.requests.due.add(state.request_id)
+        hashes = state.block_hashes[first : first + count]
+        index = setup.index
         for group in range(setup.num_groups):
             group_ids = block_ids[group][first : first + count] if group < len(block_ids) else []
-            if len(group_ids) != count:
+            if len(group_ids) != len(hashes):
                 raise ValueError(
                     f"request {state.request_id}: group {group} has {len(group_ids)} device "
-                    f"blocks at positions {first}..{first + count - 1}, but {count} tier blocks "
-                    "were accepted; pass the request's block ids from position 0 for every group"
+                    f"blocks at positions {first}..{first + count - 1}, but {len(hashes)} tier "
+                    "blocks were accepted; pass the request's block ids from position 0 for "
+                    "every group"
                 )
-            window = setup.group_windows[group]
+            window = setup.windows[group]
             skip = 0 if window is None else max(0, count - window)
             blocks = list(group_ids[skip:])
             keys = looked_up.get(group, [])[:count] if window is None else []
@@ -84,7 +97,7 @@ class Planner:
                     group,
                 )
                 state.unavailable.extend(DeviceBlock(group, b) for b in blocks[readable:])
-                self.counters.add("failed_loads", len(keys) - readable)
+                self.counters.add("load_failures", len(keys) - readable)
 
     def plan_loads(
         self, due: Sequence[RequestState], now: float
@@ -133,7 +146,7 @@ class Planner:
             for group in range(setup.num_groups):
                 group_ids = state.block_ids[group]
                 start, stop = state.store_cursor[group], min(ready, len(group_ids))
-                window = setup.group_windows[group]
+                window = setup.windows[group]
                 if window is not None:
                     # blocks that left the window may already be back in the engine's pool
                     start = max(start, stop - window)
@@ -189,7 +202,7 @@ class Planner:
             if key in wanted or self.ledger.present(key):
                 continue
             if (
-                setup.group_windows[candidate.group] is not None
+                setup.windows[candidate.group] is not None
                 and self.requests.window_blocks[candidate.group].get(candidate.block_id) != key
             ):
                 continue

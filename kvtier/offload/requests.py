@@ -16,7 +16,7 @@ from operator import attrgetter
 
 from kvtier.index.base import BlockKey
 from kvtier.offload.messages import DeviceBlock
-from kvtier.offload.setup import ManagerSetup
+from kvtier.offload.setup import GroupBlockIds, ManagerSetup
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,99 @@ class RequestTable:
             for group in range(setup.num_groups)
         )
 
-    def windowed_hits(self, wanted: Sequence[bytes], hits: int, group: int, window: int) -> int:
+    def scheduled(
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        new_block_ids: GroupBlockIds | None,
+        block_hashes: Sequence[bytes] | None,
+        resumed: bool,
+    ) -> None:
+        """Record a step of a running request; mark it due if it has blocks to store."""
+        block_tokens = self.setup.block_tokens
+        state = self.requests.get(request_id)
+        if (
+            state is not None
+            and not resumed
+            and not state.finished
+            and (new_block_ids is None or not any(new_block_ids))
+            and (block_hashes is None or block_hashes is state.block_hashes)
+            and (num_computed_tokens // block_tokens, len(state.block_hashes)) == state.seen
+        ):
+            # Most decode steps: no block filled, no hash or block came, so nothing read
+            # below can have changed but the exact token count.
+            state.computed_tokens = num_computed_tokens
+            return
+        state = self.state(request_id)
+        if block_hashes is not None:
+            state.block_hashes = block_hashes
+        if resumed:
+            state.clear_blocks()
+        if new_block_ids is not None:
+            for group, ids in enumerate(new_block_ids[: self.setup.num_groups]):
+                if ids:
+                    state.block_ids[group].extend(ids)
+        state.computed_tokens = num_computed_tokens
+        state.seen = (num_computed_tokens // block_tokens, len(state.block_hashes))
+        self.note_window_blocks(state)
+        if self.has_unstored_blocks(state):
+            self.due.add(request_id)
+
+    def finish(
+        self, request_id: str, num_computed_tokens: int | None, engine_frees_blocks: bool
+    ) -> bool:
+        """The request finished: whether it stays tracked (held) until its copies are over."""
+        self.load_failed.discard(request_id)
+        state = self.requests.get(request_id)
+        if state is None:
+            return False
+        self.setup.index.request_finished(request_id)
+        self.cancel_pending_loads(state)
+        state.unavailable.clear()
+        if num_computed_tokens is not None:
+            state.computed_tokens = max(state.computed_tokens, num_computed_tokens)
+            self.note_window_blocks(state)
+        state.finished = True
+        state.engine_frees_blocks = engine_frees_blocks
+        if state.batches or self.has_unstored_blocks(state):
+            self.due.add(request_id)  # its hold is announced by the next plan
+            return True
+        del self.requests[request_id]
+        return False
+
+    def announce_holds(self, due: Sequence[RequestState]) -> dict[str, tuple[int, ...]]:
+        """The finished due requests' holds, once each: the batches that free their blocks.
+
+        A request whose blocks the engine frees itself is not announced, and one with
+        no batch left is released at once.
+        """
+        holds: dict[str, tuple[int, ...]] = {}
+        for state in due:
+            if not state.finished or state.hold_announced:
+                continue
+            state.hold_announced = True
+            if not state.engine_frees_blocks:
+                holds[state.request_id] = tuple(sorted(state.batches))
+            if not state.batches:
+                self.release(state.request_id)
+        return holds
+
+    def hits(self, wanted: Sequence[bytes]) -> tuple[int, dict[int, list[BlockKey]]]:
+        """How many leading blocks of ``wanted`` are a hit in every group, and the keys made
+        for the groups without a window."""
+        setup = self.setup
+        hits = len(wanted)
+        looked_up: dict[int, list[BlockKey]] = {}
+        for group, window in enumerate(setup.windows):
+            if window is None and hits:
+                keys = looked_up[group] = setup.namespace.keys(wanted[:hits], group)
+                hits = min(hits, setup.index.lookup(keys))
+        for group, window in enumerate(setup.windows):
+            if window is not None:
+                hits = self._windowed_hits(wanted, hits, group, window)
+        return hits, looked_up
+
+    def _windowed_hits(self, wanted: Sequence[bytes], hits: int, group: int, window: int) -> int:
         """The longest hit ``<= hits`` whose last ``window`` blocks ``group`` holds."""
         setup = self.setup
         keys = setup.namespace.keys(wanted[:hits], group)
@@ -175,7 +267,7 @@ class RequestTable:
         if setup.store_mode != "lazy":
             return
         ready = setup.ready_blocks(state.block_hashes, state.computed_tokens)
-        for group, window in enumerate(setup.group_windows):
+        for group, window in enumerate(setup.windows):
             if window is None:
                 continue
             group_ids = state.block_ids[group]

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvtier.config.model import DEFAULT_REPORT_DEADLINE_S
 from kvtier.index.base import BlockIndex
 from kvtier.keys import KeyNamespace
 
@@ -20,17 +21,40 @@ class ManagerSetup:
     """What an :class:`~kvtier.offload.OffloadManager` was built with; never changes after."""
 
     index: BlockIndex
+    """The host tier's block index (its ``num_slots`` are the tier's slots)."""
     block_tokens: int
+    """Tokens per block (the engine's block size)."""
     record_bytes: int
-    world_size: int
-    store_mode: StoreMode
-    num_groups: int
-    namespace: KeyNamespace
-    null_block_id: int | None
-    group_windows: tuple[int | None, ...]
-    report_deadline_s: float
-    lower_tiers: bool
-    clock: Callable[[], float] = field(default=time.monotonic)
+    """Bytes of one block's record on one rank, for the byte counters."""
+    world_size: int = 1
+    """Number of workers that each execute every plan; a batch completes when all of them
+    reported it."""
+    store_mode: StoreMode = "eager"
+    """``"eager"`` stores newly computed full blocks of running requests; ``"lazy"`` stores
+    only blocks the engine offers from its eviction frontier."""
+    num_groups: int = 1
+    """Number of kv-cache groups (several for hybrid models)."""
+    namespace: KeyNamespace = field(default_factory=KeyNamespace)
+    """Namespaces engine hashes into keys."""
+    null_block_id: int | None = None
+    """A device block id that stands for "no block" (skipped by stores and loads), if the
+    engine has one."""
+    group_windows: tuple[int | None, ...] | None = None
+    """Per kv-cache group, ``None`` when a prefix needs all its blocks (full attention), or
+    ``w`` when only its last ``w`` blocks matter (sliding window: the blocks the window
+    spans; Mamba state: 1). Such a group loads and requires for a hit only those blocks, and
+    stores, in either mode, only blocks that were among a request's last ``w`` at the end of
+    a step (where a hit can start). ``None`` means full attention everywhere."""
+    report_deadline_s: float = DEFAULT_REPORT_DEADLINE_S
+    """Seconds after planning by which every worker must have reported a batch; later, the
+    batch fails (see :meth:`OffloadManager.process`)."""
+    lower_tiers: bool = False
+    """Workers have storage tiers below the host tier: host misses are looked up there
+    (promotions) and evicted blocks are written there (demotions)."""
+    clock: Callable[[], float] = time.monotonic
+    """Monotonic time in seconds (tests pass a manual clock)."""
+    windows: tuple[int | None, ...] = field(init=False)
+    """``group_windows`` with one entry per group."""
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "record_bytes", "world_size", "num_groups"):
@@ -41,17 +65,19 @@ class ManagerSetup:
             raise ValueError(f"report_deadline_s must be positive, got {self.report_deadline_s}")
         if self.store_mode not in ("eager", "lazy"):
             raise ValueError(f"store_mode must be 'eager' or 'lazy', got {self.store_mode!r}")
-        windows = self.group_windows
+        given = self.group_windows
+        windows = (None,) * self.num_groups if given is None else tuple(given)
         if len(windows) != self.num_groups or any(w is not None and w <= 0 for w in windows):
             raise ValueError(
                 f"group_windows needs one entry per kv-cache group ({self.num_groups}), each "
-                f"None or a positive block count; got {windows!r}"
+                f"None or a positive block count; got {given!r}"
             )
+        object.__setattr__(self, "windows", windows)
 
     @property
     def windowed(self) -> bool:
         """Whether some group needs only the last few blocks of a hit (sliding window, Mamba)."""
-        return any(window is not None for window in self.group_windows)
+        return any(window is not None for window in self.windows)
 
     def ready_blocks(self, block_hashes: Sequence[bytes], computed_tokens: int) -> int:
         """Full blocks of a request whose KV is written and whose hash is known."""

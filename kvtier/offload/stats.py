@@ -1,63 +1,261 @@
-"""Owns the scheduler side's counters and measurements, and the records they are handed out in."""
+"""Owns the scheduler side's counters: one declaration per counter, and the records built on it.
+
+:data:`OFFLOAD_COUNTERS` declares every number the manager keeps (name, kind,
+unit, meaning) and :data:`TIER_COUNTERS` every per-tier number the workers
+report for the tiers below the host tier. :class:`OffloadStats` is derived
+from the first table, and an engine integration's metrics from both (vLLM's
+Prometheus names are ``vllm:kvtier_<name>`` and ``vllm:kvtier_tier_<name>``).
+"""
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
 from kvtier.offload.failures import FailureCause
 
 
+class CounterKind(enum.Enum):
+    COUNTER = "counter"
+    """Only grows; handed out as what it gained since the last record."""
+    GAUGE = "gauge"
+    """A current value; handed out as it is now."""
+
+
 @dataclass(frozen=True)
-class OffloadStats:
-    """Cumulative counters and current usage of the host tier, for metrics.
+class Counter:
+    """One number of the scheduler side, as every record and metric of it names it."""
 
-    Byte counters count every rank's shard (``blocks * record_bytes * world_size``).
-    Every field defaults to 0: ``OffloadStats()`` is "nothing yet".
-    """
+    name: str
+    kind: CounterKind
+    unit: str
+    help: str
+    source: str = ""
+    """Per-tier counters only: the :class:`~kvtier.tiers.TierStats` counter it counts if
+    not ``name`` (a fault's as ``errors.<cause>``); one ending in ``.`` adds up every
+    counter so named."""
 
-    num_slots: int = 0
-    """Slots in the host tier (per rank; every rank has the same slots)."""
-    used_slots: int = 0
-    """Slots holding a readable block or one being written."""
-    hit_tokens: int = 0
-    """Tokens the engine accepted from the tier (loads planned)."""
-    stored_blocks: int = 0
-    """Blocks whose stores completed on every worker."""
-    stored_bytes: int = 0
-    """Bytes of those blocks, all ranks together."""
-    loaded_blocks: int = 0
-    """Blocks whose loads completed on every worker."""
-    same_step_loaded_blocks: int = 0
-    """Of ``loaded_blocks``, those loaded in the step that ran their request."""
-    loaded_bytes: int = 0
-    """Bytes of those blocks, all ranks together."""
-    evicted_blocks: int = 0
-    """Blocks evicted from the tier to make room (or by :meth:`OffloadManager.reset`)."""
-    failed_stores: int = 0
-    """Blocks whose store failed, timed out or was abandoned on some worker (they were dropped)."""
-    failed_loads: int = 0
-    """Blocks whose load failed, timed out or could not be started (recomputed)."""
-    abandoned_copies: int = 0
-    """Copies a worker stopped waiting for (past its copy deadline, or after a backend error)."""
-    expired_batches: int = 0
-    """Batches failed because some worker did not report them within the report deadline."""
-    rejected_reports: int = 0
-    """Worker report entries rejected as impossible (and ignored)."""
-    quarantined_slots: int = 0
-    """Slots kept out of use because an abandoned or unreported copy may still write them."""
-    promoted_blocks: int = 0
-    """Blocks read from the lower tiers into the host tier on every worker."""
-    demoted_blocks: int = 0
-    """Blocks evicted from the host tier and handed to workers to write to the lower tiers."""
-    expired_promotions: int = 0
-    """Promotions some worker did not report within the report deadline (their lookups missed)."""
-    tiers: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Per lower tier, the workers' counters added up (``TierStats`` field names, and
-    ``errors.<cause>`` per fault); empty without lower tiers."""
-    failures: Mapping[FailureCause, int] = field(default_factory=dict)
-    """Failures the manager detected, by cause (the workers count theirs)."""
+
+_C, _G = CounterKind.COUNTER, CounterKind.GAUGE
+
+OFFLOAD_COUNTERS: tuple[Counter, ...] = (
+    Counter(
+        "hit_tokens",
+        _C,
+        "tokens",
+        "Prompt tokens found in the host tier beyond the engine's own prefix-cache hit and "
+        "scheduled to load from it.",
+    ),
+    Counter(
+        "stored_blocks",
+        _C,
+        "blocks",
+        "Blocks whose store to the host tier completed on every rank.",
+    ),
+    Counter(
+        "stored_bytes",
+        _C,
+        "bytes",
+        "Bytes copied from the device KV cache to the host tier, all ranks.",
+    ),
+    Counter(
+        "loaded_blocks",
+        _C,
+        "blocks",
+        "Blocks whose load from the host tier completed on every rank.",
+    ),
+    Counter(
+        "same_step_loaded_blocks",
+        _C,
+        "blocks",
+        "Of the loaded blocks, those copied in the step that ran their request "
+        "(same_step_load_bytes).",
+    ),
+    Counter(
+        "loaded_bytes",
+        _C,
+        "bytes",
+        "Bytes copied from the host tier to the device KV cache, all ranks.",
+    ),
+    Counter(
+        "evicted_blocks",
+        _C,
+        "blocks",
+        "Blocks evicted from the host tier to make room for new ones (or by a reset).",
+    ),
+    Counter(
+        "store_failures",
+        _C,
+        "blocks",
+        "Blocks whose store failed, timed out or was abandoned on some rank; they were never "
+        "made readable.",
+    ),
+    Counter(
+        "load_failures",
+        _C,
+        "blocks",
+        "Blocks whose load failed or was no longer possible; the engine recomputed them.",
+    ),
+    Counter(
+        "abandoned_copies",
+        _C,
+        "copies",
+        "Copies a rank stopped waiting for (past copy_deadline_s, or after a copy backend "
+        "error); their loads were recomputed and their stores dropped.",
+    ),
+    Counter(
+        "expired_batches",
+        _C,
+        "batches",
+        "Batches of copies failed because some rank did not report them within report_deadline_s.",
+    ),
+    Counter(
+        "rejected_reports",
+        _C,
+        "report entries",
+        "Entries of rank reports rejected as impossible and ignored.",
+    ),
+    Counter(
+        "promoted_blocks",
+        _C,
+        "blocks",
+        "Blocks read from the tiers below the host tier into it, for requests that missed it.",
+    ),
+    Counter(
+        "demoted_blocks",
+        _C,
+        "blocks",
+        "Blocks evicted from the host tier and written to the tiers below it.",
+    ),
+    Counter(
+        "expired_promotions",
+        _C,
+        "lookups",
+        "Lower-tier lookups some rank did not answer within report_deadline_s (recomputed).",
+    ),
+    Counter("capacity_blocks", _G, "blocks", "Host-tier slots per rank."),
+    Counter(
+        "used_blocks", _G, "blocks", "Host-tier slots holding a block or being written, per rank."
+    ),
+    Counter(
+        "quarantined_blocks",
+        _G,
+        "blocks",
+        "Host-tier slots kept out of use, per rank, because an abandoned or unreported copy "
+        "may still write them.",
+    ),
+)
+"""Every number the manager keeps, in :class:`OffloadStats` under the same name. Block
+counters count a transfer once, when every rank reported it; byte counters count every
+rank's shard (``blocks * record_bytes * world_size``)."""
+
+TIER_ERRORS_PREFIX = "errors."
+"""How a tier's fault counters are named in :attr:`OffloadStats.tiers`."""
+
+TIER_COUNTERS: tuple[Counter, ...] = (
+    Counter("hits", _C, "records", "Records a storage tier returned, all ranks."),
+    Counter(
+        "misses",
+        _C,
+        "records",
+        "Records asked of a storage tier and not returned, whatever the reason.",
+    ),
+    Counter("bytes_read", _C, "bytes", "Payload bytes a storage tier returned, all ranks."),
+    Counter("bytes_written", _C, "bytes", "Payload bytes written to a storage tier, all ranks."),
+    Counter("stores", _C, "records", "Records written to a storage tier."),
+    Counter(
+        "drops",
+        _C,
+        "records",
+        "Records a storage tier did not store (queue full, failure, refused).",
+    ),
+    Counter(
+        "queue_drops",
+        _C,
+        "records",
+        "Records of requests a storage tier answered at once because its queue was full.",
+    ),
+    Counter(
+        "deadline_misses",
+        _C,
+        "records",
+        "Records of reads a storage tier answered as misses at their deadline.",
+    ),
+    Counter(
+        "errors",
+        _C,
+        "records",
+        "Records affected by a storage tier's faults: failed checks (checksum, namespace, "
+        "layout), I/O and connection errors, timeouts.",
+        source=TIER_ERRORS_PREFIX,
+    ),
+    Counter(
+        "auth_failures",
+        _C,
+        "records",
+        "Records a storage tier read that were not sealed by its keys (forged, altered, or "
+        "written without the key); each is a miss, also counted in tier_errors.",
+        source=TIER_ERRORS_PREFIX + "auth",
+    ),
+)
+"""Per storage tier below the host tier, the workers' counts added up (keys, not blocks),
+under the :class:`~kvtier.tiers.TierStats` counter each names (its ``source``)."""
+
+
+def tier_counts(counts: Mapping[str, int]) -> dict[str, int]:
+    """One tier's counts from :attr:`OffloadStats.tiers` as :data:`TIER_COUNTERS` name them."""
+    row = {}
+    for counter in TIER_COUNTERS:
+        source = counter.source or counter.name
+        if source.endswith("."):
+            row[counter.name] = sum(v for k, v in counts.items() if k.startswith(source))
+        else:
+            row[counter.name] = counts.get(source, 0)
+    return row
+
+
+def _grown(now: Mapping[Any, int], last: Mapping[Any, int]) -> dict[Any, int]:
+    return {
+        key: value - last.get(key, 0) for key, value in now.items() if value != last.get(key, 0)
+    }
+
+
+def _since(self: Any, last: Any) -> Any:
+    """What changed from ``last`` (an earlier record) to this one: each counter, failure
+    cause and tier counter as what it gained, each gauge as it is now."""
+    changes: dict[str, Any] = {
+        counter.name: getattr(self, counter.name)
+        - (getattr(last, counter.name) if counter.kind is CounterKind.COUNTER else 0)
+        for counter in OFFLOAD_COUNTERS
+    }
+    tiers = {name: _grown(counts, last.tiers.get(name, {})) for name, counts in self.tiers.items()}
+    changes["tiers"] = {name: grown for name, grown in tiers.items() if grown}
+    changes["failures"] = _grown(self.failures, last.failures)
+    return type(self)(**changes)
+
+
+OffloadStats = make_dataclass(
+    "OffloadStats",
+    [
+        *((counter.name, int, field(default=0)) for counter in OFFLOAD_COUNTERS),
+        ("tiers", dict[str, dict[str, int]], field(default_factory=dict)),
+        ("failures", Mapping[FailureCause, int], field(default_factory=dict)),
+    ],
+    frozen=True,
+    namespace={"since": _since},
+)
+OffloadStats.__module__ = __name__
+OffloadStats.__doc__ = """The manager's numbers: one field per :data:`OFFLOAD_COUNTERS` entry, and
+
+- ``tiers``: per lower tier, the workers' counters added up (``TierStats`` field names,
+  and ``errors.<cause>`` per fault); empty without lower tiers;
+- ``failures``: failures the manager detected, by cause (the workers count theirs).
+
+Every field defaults to 0 (or empty): ``OffloadStats()`` is "nothing yet".
+:meth:`OffloadManager.stats` gives cumulative counters, :meth:`OffloadManager.take_stats`
+what they gained since its previous call (``since``)."""
 
 
 @dataclass
@@ -79,18 +277,30 @@ class Observations:
     """Per request, at its first allocation: the tokens it accepted from the tier (0 for
     none). A preempted request that starts over is counted again."""
 
+    def __bool__(self) -> bool:
+        return bool(
+            self.load_seconds
+            or self.store_seconds
+            or self.load_blocks
+            or self.store_blocks
+            or self.request_hit_tokens
+        )
+
 
 class Counters:
     """The manager's cumulative counters, its measurements and the workers' tier counts."""
 
     def __init__(self, *, record_observations: bool) -> None:
-        self.values: dict[str, int] = {}
+        self.values: dict[str, int] = {
+            counter.name: 0 for counter in OFFLOAD_COUNTERS if counter.kind is CounterKind.COUNTER
+        }
         self.record_observations = record_observations
         self.observations = Observations()
         self.tiers: dict[str, dict[str, int]] = {}
 
     def add(self, name: str, count: int) -> None:
-        self.values[name] = self.values.get(name, 0) + count
+        """Add ``count`` to the :data:`OFFLOAD_COUNTERS` counter ``name``."""
+        self.values[name] += count
 
     def observe(self, into: list[Any], value: float) -> None:
         if self.record_observations:

@@ -438,10 +438,9 @@ class OffloadWorker:
         """This worker's failures so far, by cause."""
         return self._failures.counts
 
-    @property
-    def num_failures(self) -> int:
-        """This worker's failures so far, of every cause."""
-        return self._failures.total
+    def take_stats(self) -> dict[FailureCause, int]:
+        """This worker's failures since the last call, by cause (empty when there were none)."""
+        return self._failures.take_new()
 
     @property
     def num_abandoned(self) -> int:

@@ -86,7 +86,7 @@ def test_a_store_failed_on_one_worker_is_dropped() -> None:
     m.process(WorkerReport(done={store.batch_id: 1}, failed={store.batch_id: 1}))
     assert m.lookup("b", HASHES[:2], 0, 99) == 0
     assert m.index.stats().free == 8
-    assert m.stats().failed_stores == 2 and m.stats().stored_blocks == 0
+    assert m.stats().store_failures == 2 and m.stats().stored_blocks == 0
     assert m.stats().failures == {FailureCause.STORE_DROPPED: 1}
 
 
@@ -197,7 +197,7 @@ def test_failed_load_is_a_recompute() -> None:
     progress = m.process(WorkerReport(failed={load.batch_id: 1}))
     assert progress.loaded_requests == ("b",)
     assert progress.failed_loads == {"b": (DeviceBlock(0, 8), DeviceBlock(0, 9))}
-    assert m.stats().failed_loads == 2 and m.index.stats().pinned == 0
+    assert m.stats().load_failures == 2 and m.index.stats().pinned == 0
     # blocks that could not be read are not offered again
     assert m.lookup("c", HASHES[:2], 0, 99) == 0
     assert m.index.stats().readable == 0
@@ -232,7 +232,7 @@ def test_blocks_gone_before_allocation_are_reported_unavailable() -> None:
     progress = m.process(done(plan))
     assert progress.failed_loads == {"b": (DeviceBlock(0, 31),)}
     assert progress.loaded_requests == ("b",)
-    assert m.stats().failed_loads == 1
+    assert m.stats().load_failures == 1
     assert m.lookup("b", HASHES[:2], 0, 99) == 0, "b recomputes instead of loading again"
 
 
@@ -564,16 +564,16 @@ def test_a_batch_a_worker_never_reports_fails_at_the_report_deadline(
     assert progress.released_requests == ("c",)
     assert m.num_inflight_batches == 0 and m.num_quarantined_batches == 2
     stats = m.stats()
-    assert (stats.expired_batches, stats.failed_loads, stats.failed_stores) == (2, 2, 2)
+    assert (stats.expired_batches, stats.load_failures, stats.store_failures) == (2, 2, 2)
     assert stats.failures == {FailureCause.REPORT_DEADLINE: 2, FailureCause.STORE_DROPPED: 1}
-    assert stats.quarantined_slots == 4
+    assert stats.quarantined_blocks == 4
     warned = [r.message for r in caplog.records if r.levelno == logging.WARNING]
     assert len([m for m in warned if "report_deadline_s" in m]) == 1, "once, not per batch"
     assert m.lookup("e", HASHES[:2], 0, 99) == 0
     m.scheduled("f", num_computed_tokens=BT, new_block_ids=[[30]], block_hashes=[HASHES[12]])
     assert m.build_plan().stores == (), "no slot is reused while the silent worker may write it"
     m.process(WorkerReport(done={load.batch_id: 1, store.batch_id: 1}))
-    assert m.num_quarantined_batches == 0 and m.stats().quarantined_slots == 0
+    assert m.num_quarantined_batches == 0 and m.stats().quarantined_blocks == 0
     assert m.index.stats().free == 4
     assert m.build_plan().stores[0].device_blocks == (30,)
 
@@ -586,12 +586,12 @@ def test_an_abandoned_copy_fails_its_batch_and_keeps_its_slots_until_it_settles(
     progress = m.process(WorkerReport(abandoned={store.batch_id: 1}))
     assert progress.released_requests == ("a",) and len(progress.stored_blocks) == 2
     stats = m.stats()
-    assert (stats.abandoned_copies, stats.failed_stores, stats.quarantined_slots) == (1, 2, 2)
+    assert (stats.abandoned_copies, stats.store_failures, stats.quarantined_blocks) == (1, 2, 2)
     assert m.lookup("b", HASHES[:2], 0, 99) == 0
     m.scheduled("c", num_computed_tokens=BT, new_block_ids=[[5]], block_hashes=[HASHES[7]])
     assert m.build_plan().stores == ()
     m.process(WorkerReport(settled={store.batch_id: 1}))
-    assert m.index.stats().free == 2 and m.stats().quarantined_slots == 0
+    assert m.index.stats().free == 2 and m.stats().quarantined_blocks == 0
     assert m.build_plan().stores[0].device_blocks == (5,)
     with pytest.raises(ValueError, match="report_deadline_s"):
         manager(report_deadline_s=0)

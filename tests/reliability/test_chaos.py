@@ -160,11 +160,11 @@ def test_chaos(store_mode: StoreMode) -> None:
         assert check_host_records(engine, keys) == stats.readable
         offload = engine.manager.stats()
         run = engine.stats
-        assert offload.quarantined_slots == 0 and offload.rejected_reports == 0
+        assert offload.quarantined_blocks == 0 and offload.rejected_reports == 0
         # the faults happened, and the tier still served and verified many hits
         assert resets > 10 and run.preemptions > 100
         assert offload.expired_batches > 10 and offload.abandoned_copies > 10
-        assert offload.failed_stores > 100 and offload.failed_loads > 10
+        assert offload.store_failures > 100 and offload.load_failures > 10
         assert run.tier_hit_blocks > 1000 and run.verified_blocks > 1000
         assert run.requests >= REQUESTS
         assert engine.manager.reset() is True, "with no copy left, a reset empties every slot"

@@ -51,12 +51,11 @@ from vllm.v1.request import RequestStatus
 
 from kvtier.config import KVTierConfig
 from kvtier.index.base import EventKind
-from kvtier.integrations.vllm.stats import OFFLOAD_COUNTERS, OFFLOAD_HISTOGRAMS, KVTierStats
+from kvtier.integrations.vllm.stats import OFFLOAD_HISTOGRAMS, KVTierStats
 from kvtier.keys import KeyNamespace
 from kvtier.offload import (
     LazyCandidate,
     OffloadManager,
-    OffloadStats,
     TransferPlan,
     WorkerReport,
 )
@@ -196,10 +195,6 @@ class KVTierScheduler:
         self._frontier_blocks = lazy_frontier_blocks(
             num_groups, vllm_config.scheduler_config.max_num_batched_tokens, block_tokens
         )
-        self._reported = OffloadStats()
-        # Whether the counters may have changed since the last stats(): set by every call
-        # that can change them, so the steps that change nothing skip building them.
-        self._stats_stale = True
         self._capacity_bytes = config.host_bytes_per_rank(world_size)
         # Same-step loads: bytes per rank left this step, and the requests given one. vLLM's
         # invalid-block reports, by which a failed same-step load is recomputed, name blocks
@@ -229,7 +224,6 @@ class KVTierScheduler:
         """
         request_id = request.request_id
         self._lookup_base[request_id] = num_computed_tokens
-        self._stats_stale = True
         # The manager leaves the last token to the engine. vLLM recomputes the last token of
         # a fully loaded request itself (it rewinds num_computed_tokens by one after an
         # asynchronous load), so an asynchronous hit may also cover the block holding it.
@@ -249,7 +243,6 @@ class KVTierScheduler:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """Record vLLM's allocation; queue the load of the accepted tier hit."""
-        self._stats_stale = True
         self.tokens.track(request.request_id, request.block_hashes, request.all_token_ids)
         base = self._lookup_base.pop(request.request_id, request.num_computed_tokens)
         same_step = request.request_id in self._same_step
@@ -293,7 +286,6 @@ class KVTierScheduler:
         )
         if plan.empty:
             return plan
-        self._stats_stale = True
         protect = self.guard.protect(plan)
         if protect:
             # Keep vLLM from reusing the blocks until their stores are over.
@@ -311,8 +303,6 @@ class KVTierScheduler:
 
     def update_connector_output(self, report: WorkerReport | None) -> None:
         """Count the workers' merged report; let vLLM reuse blocks whose lazy stores are over."""
-        if report is not None or not self.manager.settled:
-            self._stats_stale = True
         progress = self.manager.process(report)
         if progress.released_requests:
             self.tokens.forget(progress.released_requests)
@@ -326,7 +316,6 @@ class KVTierScheduler:
     def request_finished(self, request: Request) -> bool:
         """Whether vLLM must keep the finished request's blocks until the workers release them."""
         request_id = request.request_id
-        self._stats_stale = True
         self._lookup_base.pop(request_id, None)
         # A request waiting for its load is freed by vLLM itself once the load reports in.
         waiting = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -353,7 +342,6 @@ class KVTierScheduler:
         ``False`` as a failed reset, and pausing or putting the engine to
         sleep (``pause_scheduler(clear_cache=True)``) then raises.
         """
-        self._stats_stale = True
         self.manager.reset()
         return True
 
@@ -384,33 +372,15 @@ class KVTierScheduler:
         """What changed in the tier's counters and usage since the last call, and the
         latencies, batch sizes and per-request hits measured since then; ``None`` when
         nothing did (vLLM asks every step, and most steps change nothing in the tier)."""
-        if not self._stats_stale:
-            return None
-        self._stats_stale = False
-        now = self.manager.stats()
+        grown = self.manager.take_stats()
         observations = self.manager.take_observations()
-        last, self._reported = self._reported, now
-        if now == last and not any(
-            getattr(observations, field) for field in OFFLOAD_HISTOGRAMS.values()
-        ):
+        if grown is None and not observations:
             return None
         stats = KVTierStats()
-        for name, field in OFFLOAD_COUNTERS.items():
-            value = getattr(now, field) - getattr(last, field)
-            if value:
-                stats.record(name, value)
-        if now.used_slots != last.used_slots or now.num_slots != last.num_slots:
-            stats.record("used_blocks", now.used_slots)
-            stats.record("capacity_blocks", now.num_slots)
-            stats.record("used_bytes", now.used_slots * self.record_bytes)
-            stats.record("capacity_bytes", self._capacity_bytes)
-        if now.quarantined_slots != last.quarantined_slots:
-            stats.record("quarantined_blocks", now.quarantined_slots)
-        for cause, count in now.failures.items():
-            new = count - last.failures.get(cause, 0)
-            if new:
-                stats.record("failures", new, label=cause.value)
+        if grown is not None:
+            stats.record_offload(
+                grown, record_bytes=self.record_bytes, capacity_bytes=self._capacity_bytes
+            )
         for name, field in OFFLOAD_HISTOGRAMS.items():
             stats.observe(name, getattr(observations, field))
-        stats.record_tiers(now.tiers, last.tiers)
         return stats

@@ -22,7 +22,8 @@ any request: counters at 0, histograms empty, the usage gauges at 0 and
 the first engine step, because the record size is known only in the engine.
 
 Each storage tier below the host tier (the config's ``tiers``) has the
-counters of :data:`TIER_COUNTERS`, labelled ``tier`` with the names
+counters of :data:`~kvtier.offload.stats.TIER_COUNTERS` (``tier_<name>``), labelled
+``tier`` with the names
 :func:`~kvtier.tiers.chain.tier_names` gives; they add up every rank's counts
 (keys, not blocks) and are published at 0 from start-up for the configured tiers.
 """
@@ -44,6 +45,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvtier.config import KVTierConfig, load_config
 from kvtier.offload.failures import FailureCause
+from kvtier.offload.stats import (
+    OFFLOAD_COUNTERS,
+    TIER_COUNTERS,
+    Counter,
+    CounterKind,
+    OffloadStats,
+    tier_counts,
+)
 from kvtier.tiers.chain import tier_names
 
 PROMETHEUS_PREFIX = "vllm:kvtier_"
@@ -61,6 +70,7 @@ class MetricSpec:
     """One kvtier metric: how it merges, what it means, and its extra label or buckets."""
 
     kind: MetricKind
+    unit: str
     documentation: str
     label: str | None = None
     """A counter's label besides vLLM's (``model_name``, ``engine``), if it has one."""
@@ -82,74 +92,22 @@ HIT_BUCKETS_TOKENS = (0, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 655
 """Upper bounds, in tokens, of the per-request hit histogram's buckets (``le="0"``: no hit)."""
 
 
-def _tier_counter(documentation: str) -> MetricSpec:
-    """A counter of each storage tier below the host tier; its label values come from the
-    config (:func:`startup_tiers`)."""
-    return MetricSpec(MetricKind.COUNTER, documentation, label="tier")
+def _declared(counter: Counter, label: str | None = None) -> MetricSpec:
+    return MetricSpec(MetricKind(counter.kind.value), counter.unit, counter.help, label=label)
 
 
 METRICS: Mapping[str, MetricSpec] = {
-    "hit_tokens": MetricSpec(
-        MetricKind.COUNTER,
-        "Prompt tokens found in the host tier beyond vLLM's own prefix-cache hit and "
-        "scheduled to load from it.",
-    ),
-    "stored_blocks": MetricSpec(
-        MetricKind.COUNTER, "Blocks whose store to the host tier completed on every rank."
-    ),
-    "loaded_blocks": MetricSpec(
-        MetricKind.COUNTER, "Blocks whose load from the host tier completed on every rank."
-    ),
-    "same_step_loaded_blocks": MetricSpec(
-        MetricKind.COUNTER,
-        "Of the loaded blocks, those copied in the step that ran their request "
-        "(same_step_load_bytes).",
-    ),
-    "stored_bytes": MetricSpec(
-        MetricKind.COUNTER, "Bytes copied from the device KV cache to the host tier, all ranks."
-    ),
-    "loaded_bytes": MetricSpec(
-        MetricKind.COUNTER, "Bytes copied from the host tier to the device KV cache, all ranks."
-    ),
-    "evicted_blocks": MetricSpec(
-        MetricKind.COUNTER, "Blocks evicted from the host tier to make room for new ones."
-    ),
-    "store_failures": MetricSpec(
-        MetricKind.COUNTER, "Blocks whose store failed; they were never made readable."
-    ),
-    "load_failures": MetricSpec(
-        MetricKind.COUNTER,
-        "Blocks whose load failed or was no longer possible; vLLM recomputed them.",
-    ),
-    "abandoned_copies": MetricSpec(
-        MetricKind.COUNTER,
-        "Copies a rank stopped waiting for (past copy_deadline_s, or after a copy backend "
-        "error); their loads were recomputed and their stores dropped.",
-    ),
-    "expired_batches": MetricSpec(
-        MetricKind.COUNTER,
-        "Batches of copies failed because some rank did not report them within report_deadline_s.",
-    ),
-    "rejected_reports": MetricSpec(
-        MetricKind.COUNTER, "Entries of rank reports rejected as impossible and ignored."
-    ),
-    "used_blocks": MetricSpec(
-        MetricKind.GAUGE, "Host-tier slots holding a block or being written, per rank."
-    ),
-    "quarantined_blocks": MetricSpec(
-        MetricKind.GAUGE,
-        "Host-tier slots kept out of use, per rank, because an abandoned or unreported copy "
-        "may still write them.",
-    ),
-    "capacity_blocks": MetricSpec(MetricKind.GAUGE, "Host-tier slots per rank."),
-    "used_bytes": MetricSpec(MetricKind.GAUGE, "Host-tier bytes in use, per rank."),
+    **{counter.name: _declared(counter) for counter in OFFLOAD_COUNTERS},
+    "used_bytes": MetricSpec(MetricKind.GAUGE, "bytes", "Host-tier bytes in use, per rank."),
     "capacity_bytes": MetricSpec(
         MetricKind.GAUGE,
+        "bytes",
         "Host-tier bytes per rank, as configured (cpu_bytes over the ranks, or "
         "cpu_bytes_per_rank).",
     ),
     "failures": MetricSpec(
         MetricKind.COUNTER,
+        "failures",
         "Failed copies and reports, by cause: one per batch and rank for a rank's causes, "
         "one per batch or report entry for the scheduler's.",
         label="cause",
@@ -157,99 +115,40 @@ METRICS: Mapping[str, MetricSpec] = {
     ),
     "load_seconds": MetricSpec(
         MetricKind.HISTOGRAM,
+        "seconds",
         "Seconds from planning a load batch to every rank reporting it complete.",
         buckets=LATENCY_BUCKETS_S,
     ),
     "store_seconds": MetricSpec(
         MetricKind.HISTOGRAM,
+        "seconds",
         "Seconds from planning a store batch to every rank reporting it complete.",
         buckets=LATENCY_BUCKETS_S,
     ),
     "load_batch_blocks": MetricSpec(
-        MetricKind.HISTOGRAM, "Blocks per load batch planned.", buckets=BATCH_BUCKETS_BLOCKS
+        MetricKind.HISTOGRAM,
+        "blocks",
+        "Blocks per load batch planned.",
+        buckets=BATCH_BUCKETS_BLOCKS,
     ),
     "store_batch_blocks": MetricSpec(
-        MetricKind.HISTOGRAM, "Blocks per store batch planned.", buckets=BATCH_BUCKETS_BLOCKS
+        MetricKind.HISTOGRAM,
+        "blocks",
+        "Blocks per store batch planned.",
+        buckets=BATCH_BUCKETS_BLOCKS,
     ),
     "request_hit_tokens": MetricSpec(
         MetricKind.HISTOGRAM,
+        "tokens",
         "Tokens each request loads from the host tier (0 for a miss), observed when vLLM "
         "allocates it.",
         buckets=HIT_BUCKETS_TOKENS,
     ),
-    "promoted_blocks": MetricSpec(
-        MetricKind.COUNTER,
-        "Blocks read from the tiers below the host tier into it, for requests that missed it.",
-    ),
-    "demoted_blocks": MetricSpec(
-        MetricKind.COUNTER, "Blocks evicted from the host tier and written to the tiers below it."
-    ),
-    "expired_promotions": MetricSpec(
-        MetricKind.COUNTER,
-        "Lower-tier lookups some rank did not answer within report_deadline_s (recomputed).",
-    ),
-    "tier_hits": _tier_counter("Records a storage tier returned, all ranks."),
-    "tier_misses": _tier_counter(
-        "Records asked of a storage tier and not returned, whatever the reason."
-    ),
-    "tier_bytes_read": _tier_counter("Payload bytes a storage tier returned, all ranks."),
-    "tier_bytes_written": _tier_counter("Payload bytes written to a storage tier, all ranks."),
-    "tier_stores": _tier_counter("Records written to a storage tier."),
-    "tier_drops": _tier_counter(
-        "Records a storage tier did not store (queue full, failure, refused)."
-    ),
-    "tier_queue_drops": _tier_counter(
-        "Records of requests a storage tier answered at once because its queue was full."
-    ),
-    "tier_deadline_misses": _tier_counter(
-        "Records of reads a storage tier answered as misses at their deadline."
-    ),
-    "tier_errors": _tier_counter(
-        "Records affected by a storage tier's faults: failed checks (checksum, namespace, "
-        "layout), I/O and connection errors, timeouts."
-    ),
-    "tier_auth_failures": _tier_counter(
-        "Records a storage tier read that were not sealed by its keys (forged, altered, or "
-        "written without the key); each is a miss, also counted in tier_errors."
-    ),
+    **{f"tier_{counter.name}": _declared(counter, "tier") for counter in TIER_COUNTERS},
 }
-"""Every metric the connector reports, by short name."""
-
-OFFLOAD_COUNTERS: Mapping[str, str] = {
-    "hit_tokens": "hit_tokens",
-    "stored_blocks": "stored_blocks",
-    "stored_bytes": "stored_bytes",
-    "loaded_blocks": "loaded_blocks",
-    "same_step_loaded_blocks": "same_step_loaded_blocks",
-    "loaded_bytes": "loaded_bytes",
-    "evicted_blocks": "evicted_blocks",
-    "store_failures": "failed_stores",
-    "load_failures": "failed_loads",
-    "abandoned_copies": "abandoned_copies",
-    "expired_batches": "expired_batches",
-    "rejected_reports": "rejected_reports",
-    "promoted_blocks": "promoted_blocks",
-    "demoted_blocks": "demoted_blocks",
-    "expired_promotions": "expired_promotions",
-}
-"""Counter metric name -> the cumulative :class:`~kvtier.offload.OffloadStats` field it counts."""
-
-TIER_ERRORS_PREFIX = "errors."
-"""How a tier's fault counters are named in :attr:`~kvtier.offload.OffloadStats.tiers`."""
-
-TIER_COUNTERS: Mapping[str, str] = {
-    "tier_hits": "hits",
-    "tier_misses": "misses",
-    "tier_bytes_read": "bytes_read",
-    "tier_bytes_written": "bytes_written",
-    "tier_stores": "stores",
-    "tier_drops": "drops",
-    "tier_queue_drops": "queue_drops",
-    "tier_deadline_misses": "deadline_misses",
-    "tier_auth_failures": TIER_ERRORS_PREFIX + "auth",
-}
-"""Per-tier metric name -> the :class:`~kvtier.tiers.TierStats` counter it counts, a fault's
-under :data:`TIER_ERRORS_PREFIX` (``tier_errors`` adds up every fault)."""
+"""Every metric the connector reports, by short name: the offload counters and gauges and
+the per-tier counters as :mod:`kvtier.offload.stats` declares them, and the metrics only
+the connector measures."""
 
 OFFLOAD_HISTOGRAMS: Mapping[str, str] = {
     "load_seconds": "load_seconds",
@@ -311,23 +210,33 @@ class KVTierStats(KVConnectorStats):
         if values:
             self.data.setdefault(name, []).extend(values)
 
-    def record_tiers(
-        self, now: Mapping[str, Mapping[str, int]], last: Mapping[str, Mapping[str, int]]
+    def record_offload(
+        self, grown: OffloadStats, *, record_bytes: int, capacity_bytes: int
     ) -> None:
-        """Count what each storage tier's counters gained from ``last`` to ``now``.
+        """Record what :meth:`~kvtier.offload.OffloadManager.take_stats` handed out.
 
-        Both map a tier's name to its cumulative counters, as
-        :attr:`~kvtier.offload.OffloadStats.tiers` holds them.
+        Args:
+            grown: The counters' gains and the gauges' values.
+            record_bytes: Bytes of one block's record on one rank, for ``used_bytes``.
+            capacity_bytes: The configured host-tier bytes per rank.
         """
-        for tier, counts in now.items():
-            before = last.get(tier, {})
-            grown = {name: value - before.get(name, 0) for name, value in counts.items()}
-            for metric, counter in TIER_COUNTERS.items():
-                if grown.get(counter):
-                    self.record(metric, grown[counter], label=tier)
-            errors = sum(v for k, v in grown.items() if k.startswith(TIER_ERRORS_PREFIX))
-            if errors:
-                self.record("tier_errors", errors, label=tier)
+        for counter in OFFLOAD_COUNTERS:
+            value = getattr(grown, counter.name)
+            if value or counter.kind is CounterKind.GAUGE:
+                self.record(counter.name, value)
+        self.record("used_bytes", grown.used_blocks * record_bytes)
+        self.record("capacity_bytes", capacity_bytes)
+        for cause, count in grown.failures.items():
+            self.record("failures", count, label=cause.value)
+        self.record_tiers(grown.tiers)
+
+    def record_tiers(self, grown: Mapping[str, Mapping[str, int]]) -> None:
+        """Count what each storage tier's counters gained (a tier's name -> its counters'
+        gains, as :attr:`~kvtier.offload.OffloadStats.tiers` names them)."""
+        for tier, counts in grown.items():
+            for name, value in tier_counts(counts).items():
+                if value:
+                    self.record(f"tier_{name}", value, label=tier)
 
     def reset(self) -> None:
         self.data = {}
@@ -484,10 +393,8 @@ __all__ = [
     "METRICS",
     "MetricKind",
     "MetricSpec",
-    "OFFLOAD_COUNTERS",
     "OFFLOAD_HISTOGRAMS",
     "PROMETHEUS_PREFIX",
-    "TIER_COUNTERS",
     "startup_gauges",
     "startup_tiers",
 ]

@@ -29,7 +29,6 @@ cache is unmapped.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,7 +37,7 @@ from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.stats import KVTierStats
 from kvtier.kinds import LAYOUT_RESOLVER
 from kvtier.layout.base import KVCaches, KVLayout
-from kvtier.offload import FailureCause, OffloadWorker, TransferPlan, WorkerReport
+from kvtier.offload import OffloadWorker, TransferPlan, WorkerReport
 from kvtier.plugins import default_registry
 
 if TYPE_CHECKING:
@@ -87,7 +86,6 @@ class KVTierWorker:
         # Built in register_kv_caches, once vLLM allocated the tensors.
         self.offload: OffloadWorker | None = None
         self._failed_blocks: frozenset[int] = frozenset()
-        self._reported_failures: Mapping[FailureCause, int] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Resolve vLLM's KV tensors, per kv-cache group, and build the offload worker.
@@ -167,18 +165,13 @@ class KVTierWorker:
 
     def stats(self) -> KVTierStats | None:
         """This rank's failures since the last call, by cause, or ``None`` if there were none."""
-        if self.offload is None or self.offload.num_failures == sum(
-            self._reported_failures.values()
-        ):
+        new = self.offload.take_stats() if self.offload is not None else None
+        if not new:
             return None  # most steps
-        counts = self.offload.failure_counts
         stats = KVTierStats()
-        for cause, count in counts.items():
-            new = count - self._reported_failures.get(cause, 0)
-            if new:
-                stats.record("failures", new, label=cause.value)
-        self._reported_failures = counts
-        return None if stats.is_empty() else stats
+        for cause, count in new.items():
+            stats.record("failures", count, label=cause.value)
+        return stats
 
     def take_report(self) -> WorkerReport | None:
         """This worker's completions since the last call, for the scheduler."""

@@ -23,7 +23,6 @@ from kvtier.integrations.vllm.adapters import (  # noqa: E402
 from kvtier.integrations.vllm.scheduler import lazy_frontier_blocks  # noqa: E402
 from kvtier.integrations.vllm.stats import (  # noqa: E402
     METRICS,
-    OFFLOAD_COUNTERS,
     OFFLOAD_HISTOGRAMS,
     PROMETHEUS_PREFIX,
     KVTierPromMetrics,
@@ -42,6 +41,7 @@ from kvtier.offload import (  # noqa: E402
     TransferPlan,
     WorkerReport,
 )
+from kvtier.offload.stats import OFFLOAD_COUNTERS, TIER_COUNTERS  # noqa: E402
 from tests.conftest import REPO_ROOT  # noqa: E402
 from tests.integrations.vllm.conftest import MIB, Registered, vllm_config  # noqa: E402
 
@@ -248,9 +248,8 @@ def test_start_up_publishes_each_configured_tier_at_zero(tmp_path: Path) -> None
 
 def test_auth_failures_count_per_tier_and_among_the_errors() -> None:
     stats = KVTierStats()
-    last = {"redis": {"errors.auth": 1, "errors.key": 1}}
-    now = {"redis": {"errors.auth": 4, "errors.key": 2}, "disk": {"errors.checksum": 1}}
-    stats.record_tiers(now, last)
+    grown = {"redis": {"errors.auth": 3, "errors.key": 1}, "disk": {"errors.checksum": 1}}
+    stats.record_tiers(grown)
     assert stats.data == {
         "tier_auth_failures": {"redis": 3},
         "tier_errors": {"redis": 4, "disk": 1},
@@ -261,9 +260,8 @@ def test_per_tier_counters_publish_with_a_tier_label() -> None:
     from vllm.config import DeviceConfig, VllmConfig
 
     stats = KVTierStats()
-    last = {"disk": {"hits": 2, "errors.checksum": 1}}
-    now = {"disk": {"hits": 5, "bytes_read": 30, "errors.checksum": 2, "errors.io": 1}}
-    stats.record_tiers({**now, "redis": {"queue_drops": 4}}, last)
+    grown = {"disk": {"hits": 3, "bytes_read": 30, "errors.checksum": 1, "errors.io": 1}}
+    stats.record_tiers({**grown, "redis": {"queue_drops": 4}})
     assert stats.data == {
         "tier_hits": {"disk": 3},
         "tier_bytes_read": {"disk": 30},
@@ -290,18 +288,19 @@ def test_docs_list_every_metric() -> None:
         exposed = f"{PROMETHEUS_PREFIX}{name}"
         if spec.kind is MetricKind.COUNTER:
             exposed += "_total"
-        row = f"| `{exposed}` | {spec.kind.value} |"
+        row = f"| `{exposed}` | {spec.kind.value} | {spec.unit} |"
         assert row in text, f"{DOCS.name} has no row {row!r}"
     for cause in FailureCause:
         assert f"`{cause.value}`" in text, f"failure cause {cause.value} is missing"
 
 
 def test_every_offload_counter_and_observation_is_published() -> None:
-    not_counters = {"num_slots", "used_slots", "quarantined_slots", "failures", "tiers"}
-    counters = {field.name for field in dataclasses.fields(OffloadStats)} - not_counters
-    assert set(OFFLOAD_COUNTERS.values()) == counters
-    assert all(METRICS[name].kind is MetricKind.COUNTER for name in OFFLOAD_COUNTERS)
+    counters = {field.name for field in dataclasses.fields(OffloadStats)} - {"failures", "tiers"}
+    assert {counter.name for counter in OFFLOAD_COUNTERS} == counters
+    assert all(METRICS[c.name].kind.value == c.kind.value for c in OFFLOAD_COUNTERS)
+    assert METRICS["stored_blocks"].kind is MetricKind.COUNTER
     assert METRICS["quarantined_blocks"].kind is MetricKind.GAUGE
+    assert all(METRICS[f"tier_{c.name}"].label == "tier" for c in TIER_COUNTERS)
     observed = {field.name for field in dataclasses.fields(Observations)}
     assert set(OFFLOAD_HISTOGRAMS.values()) == observed
     assert all(METRICS[name].kind is MetricKind.HISTOGRAM for name in OFFLOAD_HISTOGRAMS)

@@ -202,9 +202,9 @@ class TestEagerEngine:
         generate(eager_engine, prompts, max_tokens=1)
         settle(eager_engine)
         tier = manager_of(eager_engine)
-        assert tier.stats().used_slots > 0
+        assert tier.stats().used_blocks > 0
         assert eager_engine.reset_prefix_cache(reset_connector=True)
-        assert tier.stats().used_slots == 0
+        assert tier.stats().used_blocks == 0
         reset_device_cache(eager_engine)
         hits_before = tier.stats().hit_tokens
         generate(eager_engine, prompts, max_tokens=1)
@@ -259,7 +259,7 @@ class TestSmallTier:
         stats = manager_of(small_engine).stats()
         assert stats.evicted_blocks > 0, "the tier was meant to be smaller than the working set"
         assert stats.loaded_blocks > 0
-        assert stats.failed_loads == 0 and stats.failed_stores == 0
+        assert stats.load_failures == 0 and stats.store_failures == 0
 
     def test_preemption_keeps_outputs_identical(
         self, vanilla_small: Baseline, small_engine: object
@@ -379,7 +379,7 @@ def test_failed_loads_are_recomputed(model_dir: str, monkeypatch: pytest.MonkeyP
         stats = manager_of(llm).stats()
         assert stats.hit_tokens > 0, "the tier was meant to offer hits"
         assert stats.loaded_blocks == 0
-        assert stats.failed_loads == stats.hit_tokens // BLOCK
+        assert stats.load_failures == stats.hit_tokens // BLOCK
     finally:
         shutdown(llm)
 

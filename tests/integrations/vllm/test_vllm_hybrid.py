@@ -193,7 +193,7 @@ class TestLazy:
         cold, warm = _flushed(llm)
         assert (cold, warm) == vanilla.flushed
         assert counts.loaded[FULL] > 0 and counts.loaded[SLIDING] > 0
-        assert manager_of(llm).stats().failed_loads == 0
+        assert manager_of(llm).stats().load_failures == 0
         assert counts.stored[SLIDING] < counts.stored[FULL], "windows only"
 
     def test_preemption_keeps_outputs_identical(

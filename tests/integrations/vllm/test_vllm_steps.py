@@ -219,7 +219,7 @@ def test_failed_loads_are_recomputed(
     full_blocks = sum(len(p) // BLOCK for p in batch)
     assert stats.hit_tokens == full_blocks * BLOCK
     assert stats.loaded_blocks == 0
-    assert stats.failed_loads == engine.failed_blocks == full_blocks
+    assert stats.load_failures == engine.failed_blocks == full_blocks
     # the worker counts its failed copies; the scheduler has no cause of its own here
     failures = [payload["failures"] for payload in engine.connector_stats if "failures" in payload]
     assert sum(counts["copy_error"] for counts in failures) == len(batch)
@@ -239,7 +239,7 @@ def test_a_reset_with_copies_in_flight_succeeds_and_serves_nothing_older(
     # pausing or putting vLLM to sleep raises if the connector's reset answers False
     assert engine.scheduler.reset_connector_cache() is True
     engine.run()
-    assert manager.stats().used_slots == 0
+    assert manager.stats().used_blocks == 0
     reset_device_cache(engine)
     engine.generate([prompt])
     assert manager.stats().hit_tokens == 0
@@ -250,9 +250,9 @@ def test_reset_empties_the_tier(engine_factory: Callable[..., VllmSteps]) -> Non
     batch = prompts(6, 2, 40, 80)
     engine.generate(batch)
     manager = engine.connector.manager
-    assert manager.stats().used_slots > 0
+    assert manager.stats().used_blocks > 0
     assert engine.scheduler.reset_prefix_cache(reset_connector=True)
-    assert manager.stats().used_slots == 0
+    assert manager.stats().used_blocks == 0
     engine.generate(batch)
     assert manager.stats().hit_tokens == 0
 

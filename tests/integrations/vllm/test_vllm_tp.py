@@ -171,5 +171,5 @@ def test_a_load_failing_on_one_rank_is_recomputed_on_every_rank(
     assert after[0]["loaded_blocks"] - before[0]["loaded_blocks"] == blocks
     assert after[1]["failed_load_blocks"] - before[1]["failed_load_blocks"] == blocks
     assert stats.hit_tokens - stats_before.hit_tokens == blocks * BLOCK
-    assert stats.failed_loads - stats_before.failed_loads == blocks
+    assert stats.load_failures - stats_before.load_failures == blocks
     assert stats.loaded_blocks == stats_before.loaded_blocks, "no load may count as done"
