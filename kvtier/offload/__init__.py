@@ -1,4 +1,18 @@
-"""Offload: the scheduler-side manager that plans transfers and the worker side that runs them."""
+"""Offload: the scheduler-side manager that plans transfers and the worker side that runs them.
+
+The scheduler side is :class:`OffloadManager`, a facade over modules that each own one
+piece of state: the request table and window logic (:mod:`~kvtier.offload.requests`),
+planning (:mod:`~kvtier.offload.planner`, with :mod:`~kvtier.offload.frontier` for lazy
+mode), the batch ledger (:mod:`~kvtier.offload.ledger`), the moves to and from the tiers
+below the host tier (:mod:`~kvtier.offload.moves`) and the counters
+(:mod:`~kvtier.offload.stats`); what they all read is :mod:`~kvtier.offload.setup`. The
+worker side is :class:`OffloadWorker`.
+
+With lower tiers, a block the host tier evicts is demoted: the next plan has workers
+copy it out of its slot, before anything reuses the slot, and write it to every lower
+tier. Slots are never reused while a copy might still write them: a failed batch's
+slots stay quarantined until every worker said its copy is over.
+"""
 
 from kvtier.offload.failures import FailureCause
 from kvtier.offload.frontier import EvictionFrontier

@@ -12,12 +12,12 @@ quarantine until every such worker said its copy is over.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.copy.base import Direction
-from kvtier.index.base import BlockKey
-from kvtier.offload.failures import FailureCause, FailureLog
+from kvtier.index.base import BlockKey, EventKind, IndexEvent
+from kvtier.offload.failures import FailureCause
 from kvtier.offload.messages import DeviceBlock, Transfer, WorkerReport
 from kvtier.offload.requests import RequestState, RequestTable
 from kvtier.offload.setup import ManagerSetup
@@ -87,13 +87,10 @@ class Collected:
 class BatchLedger:
     """The batches in flight and in quarantine, and the keys being written."""
 
-    def __init__(
-        self, setup: ManagerSetup, requests: RequestTable, counters: Counters, failures: FailureLog
-    ) -> None:
+    def __init__(self, setup: ManagerSetup, requests: RequestTable, counters: Counters) -> None:
         self.setup = setup
         self.requests = requests
         self.counters = counters
-        self.failures = failures
         self.batches: dict[int, Batch] = {}
         # Failed batches whose copies may still run on some worker: their slots stay held.
         self.quarantine: dict[int, Batch] = {}
@@ -102,9 +99,32 @@ class BatchLedger:
         # Per request, device blocks found unreadable at allocation, to announce as failed loads.
         self.unavailable: dict[str, tuple[DeviceBlock, ...]] = {}
         self._bytes_per_block = setup.record_bytes * setup.world_size
+        self.events: list[IndexEvent] = []
         self.departures = 0
         """Keys that stopped being held or written so far (evicted, discarded, or their store
         or promotion given up)."""
+
+    @property
+    def num_planned(self) -> int:
+        """Batches and promotions planned so far."""
+        return self._next_batch_id
+
+    def take_index_events(self) -> list[IndexEvent]:
+        """The index's events since the last call: evictions are counted (and are keys
+        that left the tier); with ``record_events`` they are kept for :meth:`take_events`."""
+        events = self.setup.index.take_events()
+        if events:
+            evicted = sum(1 for event in events if event.kind is EventKind.EVICTED)
+            self.counters.add("evicted_blocks", evicted)
+            self.departures += evicted
+            if self.setup.record_events:
+                self.events.extend(events)
+        return events
+
+    def take_events(self) -> list[IndexEvent]:
+        """Return and forget the events kept since the last call."""
+        events, self.events = self.events, []
+        return events
 
     def new_batch_id(self) -> int:
         batch_id = self._next_batch_id
@@ -142,6 +162,18 @@ class BatchLedger:
         for request_id in requests:
             self.requests.requests[request_id].batches.add(transfer.batch_id)
 
+    def process(self, reports: Sequence[WorkerReport]) -> Collected:
+        """Count the reports; complete the batches every worker reported, expire late ones."""
+        collected = Collected()
+        self.announce_unavailable(collected)
+        touched: set[int] = set()
+        for report in reports:
+            touched |= self.count(report)
+            self.counters.add_tier_counts(report.tier_counts)
+        self.settle(touched, collected)
+        self.expire(collected)
+        return collected
+
     def announce_unavailable(self, collected: Collected) -> None:
         """Report the blocks found unreadable at allocation as failed loads."""
         for request_id, blocks in self.unavailable.items():
@@ -153,7 +185,13 @@ class BatchLedger:
         self.unavailable.clear()
 
     def count(self, report: WorkerReport) -> set[int]:
-        """Add one report's counts to its batches; return the batches it changed."""
+        """Add one report's counts to its batches; return the batches it changed.
+
+        Entries that cannot be right (negative counts, a batch that is not in
+        flight, more workers than ``world_size``, more settled copies than
+        abandoned ones) are logged, counted in ``rejected_reports`` and ignored:
+        a wrong report never changes the tier.
+        """
         touched: set[int] = set()
         for batch_id in report.batch_ids:
             counts = (
@@ -166,7 +204,7 @@ class BatchLedger:
             problem = self._impossible(batch, counts)
             if problem is not None:
                 self.counters.add("rejected_reports", 1)
-                self.failures.failed(
+                self.counters.failures.failed(
                     FailureCause.REJECTED_REPORT,
                     "ignored a worker report for batch %s (done=%s, failed=%s, abandoned=%s, "
                     "settled=%s): %s; reports must come from this manager's plans, each worker "
@@ -240,7 +278,7 @@ class BatchLedger:
                 self.abort_store(batch)
             if not ok:
                 counters.add("store_failures", len(batch.keys))
-                self.failures.failed(
+                self.counters.failures.failed(
                     FailureCause.STORE_DROPPED,
                     "store batch %d of %d blocks did not complete on %d of %d workers; the "
                     "blocks were dropped",
@@ -310,7 +348,7 @@ class BatchLedger:
             if batch.planned_at > late:
                 break  # batches are kept in planning order
             self.counters.add("expired_batches", 1)
-            self.failures.failed(
+            self.counters.failures.failed(
                 FailureCause.REPORT_DEADLINE,
                 "%s batch %d of %d blocks was not reported by %d of %d workers within "
                 "report_deadline_s=%s; it failed (a load is recomputed, a store dropped) and its "
@@ -324,10 +362,24 @@ class BatchLedger:
             )
             self._complete(batch, collected)
 
-    def reset(self) -> None:
-        """The tier is being emptied: stores in flight are never committed, loads' keys go."""
+    def reset(self) -> bool:
+        """Empty the tier: stores in flight are never committed, every readable key goes.
+
+        Returns whether every slot is free now (copies in flight free theirs as they end).
+        """
+        index = self.setup.index
         for batch in self.batches.values():
             if batch.transfer.direction is Direction.STORE:
                 batch.reset = True
             else:
-                self.setup.index.discard(batch.keys)
+                index.discard(batch.keys)
+        empty = index.clear()
+        if empty:
+            logger.info("host tier reset: empty")
+        else:
+            logger.info(
+                "host tier reset: nothing stored before it will be served; %d slot(s) are "
+                "freed as the copies still using them complete",
+                index.num_slots - index.stats().free,
+            )
+        return empty

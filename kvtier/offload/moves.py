@@ -13,8 +13,8 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvtier.index.base import BlockKey, EventKind, IndexEvent
-from kvtier.offload.failures import FailureCause, FailureLog
+from kvtier.index.base import BlockKey, EventKind
+from kvtier.offload.failures import FailureCause
 from kvtier.offload.ledger import BatchLedger
 from kvtier.offload.messages import Demotion, Promotion, WorkerReport
 from kvtier.offload.setup import ManagerSetup
@@ -39,13 +39,10 @@ class PromotionBatch:
 class LowerTierMoves:
     """Promotions in flight and to plan, and the evicted blocks to demote."""
 
-    def __init__(
-        self, setup: ManagerSetup, ledger: BatchLedger, counters: Counters, failures: FailureLog
-    ) -> None:
+    def __init__(self, setup: ManagerSetup, ledger: BatchLedger, counters: Counters) -> None:
         self.setup = setup
         self.ledger = ledger
         self.counters = counters
-        self.failures = failures
         self.promotions: dict[int, PromotionBatch] = {}
         self._to_plan: list[Promotion] = []
         # Requests whose lookup waits for promotions (batch ids), or got its answer (empty set).
@@ -63,7 +60,10 @@ class LowerTierMoves:
     def wait_for(self, request_id: str, wanted: Sequence[bytes], hits: int) -> bool:
         """Whether a lookup that found ``hits`` of ``wanted`` must be asked again later.
 
-        The first such lookup of a request starts a promotion of the missing blocks.
+        A request's first host miss starts a promotion of the missing blocks (as
+        many as host slots can be reserved for) and the answer is "later" until
+        every worker reported it; then the blocks found are host hits. One
+        promotion per request: later lookups answer from the host tier.
         """
         waiting = self._promoting.get(request_id)
         if waiting is None:
@@ -144,21 +144,29 @@ class LowerTierMoves:
             for group, (hashes, slots) in sorted(per_group.items())
         )
 
-    def remember(self, committed: Iterable[tuple[Sequence[BlockKey], Sequence[int]]]) -> None:
-        """Stores became readable: remember their slots, to demote them when evicted."""
+    def settle(self, committed: Iterable[tuple[Sequence[BlockKey], Sequence[int]]]) -> None:
+        """After the ledger settled the reports: remember the slots of the stores made
+        readable (``committed``), to demote them when evicted; expire late promotions."""
         if self.setup.lower_tiers:
             for keys, slots in committed:
                 self._slots.update(zip(keys, slots, strict=True))
+        self._expire()
 
-    def evicted(self, events: Sequence[IndexEvent]) -> None:
-        """The index evicted blocks: demote those whose slots are known."""
+    def drain(self) -> None:
+        """Take the index's events (:meth:`BatchLedger.take_index_events`); demote the
+        evicted blocks whose slots are known."""
+        events = self.ledger.take_index_events()
+        if not events or not self.setup.lower_tiers:
+            return
         for event in events:
             if event.kind is EventKind.EVICTED and event.key in self._slots:
                 self.demotions[event.key] = self._slots.pop(event.key)
 
-    def count(self, report: WorkerReport) -> None:
-        """Add one report's promotion answers; commit what every worker found."""
-        for batch_id, (workers, found) in report.promoted.items():
+    def count(self, reports: Iterable[WorkerReport]) -> None:
+        """Add the reports' promotion answers; commit what every worker found."""
+        for batch_id, (workers, found) in (
+            entry for report in reports for entry in report.promoted.items()
+        ):
             promotion = self.promotions.get(batch_id)
             if (
                 promotion is None
@@ -167,7 +175,7 @@ class LowerTierMoves:
                 or not 0 <= found <= len(promotion.keys)
             ):
                 self.counters.add("rejected_reports", 1)
-                self.failures.failed(
+                self.counters.failures.failed(
                     FailureCause.REJECTED_REPORT,
                     "ignored a worker report for promotion %s (workers=%s, found=%s): it is not "
                     "in flight or the numbers cannot be right",
@@ -208,7 +216,7 @@ class LowerTierMoves:
         if waiting is not None:
             waiting.discard(promotion.message.batch_id)
 
-    def expire(self) -> None:
+    def _expire(self) -> None:
         """Answer the lookups of promotions not reported in time; their slots stay reserved."""
         setup = self.setup
         late = setup.clock() - setup.report_deadline_s
@@ -218,7 +226,7 @@ class LowerTierMoves:
             promotion.expired = True
             self.counters.add("expired_promotions", 1)
             self._answer(promotion)
-            self.failures.failed(
+            self.counters.failures.failed(
                 FailureCause.REPORT_DEADLINE,
                 "promotion %d of %d blocks was not reported by every worker within "
                 "report_deadline_s=%s; request %s recomputes them, and their host slots stay "

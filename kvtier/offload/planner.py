@@ -15,13 +15,18 @@ from collections.abc import Sequence
 
 from kvtier.copy.base import Direction
 from kvtier.index.base import BlockKey
+from kvtier.offload.frontier import EvictionFrontier, FrontierMemory
 from kvtier.offload.ledger import BatchLedger
-from kvtier.offload.messages import DeviceBlock, LazyCandidate, Transfer
+from kvtier.offload.messages import DeviceBlock, LazyCandidate, Transfer, TransferPlan
+from kvtier.offload.moves import LowerTierMoves
 from kvtier.offload.requests import PendingLoad, RequestState, RequestTable
 from kvtier.offload.setup import GroupBlockIds, ManagerSetup
 from kvtier.offload.stats import Counters
 
 logger = logging.getLogger(__name__)
+
+_NO_PLAN = TransferPlan()
+"""The plan of a step that asks nothing of the workers (shared: plans are never changed)."""
 
 _GroupStores = list[tuple[list[int], list[int], list[BlockKey], set[str]]]
 """Per group: device blocks, host slots, keys and requests of the stores being planned."""
@@ -31,12 +36,85 @@ class Planner:
     """Plans loads and stores over the request table, recording them in the ledger."""
 
     def __init__(
-        self, setup: ManagerSetup, requests: RequestTable, ledger: BatchLedger, counters: Counters
+        self,
+        setup: ManagerSetup,
+        requests: RequestTable,
+        ledger: BatchLedger,
+        moves: LowerTierMoves,
+        counters: Counters,
     ) -> None:
         self.setup = setup
         self.requests = requests
         self.ledger = ledger
+        self.moves = moves
         self.counters = counters
+        self.frontier = FrontierMemory(setup, ledger)
+        self.flush = False
+        """A preemption came: the next plan makes workers wait for copies in flight."""
+
+    def plan(
+        self,
+        lazy_candidates: Sequence[LazyCandidate],
+        frontier: EvictionFrontier | None,
+        idle: bool,
+    ) -> TransferPlan:
+        """This step's plan (:meth:`OffloadManager.build_plan`)."""
+        requests, moves = self.requests, self.moves
+        lazy = self.setup.store_mode == "lazy"
+        offered = self.frontier.offer(frontier) if frontier is not None and lazy else []
+        if offered:
+            lazy_candidates = [*lazy_candidates, *(candidate for _, candidate in offered)]
+        if not (requests.due or self.flush or lazy_candidates or moves.has_work) and not (
+            idle and moves.promotions
+        ):
+            return _NO_PLAN  # most decode steps
+        now = self.setup.clock()
+        due = requests.take_due()
+        loads, unavailable, same_step = self.plan_loads(due, now)
+        if lazy:
+            stores = self.plan_lazy_stores(lazy_candidates, now)
+        else:
+            stores = self.plan_eager_stores(due, now)
+        self.frontier.taken(offered)
+        moves.drain()  # blocks evicted to make room are demoted by this plan
+        plan = TransferPlan(
+            stores=tuple(stores),
+            loads=tuple(loads),
+            flush=self.flush,
+            holds=requests.announce_holds(due),
+            unavailable=unavailable,
+            promotions=moves.take_promotions(),
+            demotions=moves.take_demotions(),
+            same_step=same_step,
+            idle=idle and bool(moves.promotions),
+        )
+        self.flush = False
+        return plan
+
+    def allocated(
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        block_ids: GroupBlockIds,
+        num_computed_tokens: int,
+        num_external_tokens: int,
+        same_step: bool,
+    ) -> None:
+        """The engine allocated the request (:meth:`OffloadManager.allocated`): touch its own
+        hits in the tier's policy and queue the load of the tier's."""
+        setup = self.setup
+        if same_step and setup.num_groups > 1:
+            raise ValueError(
+                f"request {request_id}: a same-step load needs one kv-cache group, but there "
+                f"are {setup.num_groups}; load it a step ahead"
+            )
+        state = self.requests.state(request_id)
+        state.block_hashes = block_hashes
+        first = num_computed_tokens // setup.block_tokens
+        for group in range(setup.num_groups):
+            setup.index.touch(setup.namespace.keys(block_hashes[:first], group))
+        looked_up = self.requests.looked_up(block_hashes, first)
+        self.accept_hit(state, block_ids, first, num_external_tokens, looked_up, same_step)
 
     def accept_hit(
         self,
@@ -47,8 +125,16 @@ class Planner:
         looked_up: dict[int, list[BlockKey]],
         same_step: bool,
     ) -> None:
-        """Pin the slots of the blocks accepted from position ``first`` and queue their loads;
-        blocks no longer readable are failed loads. ``looked_up``: keys the lookup made."""
+        """Queue the load of the tier hit the engine accepted, from block position ``first``.
+
+        ``num_external_tokens / block_tokens`` blocks, rounded up (a same-step hit
+        may end one token short of a block, whose last token the engine computes
+        again), are loaded into ``block_ids[group][position]`` in every group (a
+        group with a window: its last ``window`` of them). Their host slots are
+        pinned now, so no store can evict them before the load ran; a block that
+        is no longer readable is reported to the engine as a failed load
+        (recompute) by the next plan. ``looked_up``: the keys the lookup made.
+        """
         setup, counters = self.setup, self.counters
         count = -(-num_external_tokens // setup.block_tokens)
         if not state.admitted:

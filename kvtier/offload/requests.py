@@ -81,6 +81,7 @@ class RequestTable:
         # Lazy mode, per windowed group: device block -> the key it held while inside the
         # window at the end of a step (where a later hit may start); other blocks are not stored.
         self.window_blocks: list[dict[int, BlockKey]] = [{} for _ in range(setup.num_groups)]
+        self._looked_up: tuple[Sequence[bytes], int, dict[int, list[BlockKey]]] | None = None
 
     def get(self, request_id: str) -> RequestState | None:
         return self.requests.get(request_id)
@@ -129,8 +130,11 @@ class RequestTable:
         state.pending_loads.clear()
         state.same_step = False
 
-    def restart(self, state: RequestState) -> None:
+    def restart(self, request_id: str) -> None:
         """The engine took the request's blocks back: drop its loads, restart its stores."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return
         self.cancel_pending_loads(state)
         state.unavailable.clear()
         state.clear_blocks()
@@ -157,21 +161,9 @@ class RequestTable:
         block_hashes: Sequence[bytes] | None,
         resumed: bool,
     ) -> None:
-        """Record a step of a running request; mark it due if it has blocks to store."""
+        """Record a step of a running request that may have given it work; mark it due if it
+        has blocks to store."""
         block_tokens = self.setup.block_tokens
-        state = self.requests.get(request_id)
-        if (
-            state is not None
-            and not resumed
-            and not state.finished
-            and (new_block_ids is None or not any(new_block_ids))
-            and (block_hashes is None or block_hashes is state.block_hashes)
-            and (num_computed_tokens // block_tokens, len(state.block_hashes)) == state.seen
-        ):
-            # Most decode steps: no block filled, no hash or block came, so nothing read
-            # below can have changed but the exact token count.
-            state.computed_tokens = num_computed_tokens
-            return
         state = self.state(request_id)
         if block_hashes is not None:
             state.block_hashes = block_hashes
@@ -226,20 +218,35 @@ class RequestTable:
                 self.release(state.request_id)
         return holds
 
-    def hits(self, wanted: Sequence[bytes]) -> tuple[int, dict[int, list[BlockKey]]]:
-        """How many leading blocks of ``wanted`` are a hit in every group, and the keys made
-        for the groups without a window."""
+    def hits(
+        self, block_hashes: Sequence[bytes], num_computed_tokens: int, num_tokens: int
+    ) -> tuple[int, Sequence[bytes], int]:
+        """The first block past the engine's hit, the blocks wanted from the tier (never the
+        last token's) and how many of them are a hit in every group; the keys made are kept
+        for :meth:`looked_up`."""
         setup = self.setup
+        first = num_computed_tokens // setup.block_tokens
+        limit = max(0, num_tokens - 1 - num_computed_tokens) // setup.block_tokens
+        wanted = block_hashes[first : first + limit]
         hits = len(wanted)
         looked_up: dict[int, list[BlockKey]] = {}
         for group, window in enumerate(setup.windows):
             if window is None and hits:
                 keys = looked_up[group] = setup.namespace.keys(wanted[:hits], group)
                 hits = min(hits, setup.index.lookup(keys))
+        self._looked_up = (block_hashes, first, looked_up)
         for group, window in enumerate(setup.windows):
             if window is not None:
                 hits = self._windowed_hits(wanted, hits, group, window)
-        return hits, looked_up
+        return first, wanted, hits
+
+    def looked_up(self, block_hashes: Sequence[bytes], first: int) -> dict[int, list[BlockKey]]:
+        """The keys the last :meth:`hits` made, per group without a window, if it was asked
+        about the same hashes (the same sequence) from the same block; forgets them."""
+        last, self._looked_up = self._looked_up, None
+        if last is not None and last[0] is block_hashes and last[1] == first:
+            return last[2]
+        return {}
 
     def _windowed_hits(self, wanted: Sequence[bytes], hits: int, group: int, window: int) -> int:
         """The longest hit ``<= hits`` whose last ``window`` blocks ``group`` holds."""

@@ -39,7 +39,7 @@ class ManagerSetup:
     null_block_id: int | None = None
     """A device block id that stands for "no block" (skipped by stores and loads), if the
     engine has one."""
-    group_windows: tuple[int | None, ...] | None = None
+    group_windows: Sequence[int | None] | None = None
     """Per kv-cache group, ``None`` when a prefix needs all its blocks (full attention), or
     ``w`` when only its last ``w`` blocks matter (sliding window: the blocks the window
     spans; Mamba state: 1). Such a group loads and requires for a hit only those blocks, and
@@ -53,6 +53,9 @@ class ManagerSetup:
     (promotions) and evicted blocks are written there (demotions)."""
     clock: Callable[[], float] = time.monotonic
     """Monotonic time in seconds (tests pass a manual clock)."""
+    record_events: bool = False
+    """Keep the index's stored/evicted events for :meth:`OffloadManager.take_events`;
+    otherwise they are only counted."""
     windows: tuple[int | None, ...] = field(init=False)
     """``group_windows`` with one entry per group."""
 

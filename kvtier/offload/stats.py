@@ -10,11 +10,13 @@ Prometheus names are ``vllm:kvtier_<name>`` and ``vllm:kvtier_tier_<name>``).
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, make_dataclass
 from typing import Any
 
-from kvtier.offload.failures import FailureCause
+from kvtier.index.base import IndexStats
+from kvtier.offload.failures import FailureCause, FailureLog
 
 
 class CounterKind(enum.Enum):
@@ -288,25 +290,34 @@ class Observations:
 
 
 class Counters:
-    """The manager's cumulative counters, its measurements and the workers' tier counts."""
+    """The manager's cumulative counters and failures, its measurements and the workers'
+    tier counts, and what of them was last handed out."""
 
-    def __init__(self, *, record_observations: bool) -> None:
+    def __init__(self, *, record_observations: bool, logger: logging.Logger) -> None:
         self.values: dict[str, int] = {
             counter.name: 0 for counter in OFFLOAD_COUNTERS if counter.kind is CounterKind.COUNTER
         }
         self.record_observations = record_observations
         self.observations = Observations()
         self.tiers: dict[str, dict[str, int]] = {}
+        self.failures = FailureLog(logger)
+        self.changes = 0
+        """Grows whenever a counter may have changed: a record built at the same value
+        holds the same counters."""
+        self._taken = OffloadStats()
+        self._taken_mark: tuple[object, ...] = ()
 
     def add(self, name: str, count: int) -> None:
         """Add ``count`` to the :data:`OFFLOAD_COUNTERS` counter ``name``."""
         self.values[name] += count
+        self.changes += 1
 
     def observe(self, into: list[Any], value: float) -> None:
         if self.record_observations:
             into.append(value)
 
     def add_tier_counts(self, counts: Mapping[str, Mapping[str, int]]) -> None:
+        self.changes += 1
         for name, grown in counts.items():
             totals = self.tiers.setdefault(name, {})
             for counter, value in grown.items():
@@ -315,3 +326,30 @@ class Counters:
     def take_observations(self) -> Observations:
         observations, self.observations = self.observations, Observations()
         return observations
+
+    def record(self, index_stats: IndexStats, quarantined_slots: int) -> OffloadStats:
+        """The cumulative record, with the host tier's usage as ``index_stats`` counts it."""
+        return OffloadStats(
+            capacity_blocks=index_stats.num_slots,
+            used_blocks=index_stats.readable + index_stats.writing,
+            quarantined_blocks=quarantined_slots,
+            failures=self.failures.counts,
+            tiers={name: dict(counts) for name, counts in self.tiers.items()},
+            **self.values,
+        )
+
+    def take_changes(
+        self, state: tuple[object, ...], record: Callable[[], OffloadStats]
+    ) -> OffloadStats | None:
+        """What changed since the last call (``None`` if nothing did), from ``record()``.
+
+        ``state`` is all else whose change may change a record (batches planned, the
+        quarantine); while it and the counters stay the same, no record is built.
+        """
+        mark = (self.changes, self.failures.total, *state)
+        if mark == self._taken_mark:
+            return None  # most steps
+        self._taken_mark = mark
+        now = record()
+        last, self._taken = self._taken, now
+        return None if now == last else now.since(last)

@@ -372,15 +372,16 @@ class KVTierScheduler:
         """What changed in the tier's counters and usage since the last call, and the
         latencies, batch sizes and per-request hits measured since then; ``None`` when
         nothing did (vLLM asks every step, and most steps change nothing in the tier)."""
-        grown = self.manager.take_stats()
-        observations = self.manager.take_observations()
-        if grown is None and not observations:
-            return None
+        manager = self.manager
+        grown = manager.take_stats()
+        if grown is None and not manager.has_observations:
+            return None  # most steps
         stats = KVTierStats()
         if grown is not None:
             stats.record_offload(
                 grown, record_bytes=self.record_bytes, capacity_bytes=self._capacity_bytes
             )
+        observations = manager.take_observations()
         for name, field in OFFLOAD_HISTOGRAMS.items():
             stats.observe(name, getattr(observations, field))
         return stats

@@ -280,13 +280,9 @@ def test_lazy_mode_offers_a_frontier_block_again_only_after_the_tier_lost_blocks
     engine.generate(prompts(7, 3, 60, 120), max_tokens=2)
     manager = engine.connector.manager
     offered: list[list[Any]] = []
-    build_plan = type(manager).build_plan
+    offer = manager.frontier.offer
     monkeypatch.setattr(
-        manager,
-        "build_plan",
-        lambda candidates=(), **options: (
-            offered.append(list(candidates)) or build_plan(manager, candidates, **options)
-        ),
+        manager.frontier, "offer", lambda frontier: offered.append(offer(frontier)) or offered[-1]
     )
     for _ in range(3):
         engine.step()
