@@ -280,9 +280,10 @@ def test_lazy_mode_offers_a_frontier_block_again_only_after_the_tier_lost_blocks
     engine.generate(prompts(7, 3, 60, 120), max_tokens=2)
     manager = engine.connector.manager
     offered: list[list[Any]] = []
-    offer = manager.frontier.offer
+    memory = manager.planner.frontier
+    offer = memory.offer
     monkeypatch.setattr(
-        manager.frontier, "offer", lambda frontier: offered.append(offer(frontier)) or offered[-1]
+        memory, "offer", lambda frontier: offered.append(offer(frontier)) or offered[-1]
     )
     for _ in range(3):
         engine.step()
