@@ -95,7 +95,8 @@ class BatchLedger:
         # Failed batches whose copies may still run on some worker: their slots stay held.
         self.quarantine: dict[int, Batch] = {}
         self.writing: dict[BlockKey, int] = {}
-        self._next_batch_id = 0
+        self.num_planned = 0
+        """Batches and promotions planned so far (the next one's id)."""
         # Per request, device blocks found unreadable at allocation, to announce as failed loads.
         self.unavailable: dict[str, tuple[DeviceBlock, ...]] = {}
         self._bytes_per_block = setup.record_bytes * setup.world_size
@@ -104,22 +105,14 @@ class BatchLedger:
         """Keys that stopped being held or written so far (evicted, discarded, or their store
         or promotion given up)."""
 
-    @property
-    def num_planned(self) -> int:
-        """Batches and promotions planned so far."""
-        return self._next_batch_id
-
-    def take_index_events(self) -> list[IndexEvent]:
-        """The index's events since the last call: evictions are counted (and are keys
-        that left the tier); with ``record_events`` they are kept for :meth:`take_events`."""
-        events = self.setup.index.take_events()
-        if events:
-            evicted = sum(1 for event in events if event.kind is EventKind.EVICTED)
-            self.counters.add("evicted_blocks", evicted)
-            self.departures += evicted
-            if self.setup.record_events:
-                self.events.extend(events)
-        return events
+    def count_index_events(self, events: list[IndexEvent]) -> None:
+        """Count the index's evictions (keys that left the tier); with ``record_events``,
+        keep the events for :meth:`take_events`."""
+        evicted = sum(1 for event in events if event.kind is EventKind.EVICTED)
+        self.counters.add("evicted_blocks", evicted)
+        self.departures += evicted
+        if self.setup.record_events:
+            self.events.extend(events)
 
     def take_events(self) -> list[IndexEvent]:
         """Return and forget the events kept since the last call."""
@@ -127,18 +120,13 @@ class BatchLedger:
         return events
 
     def new_batch_id(self) -> int:
-        batch_id = self._next_batch_id
-        self._next_batch_id += 1
+        batch_id = self.num_planned
+        self.num_planned += 1
         return batch_id
 
     def present(self, key: BlockKey) -> bool:
         """Whether the tier holds the block, or is writing it."""
         return key in self.writing or self.setup.index.slot_of(key) is not None
-
-    @property
-    def settled(self) -> bool:
-        """Whether no batch is in flight and no failed load waits to be announced."""
-        return not (self.unavailable or self.batches)
 
     @property
     def quarantined_slots(self) -> int:

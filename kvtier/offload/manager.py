@@ -305,7 +305,6 @@ class OffloadManager:
             frontier: In lazy mode, the engine's eviction frontier, whose blocks
                 join ``lazy_candidates`` (see :class:`~kvtier.offload.EvictionFrontier`).
         """
-        self.moves.drain()
         return self.planner.plan(lazy_candidates, frontier, idle)
 
     def process(self, report: WorkerReport | Iterable[WorkerReport | None] | None) -> Progress:
@@ -342,10 +341,8 @@ class OffloadManager:
         Readable blocks are evicted at once, those being loaded included (promised
         loads still read them). Stores in flight are dropped when they complete, and
         blocks computed or loaded before the reset are never stored; later ones are
-        (a reset never stops storing). Idempotent.
-
-        Returns:
-            Whether every slot is free now (copies in flight free theirs as they end).
+        (a reset never stops storing). Idempotent. Returns whether every slot is free
+        now (copies in flight free theirs as they end).
         """
         self.requests.reset()
         empty = self.ledger.reset()
@@ -363,12 +360,12 @@ class OffloadManager:
         ``None`` when nothing did: counters as what they gained, gauges as they are now."""
         self.moves.drain()
         ledger = self.ledger
-        return self.counters.take_changes((ledger.num_planned, *ledger.quarantine), self.stats)
+        return self.counters.take_changes((ledger.num_planned, len(ledger.quarantine)), self.stats)
 
     @property
     def has_observations(self) -> bool:
         """Whether :meth:`take_observations` would return any measurement."""
-        return bool(self.counters.observations)
+        return self.counters.observed
 
     def take_observations(self) -> Observations:
         """Return and forget the measurements since the last call (see ``record_observations``)."""
@@ -382,7 +379,10 @@ class OffloadManager:
     @property
     def settled(self) -> bool:
         """Whether nothing is in flight or waits to be announced (``process(None)`` is a no-op)."""
-        return self.ledger.settled and not (self.moves.promotions or self.requests.released)
+        ledger = self.ledger
+        return not (
+            ledger.batches or ledger.unavailable or self.moves.promotions or self.requests.released
+        )
 
     @property
     def has_tier_work(self) -> bool:

@@ -153,10 +153,13 @@ class LowerTierMoves:
         self._expire()
 
     def drain(self) -> None:
-        """Take the index's events (:meth:`BatchLedger.take_index_events`); demote the
-        evicted blocks whose slots are known."""
-        events = self.ledger.take_index_events()
-        if not events or not self.setup.lower_tiers:
+        """Take the index's events (the ledger counts them); demote the evicted blocks whose
+        slots are known."""
+        events = self.setup.index.take_events()
+        if not events:
+            return  # most calls
+        self.ledger.count_index_events(events)
+        if not self.setup.lower_tiers:
             return
         for event in events:
             if event.kind is EventKind.EVICTED and event.key in self._slots:

@@ -60,6 +60,7 @@ class Planner:
     ) -> TransferPlan:
         """This step's plan (:meth:`OffloadManager.build_plan`)."""
         requests, moves = self.requests, self.moves
+        moves.drain()
         lazy = self.setup.store_mode == "lazy"
         offered = self.frontier.offer(frontier) if frontier is not None and lazy else []
         if offered:

@@ -279,15 +279,6 @@ class Observations:
     """Per request, at its first allocation: the tokens it accepted from the tier (0 for
     none). A preempted request that starts over is counted again."""
 
-    def __bool__(self) -> bool:
-        return bool(
-            self.load_seconds
-            or self.store_seconds
-            or self.load_blocks
-            or self.store_blocks
-            or self.request_hit_tokens
-        )
-
 
 class Counters:
     """The manager's cumulative counters and failures, its measurements and the workers'
@@ -299,6 +290,8 @@ class Counters:
         }
         self.record_observations = record_observations
         self.observations = Observations()
+        self.observed = False
+        """Whether :attr:`observations` holds any measurement."""
         self.tiers: dict[str, dict[str, int]] = {}
         self.failures = FailureLog(logger)
         self.changes = 0
@@ -315,6 +308,7 @@ class Counters:
     def observe(self, into: list[Any], value: float) -> None:
         if self.record_observations:
             into.append(value)
+            self.observed = True
 
     def add_tier_counts(self, counts: Mapping[str, Mapping[str, int]]) -> None:
         self.changes += 1
@@ -325,6 +319,7 @@ class Counters:
 
     def take_observations(self) -> Observations:
         observations, self.observations = self.observations, Observations()
+        self.observed = False
         return observations
 
     def record(self, index_stats: IndexStats, quarantined_slots: int) -> OffloadStats:
