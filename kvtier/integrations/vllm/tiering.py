@@ -70,13 +70,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import ConfigError, KVTierConfig, Problem, load_config
 from kvtier.index.base import BlockKey
-from kvtier.integrations.vllm.stats import (
-    METRICS,
-    PROMETHEUS_PREFIX,
-    TIER_COUNTERS,
-    TIER_ERRORS_PREFIX,
-)
+from kvtier.integrations.vllm.stats import METRICS, PROMETHEUS_PREFIX
 from kvtier.keys import KeyNamespace
+from kvtier.offload.stats import TIER_COUNTERS, tier_counts
 from kvtier.plugins import default_registry
 from kvtier.tiers.base import GetResult, PutResult
 from kvtier.tiers.chain import TierChain
@@ -89,9 +85,6 @@ logger = logging.getLogger(__name__)
 
 TIER_LABEL = "tier"
 """The label of kvtier's per-tier metrics: the kvtier tier's name (``disk``, ``redis``)."""
-
-TIER_ERRORS_METRIC = "tier_errors"
-"""The per-tier metric that adds up every fault counter of a tier."""
 
 
 def tier_config(tier: Mapping[str, Any] | None, namespace: str, tier_type: str) -> KVTierConfig:
@@ -343,7 +336,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
     def build_metric_definitions(
         cls, extra_config: dict[str, Any]
     ) -> dict[str, OffloadingMetricMetadata]:
-        names = [*TIER_COUNTERS, TIER_ERRORS_METRIC]
+        names = [f"tier_{counter.name}" for counter in TIER_COUNTERS]
         return {
             PROMETHEUS_PREFIX + name: OffloadingCounterMetadata(
                 documentation=METRICS[name].documentation, labelnames=(TIER_LABEL,)
@@ -357,12 +350,9 @@ class KVTierSecondaryTier(SecondaryTierManager):
             return None
         stats = OffloadingConnectorStats()
         label = (self.tier_name,)
-        for name, counter in TIER_COUNTERS.items():
-            if grown.get(counter):
-                stats.increase_counter(PROMETHEUS_PREFIX + name, grown[counter], label)
-        errors = sum(value for key, value in grown.items() if key.startswith(TIER_ERRORS_PREFIX))
-        if errors:
-            stats.increase_counter(PROMETHEUS_PREFIX + TIER_ERRORS_METRIC, errors, label)
+        for name, value in tier_counts(grown).items():
+            if value:
+                stats.increase_counter(f"{PROMETHEUS_PREFIX}tier_{name}", value, label)
         return None if stats.is_empty() else stats
 
     # ------------------------------------------------------------------ internal
