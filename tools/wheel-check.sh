@@ -11,7 +11,7 @@
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
-venv=${1:-$repo/.venv-wheel}
+venv=$(realpath -m "${1:-$repo/.venv-wheel}")  # absolute: the checks run from another directory
 python=${PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -53,7 +53,7 @@ import kvtier
 
 repo = Path(sys.argv[1])
 installed = Path(kvtier.__file__).parent
-assert repo not in installed.parents, f"kvtier was imported from the checkout: {installed}"
+assert installed != repo / "kvtier", f"kvtier was imported from the checkout: {installed}"
 packages = {p.parent.relative_to(repo) for p in (repo / "kvtier").rglob("__init__.py")}
 missing = sorted(str(p) for p in packages if not (installed.parent / p / "__init__.py").exists())
 assert not missing, f"the wheel lacks {', '.join(missing)}"
