@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationInfo, field_validator
@@ -31,6 +31,19 @@ def usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+def queue_depth_field() -> Any:
+    """The ``queue_depth`` setting of every tier that runs on a QueuedTier."""
+    return Field(
+        64,
+        ge=1,
+        le=MAX_QUEUE_DEPTH,
+        description=(
+            "Requests of each kind (reads, writes) that may wait for an I/O thread; beyond "
+            f"it a put is dropped and a get is a miss, both counted. At most {MAX_QUEUE_DEPTH}."
+        ),
+    )
 
 
 class RecordKeyConfig(PluginConfig):
@@ -162,15 +175,7 @@ class DiskTierConfig(RecordKeyConfig):
             "At most 256."
         ),
     )
-    queue_depth: int = Field(
-        64,
-        ge=1,
-        le=MAX_QUEUE_DEPTH,
-        description=(
-            "Requests of each kind (reads, writes) that may wait for an I/O thread; beyond "
-            f"it a put is dropped and a get is a miss, both counted. At most {MAX_QUEUE_DEPTH}."
-        ),
-    )
+    queue_depth: int = queue_depth_field()
     get_deadline_s: float | None = Field(
         1.0,
         gt=0,
@@ -240,15 +245,7 @@ class RedisTierConfig(RecordKeyConfig):
             "server moved 2 MiB records faster over two connections than over four). At most 256."
         ),
     )
-    queue_depth: int = Field(
-        64,
-        ge=1,
-        le=MAX_QUEUE_DEPTH,
-        description=(
-            "Requests of each kind (reads, writes) that may wait for an I/O thread; beyond "
-            f"it a put is dropped and a get is a miss, both counted. At most {MAX_QUEUE_DEPTH}."
-        ),
-    )
+    queue_depth: int = queue_depth_field()
     get_deadline_s: float | None = Field(
         1.0,
         gt=0,
@@ -372,15 +369,7 @@ class MooncakeTierConfig(RecordKeyConfig):
             "Threads doing the tier's requests through the rank's one client. At most 256."
         ),
     )
-    queue_depth: int = Field(
-        64,
-        ge=1,
-        le=MAX_QUEUE_DEPTH,
-        description=(
-            "Requests of each kind (reads, writes) that may wait for an I/O thread; beyond "
-            f"it a put is dropped and a get is a miss, both counted. At most {MAX_QUEUE_DEPTH}."
-        ),
-    )
+    queue_depth: int = queue_depth_field()
     get_deadline_s: float | None = Field(
         1.0,
         gt=0,
@@ -524,15 +513,7 @@ class S3TierConfig(RecordKeyConfig):
             "At most 256."
         ),
     )
-    queue_depth: int = Field(
-        64,
-        ge=1,
-        le=MAX_QUEUE_DEPTH,
-        description=(
-            "Requests of each kind (reads, writes) that may wait for an I/O thread; beyond "
-            f"it a put is dropped and a get is a miss, both counted. At most {MAX_QUEUE_DEPTH}."
-        ),
-    )
+    queue_depth: int = queue_depth_field()
     get_deadline_s: float | None = Field(
         1.0,
         gt=0,
