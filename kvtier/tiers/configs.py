@@ -46,6 +46,16 @@ def queue_depth_field() -> Any:
     )
 
 
+def backoff_field(default_s: float, description: str) -> Any:
+    """A wait between tries after a failure, bounded like every duration of a tier."""
+    return Field(
+        default_s,
+        gt=0,
+        le=MAX_DURATION_S,
+        description=f"{description} At most {MAX_DURATION_S:g}.",
+    )
+
+
 class RecordKeyConfig(PluginConfig):
     """The secret keys that seal a tier's records, named by where they are, never inline."""
 
@@ -255,23 +265,11 @@ class RedisTierConfig(RecordKeyConfig):
             f"as long as the server's timeouts allow. At most {MAX_DURATION_S:g}."
         ),
     )
-    reconnect_backoff_s: float = Field(
-        0.5,
-        gt=0,
-        le=MAX_DURATION_S,
-        description=(
-            "Seconds the tier waits after a failed batch before it tries the server again. "
-            f"At most {MAX_DURATION_S:g}."
-        ),
+    reconnect_backoff_s: float = backoff_field(
+        0.5, "Seconds the tier waits after a failed batch before it tries the server again."
     )
-    reconnect_max_backoff_s: float = Field(
-        30.0,
-        gt=0,
-        le=MAX_DURATION_S,
-        description=(
-            "The longest wait between tries; each failure in a row doubles the wait. "
-            f"At most {MAX_DURATION_S:g}."
-        ),
+    reconnect_max_backoff_s: float = backoff_field(
+        30.0, "The longest wait between tries; each failure in a row doubles the wait."
     )
 
     @field_validator("url")
@@ -379,23 +377,11 @@ class MooncakeTierConfig(RecordKeyConfig):
             f"as long as the client does. At most {MAX_DURATION_S:g}."
         ),
     )
-    reconnect_backoff_s: float = Field(
-        0.5,
-        gt=0,
-        le=MAX_DURATION_S,
-        description=(
-            "Seconds the tier waits after the master failed to answer before it tries again. "
-            f"At most {MAX_DURATION_S:g}."
-        ),
+    reconnect_backoff_s: float = backoff_field(
+        0.5, "Seconds the tier waits after the master failed to answer before it tries again."
     )
-    reconnect_max_backoff_s: float = Field(
-        30.0,
-        gt=0,
-        le=MAX_DURATION_S,
-        description=(
-            "The longest wait between tries; each failure in a row doubles the wait. "
-            f"At most {MAX_DURATION_S:g}."
-        ),
+    reconnect_max_backoff_s: float = backoff_field(
+        30.0, "The longest wait between tries; each failure in a row doubles the wait."
     )
 
     @field_validator("master_address")
@@ -533,23 +519,11 @@ class S3TierConfig(RecordKeyConfig):
             f"before the rest are dropped, counted. At most {MAX_DURATION_S:g}."
         ),
     )
-    reconnect_backoff_s: float = Field(
-        0.5,
-        gt=0,
-        le=MAX_DURATION_S,
-        description=(
-            "Seconds the tier waits after a failed batch before it tries the server again. "
-            f"At most {MAX_DURATION_S:g}."
-        ),
+    reconnect_backoff_s: float = backoff_field(
+        0.5, "Seconds the tier waits after a failed batch before it tries the server again."
     )
-    reconnect_max_backoff_s: float = Field(
-        30.0,
-        gt=0,
-        le=MAX_DURATION_S,
-        description=(
-            "The longest wait between tries; each failure in a row doubles the wait. "
-            f"At most {MAX_DURATION_S:g}."
-        ),
+    reconnect_max_backoff_s: float = backoff_field(
+        30.0, "The longest wait between tries; each failure in a row doubles the wait."
     )
 
     def store_name(self) -> str:
