@@ -24,17 +24,13 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +42,8 @@ from kvtier.integrations.serve import (
     VLLM_SERVER_MODULE,
     vanilla_reserved_cpus,
 )
+from kvtier.testing.redis_server import free_port
+from kvtier.testing.served import Server
 
 ARMS = ("vanilla", "kvtier")
 BLOCK = 32
@@ -55,7 +53,6 @@ OUTPUT_TOKENS = 16
 DEVICE_BLOCKS = 33
 """vLLM's own cache: 32 usable blocks (1,024 tokens), fewer than the prefixes of a run."""
 START_TIMEOUT_S = 600.0
-STOP_TIMEOUT_S = 20.0
 KVTIER_CONFIG = "cpu_bytes: 256MiB\nstore_mode: eager\n"
 
 SERVER_ENVIRONMENT = {
@@ -118,29 +115,6 @@ def dataset_args(name: str, num_prompts: int) -> list[str]:
 DATASETS = ("prefix-repetition", "shared-prefix")
 
 
-@dataclass
-class Server:
-    """A server process (leader of its own process group), its port, log and model."""
-
-    process: subprocess.Popen[bytes]
-    port: int
-    log: Path
-    model: str
-
-    def url(self, path: str = "") -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 def server_command(arm: str, model: str, port: int, config: Path) -> list[str]:
     common = ["--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
     if arm == "vanilla":
@@ -152,46 +126,8 @@ def start(arm: str, model: str, work: Path) -> Server:
     config = work / "kvtier.yaml"
     config.write_text(KVTIER_CONFIG)
     port = free_port()
-    log = work / f"{arm}-{port}.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            server_command(arm, model, port, config),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **SERVER_ENVIRONMENT},
-            start_new_session=True,
-        )
-    return Server(process, port, log, model)
-
-
-def stop(server: Server) -> None:
-    """SIGTERM the server's process group, SIGKILL it if it is still there after a while."""
-    if server.process.poll() is not None:
-        return
-    group = os.getpgid(server.process.pid)
-    os.killpg(group, signal.SIGTERM)
-    try:
-        server.process.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(group, signal.SIGKILL)
-        server.process.wait(STOP_TIMEOUT_S)
-
-
-def wait_ready(server: Server, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(
-                f"server exited with {server.process.returncode}; its log {server.log} ends:\n"
-                f"{server.log_tail()}"
-            )
-        try:
-            with urllib.request.urlopen(server.url("/health"), timeout=5) as reply:
-                if reply.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server not ready within {START_TIMEOUT_S} s; see {server.log}")
+    command = server_command(arm, model, port, config)
+    return Server.start(command, work / f"{arm}-{port}.log", port, model, SERVER_ENVIRONMENT)
 
 
 @contextlib.contextmanager
@@ -203,11 +139,11 @@ def both_servers(model: str, work: Path) -> Iterator[dict[str, Server]]:
             started[arm] = start(arm, model, work)
         deadline = time.monotonic() + START_TIMEOUT_S
         for server in started.values():
-            wait_ready(server, deadline)
+            server.wait_ready(deadline)
         yield started
     finally:
         for server in started.values():
-            stop(server)
+            server.stop()
 
 
 def counters(server: Server) -> dict[str, float]:

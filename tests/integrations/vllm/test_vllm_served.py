@@ -11,24 +11,20 @@ lines in vLLM's log format. The servers are stopped however the test ends.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
 from kvtier.integrations.serve import VLLM_SERVER_MODULE
+from kvtier.testing.redis_server import free_port
+from kvtier.testing.served import Server
 
 pytest.importorskip("vllm")
 
@@ -38,7 +34,6 @@ BLOCK = 32
 START_TIMEOUT_S = 600.0
 """A minute or two on an idle two-core machine; far longer when other work shares it."""
 REQUEST_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 20.0
 
 SERVER_ENVIRONMENT = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -68,64 +63,6 @@ VLLM_ARGS = [
 ]
 
 
-@dataclass
-class Server:
-    """A server process (leader of its own process group) and where it listens and logs."""
-
-    process: subprocess.Popen[bytes]
-    port: int
-    log: Path
-    model: str
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-def _start(command: list[str], log: Path, port: int, model: str) -> Server:
-    env = {**os.environ, **SERVER_ENVIRONMENT}
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    return Server(process, port, log, model)
-
-
-def _stop(server: Server) -> None:
-    if server.process.poll() is not None:
-        return
-    group = os.getpgid(server.process.pid)
-    os.killpg(group, signal.SIGTERM)
-    try:
-        server.process.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(group, signal.SIGKILL)
-        server.process.wait(STOP_TIMEOUT_S)
-
-
-def _wait_ready(server: Server, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            pytest.fail(f"server exited with {server.process.returncode}:\n{server.log_tail()}")
-        try:
-            with urllib.request.urlopen(server.url("/health"), timeout=5) as reply:
-                if reply.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1)
-    pytest.fail(f"server not ready within {START_TIMEOUT_S} s:\n{server.log_tail()}")
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
     """(plain vLLM, vLLM with kvtier), started together so their start-ups overlap."""
@@ -135,33 +72,35 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
     config.write_text("cpu_bytes: 64MiB\n")
     started: list[Server] = []
     try:
-        port = _free_port()
+        port = free_port()
         started.append(
-            _start(
+            Server.start(
                 [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", model, "--port", str(port)]
                 + ["--host", "127.0.0.1", *VLLM_ARGS],
                 work / "plain.log",
                 port,
                 model,
+                SERVER_ENVIRONMENT,
             )
         )
-        port = _free_port()
+        port = free_port()
         started.append(
-            _start(
+            Server.start(
                 [sys.executable, "-m", "kvtier", "serve", "--kvtier-config", str(config), model]
                 + ["--host", "127.0.0.1", "--port", str(port), *VLLM_ARGS],
                 work / "kvtier.log",
                 port,
                 model,
+                SERVER_ENVIRONMENT,
             )
         )
         deadline = time.monotonic() + START_TIMEOUT_S
         for server in started:
-            _wait_ready(server, deadline)
+            server.wait_ready(deadline)
         yield started[0], started[1]
     finally:
         for server in started:
-            _stop(server)
+            server.stop()
 
 
 def _complete(server: Server, prompt: list[int]) -> list[int]:
