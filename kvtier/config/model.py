@@ -33,6 +33,8 @@ DEFAULT_CLOSE_TIMEOUT_S = 10.0
 MEMINFO = "/proc/meminfo"
 """Where Linux reports memory; ``MemAvailable`` is what new allocations can get."""
 DEFAULT_SAME_STEP_LOAD_BYTES = 16 << 20
+DEFAULT_PIN_SHARE = 0.25
+DEFAULT_PIN_MAX_S = 600.0
 DEFAULT_SOURCE = "default"
 """What :meth:`KVTierConfig.source_of` answers for a value no source set."""
 
@@ -155,6 +157,25 @@ class RootSettings(KVTierModel):
             "Tenant namespace mixed into the key of every record below the host tier, with the "
             "model, the layout fingerprint and the rank: engines sharing a store see only "
             "records of their own namespace. A tier's own namespace setting overrides it."
+        ),
+    )
+    pin_share: float = Field(
+        DEFAULT_PIN_SHARE,
+        ge=0,
+        le=1,
+        description=(
+            "Share of the host tier's slots that requests may pin with the pin_s of their "
+            "kv_transfer_params (see the per-request control page); a pin past it is not "
+            "made, so pins never take more of the tier. 0 turns pins off."
+        ),
+    )
+    pin_max_s: float = Field(
+        DEFAULT_PIN_MAX_S,
+        gt=0,
+        le=MAX_DURATION_S,
+        description=(
+            "The longest pin a request gets: a longer pin_s in its kv_transfer_params is cut "
+            f"to this many seconds. At most {MAX_DURATION_S:g}."
         ),
     )
     close_timeout_s: float = Field(

@@ -1,6 +1,14 @@
 """Block indexes: ``BlockKey -> slot`` directories with pins and eviction policies."""
 
-from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent, IndexStats
+from kvtier.index.base import (
+    BlockIndex,
+    BlockKey,
+    EventKind,
+    IndexEvent,
+    IndexStats,
+    PrioritizedEviction,
+    Priority,
+)
 from kvtier.index.policy import EvictionPolicy, PolicyIndex
 
 __all__ = [
@@ -11,4 +19,6 @@ __all__ = [
     "IndexEvent",
     "IndexStats",
     "PolicyIndex",
+    "PrioritizedEviction",
+    "Priority",
 ]

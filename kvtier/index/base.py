@@ -20,8 +20,12 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 BlockKey = bytes
+
+Priority = Literal["low", "normal", "high"]
+"""A block's eviction priority: ``low`` blocks go first, ``high`` ones last."""
 
 
 class EventKind(enum.Enum):
@@ -132,3 +136,20 @@ class BlockIndex(ABC):
     @abstractmethod
     def take_events(self) -> list[IndexEvent]:
         """Return and forget the events since the last call."""
+
+
+class PrioritizedEviction(ABC):
+    """A block index that evicts by a priority given per key before its ranking.
+
+    The offload manager gives a request's blocks the eviction priority the
+    request asked for; an index without this capability ranks them like any.
+    """
+
+    @abstractmethod
+    def prioritize(self, keys: Sequence[BlockKey], priority: Priority) -> None:
+        """Give ``keys`` (readable or being written) ``priority`` until they leave the tier.
+
+        A ``low`` key is evicted before every ``normal`` and ``high`` one, oldest
+        priority first; a ``high`` key only when no other key can be. Keys the
+        index does not hold are ignored.
+        """

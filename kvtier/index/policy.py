@@ -29,7 +29,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
-from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent, IndexStats
+from kvtier.index.base import (
+    BlockIndex,
+    BlockKey,
+    EventKind,
+    IndexEvent,
+    IndexStats,
+    PrioritizedEviction,
+    Priority,
+)
 
 
 class EvictionPolicy(ABC):
@@ -100,8 +108,12 @@ class EvictionPolicy(ABC):
         return {}
 
 
-class PolicyIndex(BlockIndex):
+class PolicyIndex(BlockIndex, PrioritizedEviction):
     """Slot table with free, writing and readable states, pins, and a policy for victims.
+
+    Keys given a priority (:meth:`prioritize`) bend the policy's choice: a
+    ``low`` key is evicted before the policy is asked, a ``high`` one only when
+    the policy finds no other victim.
 
     The slots one :meth:`reserve` grants count up along its keys, whichever
     order they were freed in, so a chain stored together lies in as few runs
@@ -120,13 +132,22 @@ class PolicyIndex(BlockIndex):
         self._pinned = 0
         self._discarded: dict[BlockKey, int] = {}
         self._events: list[IndexEvent] = []
+        self._low: dict[BlockKey, None] = {}
+        """Keys of priority ``low``, in the order they got it."""
+        self._high: set[BlockKey] = set()
 
     def _evictable(self, key: BlockKey) -> bool:
         slot = self._readable.get(key)
         return slot is not None and self._pins[slot] == 0
 
+    def _unrank(self, key: BlockKey) -> None:
+        if self._low or self._high:
+            self._low.pop(key, None)
+            self._high.discard(key)
+
     def _evict(self, key: BlockKey) -> int:
         slot = self._readable.pop(key)
+        self._unrank(key)
         self.policy.removed(key)
         self._events.append(IndexEvent(EventKind.EVICTED, key))
         return slot
@@ -134,12 +155,33 @@ class PolicyIndex(BlockIndex):
     def _take_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
-        victim = self.policy.victim(self._evictable)
+        victim = self._victim()
         if victim is None:
             return None
         if not self._evictable(victim):
             raise RuntimeError(f"{type(self.policy).__name__} chose a key that is not evictable")
         return self._evict(victim)
+
+    def _victim(self) -> BlockKey | None:
+        evictable, high = self._evictable, self._high
+        for key in self._low:
+            if evictable(key):
+                return key
+        if not high:
+            return self.policy.victim(evictable)
+        victim = self.policy.victim(lambda key: key not in high and evictable(key))
+        return victim if victim is not None else self.policy.victim(evictable)
+
+    def prioritize(self, keys: Sequence[BlockKey], priority: Priority) -> None:
+        for key in keys:
+            if key not in self._readable and key not in self._writing:
+                continue
+            self._low.pop(key, None)
+            self._high.discard(key)
+            if priority == "low":
+                self._low[key] = None
+            elif priority == "high":
+                self._high.add(key)
 
     def lookup(self, keys: Sequence[BlockKey]) -> int:
         readable = self._readable
@@ -247,6 +289,7 @@ class PolicyIndex(BlockIndex):
                 raise KeyError(f"block {key.hex()} has no reserved slot to abort")
         for key in keys:
             slot, _ = self._writing.pop(key)
+            self._unrank(key)
             self._free.append(slot)
             self.policy.aborted(key)
 

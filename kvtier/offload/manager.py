@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvtier.config.model import DEFAULT_REPORT_DEADLINE_S
+from kvtier.config.model import DEFAULT_PIN_MAX_S, DEFAULT_PIN_SHARE, DEFAULT_REPORT_DEADLINE_S
 from kvtier.index.base import BlockIndex, IndexEvent
 from kvtier.keys import KeyNamespace
 from kvtier.kinds import BLOCK_INDEX
@@ -58,6 +58,7 @@ from kvtier.offload.frontier import EvictionFrontier
 from kvtier.offload.ledger import BatchLedger, Progress
 from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
 from kvtier.offload.moves import LowerTierMoves
+from kvtier.offload.pins import TimedPins
 from kvtier.offload.planner import Planner
 from kvtier.offload.requests import RequestTable
 from kvtier.offload.setup import GroupBlockIds, ManagerSetup, StoreMode
@@ -65,6 +66,7 @@ from kvtier.offload.stats import Counters, Observations, OffloadStats
 
 if TYPE_CHECKING:
     from kvtier.config.model import KVTierConfig
+    from kvtier.offload.control import RequestControl
     from kvtier.plugins import Registry
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,8 @@ class OffloadManager:
         report_deadline_s: float = DEFAULT_REPORT_DEADLINE_S,
         lower_tiers: bool = False,
         clock: Callable[[], float] = time.monotonic,
+        pin_share: float = DEFAULT_PIN_SHARE,
+        pin_max_s: float = DEFAULT_PIN_MAX_S,
     ) -> None:
         """Create a manager over ``index``, the directory of the host tier.
 
@@ -107,7 +111,7 @@ class OffloadManager:
         self.setup = setup = ManagerSetup(
             index, block_tokens, record_bytes, world_size, store_mode, num_groups,
             namespace or KeyNamespace(), null_block_id, group_windows, report_deadline_s,
-            lower_tiers, clock, record_events,
+            lower_tiers, clock, record_events, pin_share, pin_max_s,
         )  # fmt: skip
         self.index, self.namespace = index, setup.namespace
         self.store_mode, self.world_size = setup.store_mode, world_size
@@ -115,7 +119,10 @@ class OffloadManager:
         self.requests = RequestTable(setup)
         self.ledger = BatchLedger(setup, self.requests, self.counters)
         self.moves = LowerTierMoves(setup, self.ledger, self.counters)
-        self.planner = Planner(setup, self.requests, self.ledger, self.moves, self.counters)
+        self.pins = TimedPins(setup)
+        self.planner = Planner(
+            setup, self.requests, self.ledger, self.moves, self.counters, self.pins
+        )
 
     @classmethod
     def from_config(
@@ -145,6 +152,8 @@ class OffloadManager:
             store_mode=config.store_mode,
             report_deadline_s=config.report_deadline_s,
             lower_tiers=bool(config.tiers),
+            pin_share=config.pin_share,
+            pin_max_s=config.pin_max_s,
             **options,
         )
 
@@ -154,6 +163,7 @@ class OffloadManager:
         block_hashes: Sequence[bytes],
         num_computed_tokens: int,
         num_tokens: int,
+        control: RequestControl | None = None,
     ) -> int | None:
         """Return how many tokens past ``num_computed_tokens`` the tier can load.
 
@@ -170,8 +180,9 @@ class OffloadManager:
             num_computed_tokens: Tokens the engine already holds (its own prefix hits);
                 a multiple of ``block_tokens``.
             num_tokens: Tokens of the request so far.
+            control: What the request asked of kvtier; ``load=False`` gets no hit.
         """
-        if request_id in self.requests.load_failed:
+        if request_id in self.requests.load_failed or (control is not None and not control.load):
             return 0
         first, wanted, hits = self.requests.hits(block_hashes, num_computed_tokens, num_tokens)
         if hits < len(wanted) and self.setup.lower_tiers:
@@ -189,6 +200,7 @@ class OffloadManager:
         num_external_tokens: int,
         *,
         same_step: bool = False,
+        control: RequestControl | None = None,
     ) -> None:
         """Record the engine's allocation; queue a load of ``num_external_tokens`` from the tier.
 
@@ -205,6 +217,9 @@ class OffloadManager:
             num_computed_tokens: Tokens the engine held before the tier's hits.
             num_external_tokens: Tokens accepted from :meth:`lookup` (0 for none).
             same_step: The engine runs the request in the step of the next plan.
+            control: What the request asked of kvtier: which of its blocks to store, a
+                timed pin of its prompt's (:mod:`~kvtier.offload.pins`), an eviction
+                priority for the blocks it stores and loads. ``None`` asks for nothing.
 
         Raises:
             ValueError: ``same_step`` with several kv-cache groups, or ``block_ids``
@@ -212,7 +227,13 @@ class OffloadManager:
         """
         self.moves.forget(request_id)
         self.planner.allocated(
-            request_id, block_hashes, block_ids, num_computed_tokens, num_external_tokens, same_step
+            request_id,
+            block_hashes,
+            block_ids,
+            num_computed_tokens,
+            num_external_tokens,
+            same_step,
+            control,
         )
 
     def scheduled(
@@ -318,9 +339,12 @@ class OffloadManager:
         Args:
             report: One merged report, several (one per worker), or ``None``.
         """
+        pins = self.pins
         if report is None and self.settled:
             # Nothing reported, in flight or waiting to be announced: most decode steps.
             self.moves.drain()
+            if pins.active:
+                pins.expire(self.setup.clock())
             return _NO_PROGRESS
         one = isinstance(report, WorkerReport)
         reports = [report] if one else [each for each in report or () if each is not None]
@@ -328,6 +352,9 @@ class OffloadManager:
         collected = self.ledger.process(reports)
         self.moves.settle(collected.committed)
         self.moves.drain()
+        if pins.active:
+            pins.expire(self.setup.clock())
+            pins.pin_readable()
         return collected.progress(self.requests.take_released())
 
     def take_events(self) -> list[IndexEvent]:
@@ -345,6 +372,7 @@ class OffloadManager:
         now (copies in flight free theirs as they end).
         """
         self.requests.reset()
+        self.pins.reset()
         empty = self.ledger.reset()
         self.moves.reset()
         self.moves.drain()

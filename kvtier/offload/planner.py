@@ -6,22 +6,31 @@ due requests' queued loads into transfers. Stores: eager mode stores the new
 full blocks of due requests (:meth:`Planner.plan_eager_stores`), lazy mode the
 candidates the engine offers from its eviction frontier
 (:meth:`Planner.plan_lazy_stores`), while host slots last.
+
+A request's control (:class:`~kvtier.offload.control.RequestControl`) is read
+here: eager stores stop at its store limit, the blocks it stores or loads get
+its eviction priority, and its prompt's blocks are handed to the timed pins.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvtier.copy.base import Direction
-from kvtier.index.base import BlockKey
+from kvtier.index.base import BlockKey, PrioritizedEviction
 from kvtier.offload.frontier import EvictionFrontier, FrontierMemory
 from kvtier.offload.ledger import BatchLedger
 from kvtier.offload.messages import DeviceBlock, LazyCandidate, Transfer, TransferPlan
 from kvtier.offload.moves import LowerTierMoves
+from kvtier.offload.pins import TimedPins
 from kvtier.offload.requests import PendingLoad, RequestState, RequestTable
 from kvtier.offload.setup import GroupBlockIds, ManagerSetup
 from kvtier.offload.stats import Counters
+
+if TYPE_CHECKING:
+    from kvtier.offload.control import RequestControl
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +51,14 @@ class Planner:
         ledger: BatchLedger,
         moves: LowerTierMoves,
         counters: Counters,
+        pins: TimedPins,
     ) -> None:
         self.setup = setup
         self.requests = requests
         self.ledger = ledger
         self.moves = moves
         self.counters = counters
+        self.pins = pins
         self.frontier = FrontierMemory(setup, ledger)
         self.flush = False
         """A preemption came: the next plan makes workers wait for copies in flight."""
@@ -100,9 +111,10 @@ class Planner:
         num_computed_tokens: int,
         num_external_tokens: int,
         same_step: bool,
+        control: RequestControl | None,
     ) -> None:
-        """The engine allocated the request (:meth:`OffloadManager.allocated`): touch its own
-        hits in the tier's policy and queue the load of the tier's."""
+        """The engine allocated the request (:meth:`OffloadManager.allocated`): take its
+        control, touch its own hits in the tier's policy and queue the load of the tier's."""
         setup = self.setup
         if same_step and setup.num_groups > 1:
             raise ValueError(
@@ -111,11 +123,36 @@ class Planner:
             )
         state = self.requests.state(request_id)
         state.block_hashes = block_hashes
+        if control is not None:
+            self.take_control(state, control)
         first = num_computed_tokens // setup.block_tokens
         for group in range(setup.num_groups):
             setup.index.touch(setup.namespace.keys(block_hashes[:first], group))
         looked_up = self.requests.looked_up(block_hashes, first)
         self.accept_hit(state, block_ids, first, num_external_tokens, looked_up, same_step)
+
+    def take_control(self, state: RequestState, control: RequestControl) -> None:
+        """Keep the request's control; hand its prompt's blocks to the timed pins."""
+        setup = self.setup
+        state.control = control
+        state.store_limit = control.store_limit(setup.block_tokens)
+        if control.pin_s is None:
+            return
+        count = len(state.block_hashes)
+        if control.store_max_tokens is not None:
+            count = min(count, control.store_max_tokens // setup.block_tokens)
+        keys: list[BlockKey] = []
+        for group, window in enumerate(setup.windows):
+            start = 0 if window is None else max(0, count - window)
+            keys.extend(setup.namespace.keys(state.block_hashes[start:count], group))
+        self.pins.want(state.request_id, keys, control.pin_s)
+
+    def prioritize(self, state: RequestState, keys: Sequence[BlockKey]) -> None:
+        """Give ``keys`` the eviction priority the request asked for, if it asked for one."""
+        control, index = state.control, self.setup.index
+        if control is not None and control.priority != "normal" and keys:
+            if isinstance(index, PrioritizedEviction):
+                index.prioritize(keys, control.priority)
 
     def accept_hit(
         self,
@@ -171,6 +208,7 @@ class Planner:
             if readable:
                 pinned = tuple(keys[:readable])
                 slots = tuple(index.pin(pinned))
+                self.prioritize(state, pinned)
                 state.pending_loads.append(
                     PendingLoad(group, pinned, tuple(blocks[:readable]), slots)
                 )
@@ -230,6 +268,8 @@ class Planner:
                 self.requests.due.add(state.request_id)  # retried next step
                 continue
             ready = setup.ready_blocks(state.block_hashes, state.computed_tokens)
+            if state.store_limit is not None:
+                ready = min(ready, state.store_limit)
             for group in range(setup.num_groups):
                 group_ids = state.block_ids[group]
                 start, stop = state.store_cursor[group], min(ready, len(group_ids))
@@ -246,6 +286,9 @@ class Planner:
                 keys = namespace.keys([state.block_hashes[pos] for pos in positions], group)
                 parent = namespace.key(state.block_hashes[start - 1], group) if start else None
                 slots = index.reserve(keys, parent) if keys else []
+                if state.control is not None:
+                    granted = zip(keys, slots, strict=True)
+                    self.prioritize(state, [key for key, slot in granted if slot is not None])
                 cursor = stop
                 if not per_group:  # the first request with blocks to store this step
                     per_group = [([], [], [], set()) for _ in range(setup.num_groups)]

@@ -13,10 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import TYPE_CHECKING
 
 from kvtier.index.base import BlockKey
 from kvtier.offload.messages import DeviceBlock
 from kvtier.offload.setup import GroupBlockIds, ManagerSetup
+
+if TYPE_CHECKING:
+    from kvtier.offload.control import RequestControl
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,10 @@ class RequestState:
     """Order of arrival: plans take requests' loads and stores in this order."""
     seen: tuple[int, int] = (-1, -1)
     """Full blocks computed and block hashes known when a step last gave it work to check."""
+    control: RequestControl | None = None
+    """What the request asked of kvtier (``None``: nothing)."""
+    store_limit: int | None = None
+    """The most leading blocks it may store (``None``: no limit), from its control."""
 
     def __post_init__(self) -> None:
         if not self.block_ids:
@@ -148,6 +156,8 @@ class RequestTable:
         if setup.store_mode != "eager":
             return False
         ready = setup.ready_blocks(state.block_hashes, state.computed_tokens)
+        if state.store_limit is not None:
+            ready = min(ready, state.store_limit)
         return any(
             state.store_cursor[group] < min(ready, len(state.block_ids[group]))
             for group in range(setup.num_groups)

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvtier.config.model import DEFAULT_REPORT_DEADLINE_S
+from kvtier.config.model import DEFAULT_PIN_MAX_S, DEFAULT_PIN_SHARE, DEFAULT_REPORT_DEADLINE_S
 from kvtier.index.base import BlockIndex
 from kvtier.keys import KeyNamespace
 
@@ -56,6 +56,11 @@ class ManagerSetup:
     record_events: bool = False
     """Keep the index's stored/evicted events for :meth:`OffloadManager.take_events`;
     otherwise they are only counted."""
+    pin_share: float = DEFAULT_PIN_SHARE
+    """Share of the tier's slots that requests' timed pins may hold (see
+    :mod:`~kvtier.offload.pins`); 0: none."""
+    pin_max_s: float = DEFAULT_PIN_MAX_S
+    """The longest timed pin a request gets, in seconds."""
     windows: tuple[int | None, ...] = field(init=False)
     """``group_windows`` with one entry per group."""
 
@@ -66,6 +71,11 @@ class ManagerSetup:
                 raise ValueError(f"{name} must be positive, got {value}")
         if self.report_deadline_s <= 0:
             raise ValueError(f"report_deadline_s must be positive, got {self.report_deadline_s}")
+        if not 0 <= self.pin_share <= 1 or self.pin_max_s <= 0:
+            raise ValueError(
+                f"pin_share must be within [0, 1] and pin_max_s positive, got {self.pin_share} "
+                f"and {self.pin_max_s}"
+            )
         if self.store_mode not in ("eager", "lazy"):
             raise ValueError(f"store_mode must be 'eager' or 'lazy', got {self.store_mode!r}")
         given = self.group_windows
