@@ -8,8 +8,11 @@ candidates the engine offers from its eviction frontier
 (:meth:`Planner.plan_lazy_stores`), while host slots last.
 
 A request's control (:class:`~kvtier.offload.control.RequestControl`) is read
-here: eager stores stop at its store limit, the blocks it stores or loads get
-its eviction priority, and its prompt's blocks are handed to the timed pins.
+here: eager stores stop at its store limit (lazy stores skip the blocks past it,
+:meth:`RequestTable.note_unstorable_blocks
+<kvtier.offload.requests.RequestTable.note_unstorable_blocks>`), the blocks it
+stores or loads get its eviction priority (in eager mode; lazy stores have no
+request), and its prompt's blocks are handed to the timed pins.
 """
 
 from __future__ import annotations
@@ -330,6 +333,9 @@ class Planner:
                 )
             key = setup.namespace.key(candidate.block_hash, candidate.group)
             if key in wanted or self.ledger.present(key):
+                continue
+            unstorable = self.requests.unstorable[candidate.group]
+            if unstorable and unstorable.get(candidate.block_id) == key:
                 continue
             if (
                 setup.windows[candidate.group] is not None

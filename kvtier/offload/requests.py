@@ -89,6 +89,9 @@ class RequestTable:
         # Lazy mode, per windowed group: device block -> the key it held while inside the
         # window at the end of a step (where a later hit may start); other blocks are not stored.
         self.window_blocks: list[dict[int, BlockKey]] = [{} for _ in range(setup.num_groups)]
+        # Lazy mode, per group: device block -> the key it held when a request whose control
+        # limits its stores gave it back; the block is not stored while it holds that key.
+        self.unstorable: list[dict[int, BlockKey]] = [{} for _ in range(setup.num_groups)]
         self._looked_up: tuple[Sequence[bytes], int, dict[int, list[BlockKey]]] | None = None
 
     def get(self, request_id: str) -> RequestState | None:
@@ -145,6 +148,7 @@ class RequestTable:
             return
         self.cancel_pending_loads(state)
         state.unavailable.clear()
+        self.note_unstorable_blocks(state)
         state.clear_blocks()
         state.computed_tokens = 0
         state.load_end = 0
@@ -203,6 +207,7 @@ class RequestTable:
         if num_computed_tokens is not None:
             state.computed_tokens = max(state.computed_tokens, num_computed_tokens)
             self.note_window_blocks(state)
+        self.note_unstorable_blocks(state)
         state.finished = True
         state.engine_frees_blocks = engine_frees_blocks
         if state.batches or self.has_unstored_blocks(state):
@@ -294,6 +299,23 @@ class RequestTable:
             for block_id, key in zip(group_ids[start:stop], keys, strict=True):
                 if block_id != setup.null_block_id:
                     self.window_blocks[group][block_id] = key
+
+    def note_unstorable_blocks(self, state: RequestState) -> None:
+        """Lazy mode: remember the request's blocks past its store limit as it gives them back.
+
+        The engine offers them from its eviction frontier later, when no request
+        owns them any more; while a block holds the key it had here, it is not stored.
+        """
+        setup, limit = self.setup, state.store_limit
+        if limit is None or setup.store_mode != "lazy":
+            return
+        ready = setup.ready_blocks(state.block_hashes, state.computed_tokens)
+        for group in range(setup.num_groups):
+            group_ids = state.block_ids[group][limit:ready]
+            keys = setup.namespace.keys(state.block_hashes[limit : limit + len(group_ids)], group)
+            for block_id, key in zip(group_ids, keys, strict=True):
+                if block_id != setup.null_block_id:
+                    self.unstorable[group][block_id] = key
 
     def reset(self) -> None:
         """After the tier was emptied: forget pending loads' blocks and store nothing older."""

@@ -7,7 +7,7 @@ import pytest
 from kvtier.config import load_config
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
-from kvtier.offload import OffloadManager, TransferPlan, WorkerReport
+from kvtier.offload import LazyCandidate, OffloadManager, TransferPlan, WorkerReport
 from kvtier.offload.control import RequestControl, RequestControlError, request_control
 from kvtier.testing.faults import ManualClock
 
@@ -161,6 +161,22 @@ def test_store_at_most_n_tokens_stores_the_leading_full_blocks_only() -> None:
     assert m.lookup("b", HASHES[:5], 0, 99) == 2 * BT
     assert m.finished("a", 5 * BT) is False
     assert stored(run(m, "c", HASHES[:1], RequestControl(store_max_tokens=0))) == []
+
+
+def test_lazy_mode_skips_the_blocks_a_request_may_not_store_once_it_gave_them_back() -> None:
+    m = manager(store_mode="lazy")
+    m.allocated("a", HASHES[:3], [[0, 1, 2]], 0, 0, control=RequestControl(store_max_tokens=BT))
+    m.scheduled("a", num_computed_tokens=3 * BT, new_block_ids=[[0, 1, 2]], block_hashes=HASHES[:3])
+    m.allocated("b", HASHES[5:6], [[3]], 0, 0, control=RequestControl(store=False))
+    m.scheduled("b", num_computed_tokens=BT, new_block_ids=[[3]], block_hashes=HASHES[5:6])
+    m.finished("a", 3 * BT)
+    m.preempted(["b"])
+    offered = [LazyCandidate(HASHES[i], 0, i) for i in range(3)]
+    offered.append(LazyCandidate(HASHES[5], 0, 3))
+    (store,) = m.build_plan(offered).stores
+    assert store.device_blocks == (0,)
+    reused = m.build_plan([LazyCandidate(HASHES[7], 0, 1)])
+    assert reused.stores[0].device_blocks == (1,), "a block reused for other tokens is stored"
 
 
 def test_a_pin_keeps_the_prompt_until_it_expires() -> None:
