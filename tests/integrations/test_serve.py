@@ -63,6 +63,7 @@ def test_runs_vllm_server_module_with_the_connector_and_the_config_file(
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"config_file": str(config.resolve())},
     }
+    assert command[-2:] == ["--middleware", "kvtier.integrations.middleware.KVTransferParamsCheck"]
 
 
 def test_print_command_starts_nothing(

@@ -4,7 +4,9 @@ Call sequence in one engine step, inside ``Scheduler.schedule()``:
 
 1. :meth:`KVTierScheduler.get_num_new_matched_tokens` — for a waiting request
    whose ``num_computed_tokens`` is 0 (new, or preempted and restarting), after
-   vLLM's own prefix-cache lookup. A hit within this step's same-step budget
+   vLLM's own prefix-cache lookup. The request's ``kv_transfer_params`` are read
+   here, once (:mod:`kvtier.offload.control`); an invalid kvtier entry is logged
+   and the request served as if it had none. A hit within this step's same-step budget
    is loaded at the start of this step and the request runs in it; a larger
    one is loaded asynchronously. vLLM may ask again for the same request if
    allocation fails.
@@ -59,6 +61,7 @@ from kvtier.offload import (
     TransferPlan,
     WorkerReport,
 )
+from kvtier.offload.control import RequestControl, RequestControlError, request_control
 from kvtier.offload.events import BlockEvent, RequestTokens
 from kvtier.offload.protection import LazyStoreGuard
 
@@ -191,6 +194,8 @@ class KVTierScheduler:
         self.tokens = RequestTokens(block_tokens, keep_forgotten=self.record_events)
         self._block_pool: BlockPool | None = None
         self._lookup_base: dict[str, int] = {}
+        self._controls: dict[str, RequestControl | None] = {}
+        """Requests that came with ``kv_transfer_params``: their control, until they finish."""
         self._frontier: FreeQueueFrontier | None = None
         self._frontier_blocks = lazy_frontier_blocks(
             num_groups, vllm_config.scheduler_config.max_num_batched_tokens, block_tokens
@@ -224,11 +229,12 @@ class KVTierScheduler:
         """
         request_id = request.request_id
         self._lookup_base[request_id] = num_computed_tokens
+        control = self._control(request) if request.kv_transfer_params else None
         # The manager leaves the last token to the engine. vLLM recomputes the last token of
         # a fully loaded request itself (it rewinds num_computed_tokens by one after an
         # asynchronous load), so an asynchronous hit may also cover the block holding it.
         hit = self.manager.lookup(
-            request_id, request.block_hashes, num_computed_tokens, request.num_tokens + 1
+            request_id, request.block_hashes, num_computed_tokens, request.num_tokens + 1, control
         )
         if not hit or not self._same_step_budget:
             return hit, bool(hit)
@@ -238,6 +244,23 @@ class KVTierScheduler:
         self._same_step_left -= cost
         self._same_step.add(request_id)
         return min(hit, request.num_tokens - 1 - num_computed_tokens), False
+
+    def _control(self, request: Request) -> RequestControl | None:
+        """The request's control, read from its ``kv_transfer_params`` on the first call.
+
+        An invalid kvtier entry never reaches vLLM's scheduler as an error: it is
+        logged, one line, and the request is served without control.
+        """
+        request_id = request.request_id
+        if request_id in self._controls:
+            return self._controls[request_id]
+        try:
+            control = request_control(request.kv_transfer_params)
+        except RequestControlError as exc:
+            logger.warning("request %s: %s; served without kvtier control", request_id, exc)
+            control = None
+        self._controls[request_id] = control
+        return control
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -254,6 +277,7 @@ class KVTierScheduler:
             num_computed_tokens=base,
             num_external_tokens=num_external_tokens,
             same_step=same_step and num_external_tokens > 0,
+            control=self._controls.get(request.request_id) if self._controls else None,
         )
 
     def build_plan(self, scheduler_output: SchedulerOutput) -> TransferPlan:
@@ -317,6 +341,8 @@ class KVTierScheduler:
         """Whether vLLM must keep the finished request's blocks until the workers release them."""
         request_id = request.request_id
         self._lookup_base.pop(request_id, None)
+        if self._controls:
+            self._controls.pop(request_id, None)
         # A request waiting for its load is freed by vLLM itself once the load reports in.
         waiting = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         hold = self.manager.finished(
