@@ -210,6 +210,52 @@ class TestEagerEngine:
         generate(eager_engine, prompts, max_tokens=1)
         assert tier.stats().hit_tokens == hits_before
 
+    def test_per_request_control_stops_loads_and_stores(
+        self, eager_engine: object, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        from kvtier.integrations.vllm.offline import generate, reset_device_cache, settle
+
+        tier = manager_of(eager_engine)
+        prompts = random_prompts(random.Random(10), 4, 100, 300)
+        full_blocks = sum(len(p) // BLOCK for p in prompts)
+        stored = tier.stats().stored_blocks
+        cold = _generate_with(eager_engine, prompts, {"kvtier": {"store": False}})
+        settle(eager_engine)
+        assert tier.stats().stored_blocks == stored, "a request that may not store stored"
+        assert generate(eager_engine, prompts, max_tokens=4) == cold
+        settle(eager_engine)
+        assert tier.stats().stored_blocks == stored + full_blocks
+        reset_device_cache(eager_engine)
+        hits = tier.stats().hit_tokens
+        assert _generate_with(eager_engine, prompts, {"kvtier": {"load": False}}) == cold
+        assert tier.stats().hit_tokens == hits, "a request that may not load loaded"
+        # An invalid entry is logged and the request served without control: it hits.
+        reset_device_cache(eager_engine)
+        with caplog.at_level("WARNING", logger="kvtier"):
+            invalid = {"kvtier": {"load": False, "pin_s": -1}}
+            assert _generate_with(eager_engine, prompts, invalid) == cold
+        assert tier.stats().hit_tokens == hits + full_blocks * BLOCK
+        assert (
+            "kv_transfer_params: kvtier.pin_s: Input should be greater than 0 (got -1); "
+            "served without kvtier control" in caplog.text
+        )
+
+
+def _generate_with(llm: object, prompts: list[list[int]], params: dict) -> list[list[int]]:
+    """Greedy outputs of ``prompts``, each request carrying ``params`` as kv_transfer_params."""
+    from vllm import SamplingParams
+
+    sampling = SamplingParams(
+        temperature=0.0,
+        max_tokens=4,
+        detokenize=False,
+        extra_args={"kv_transfer_params": params},
+    )
+    outputs = llm.generate(  # type: ignore[attr-defined]
+        [{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False
+    )
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
 
 def test_lazy_mode_serves_blocks_flushed_from_the_device(model_dir: str) -> None:
     from kvtier.integrations.vllm.offline import generate, settle, shutdown
