@@ -5,7 +5,9 @@ random-weight Llama behind both: plain vLLM, and vLLM with kvtier started the
 way an operator starts it. vLLM's own KV cache is too small for the prompts'
 shared prefixes, so their second use is a kvtier hit. The replies must be
 equal, kvtier's hit counters on ``/metrics`` non-zero, and kvtier's start-up
-lines in vLLM's log format. The servers are stopped however the test ends.
+lines in vLLM's log format. A request's ``kv_transfer_params`` control it, and
+an invalid kvtier entry is answered 400 with its one-line error. The servers
+are stopped however the test ends.
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, 
             server.stop()
 
 
-def _complete(server: Server, prompt: list[int]) -> list[int]:
+def _completion_request(
+    server: Server, prompt: list[int], **fields: object
+) -> urllib.request.Request:
     body = json.dumps(
         {
             "model": server.model,
@@ -111,11 +115,16 @@ def _complete(server: Server, prompt: list[int]) -> list[int]:
             "max_tokens": 4,
             "temperature": 0.0,
             "return_token_ids": True,
+            **fields,
         }
     ).encode()
-    request = urllib.request.Request(
+    return urllib.request.Request(
         server.url("/v1/completions"), body, {"Content-Type": "application/json"}
     )
+
+
+def _complete(server: Server, prompt: list[int], **fields: object) -> list[int]:
+    request = _completion_request(server, prompt, **fields)
     with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as reply:
         choice = json.load(reply)["choices"][0]
     return list(choice["token_ids"])
@@ -156,6 +165,26 @@ def test_served_replies_match_plain_vllm_and_kvtier_hits(servers: tuple[Server, 
     assert metrics["vllm:kvtier_loaded_blocks_total"] > 0, metrics
     assert metrics.get("vllm:kvtier_load_failures_total", 0) == 0, metrics
     assert _kvtier_metrics(plain) == {}
+
+
+def test_kv_transfer_params_control_a_request_and_an_invalid_one_is_a_400(
+    servers: tuple[Server, Server],
+) -> None:
+    plain, kvtier = servers
+    prompt = _prompts()[0][:-1] + [11]
+    control = {"kvtier": {"load": False, "store_max_tokens": BLOCK, "priority": "low"}}
+    assert _complete(kvtier, prompt, kv_transfer_params=control) == _complete(plain, prompt)
+    invalid = {"kvtier": {"store": "never"}}
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(
+            _completion_request(kvtier, prompt, kv_transfer_params=invalid),
+            timeout=REQUEST_TIMEOUT_S,
+        )
+    assert caught.value.code == 400
+    assert json.load(caught.value)["error"]["message"] == (
+        "kv_transfer_params: kvtier.store: Input should be a valid boolean (got 'never')"
+    )
+    assert _complete(kvtier, prompt) == _complete(plain, prompt), "the server still serves"
 
 
 def test_kvtier_start_up_lines_are_in_vllm_log_format(servers: tuple[Server, Server]) -> None:
