@@ -247,16 +247,24 @@ class VllmSteps:
         """The scheduler-side ``KVTierConnector`` vLLM's scheduler created."""
         return self.scheduler.connector
 
-    def add(self, prompt: Sequence[int], max_tokens: int = 1) -> str:
-        """Queue a request; return its id."""
+    def add(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int = 1,
+        kv_transfer_params: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Queue a request, with ``kv_transfer_params`` if given; return its id."""
         from vllm.v1.request import Request
 
         request_id = f"req-{self._next_id}"
         self._next_id += 1
+        extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
         request = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt),
-            sampling_params=self._sampling(max_tokens=max_tokens, ignore_eos=True),
+            sampling_params=self._sampling(
+                max_tokens=max_tokens, ignore_eos=True, extra_args=extra
+            ),
             pooling_params=None,
             block_hasher=self._hasher,
         )

@@ -84,6 +84,30 @@ def test_stored_blocks_are_loaded_back_byte_for_byte(
     assert engine.connector.scheduler.tokens.num_requests == 0, "finished requests' tokens kept"
 
 
+def test_kv_transfer_params_limit_stores_pin_them_and_refuse_loads(
+    engine_factory: Callable[..., VllmSteps],
+) -> None:
+    engine = engine_factory()
+    batch = prompts(3, 3, 70, 120)
+    control = {"kvtier": {"store_max_tokens": 2 * BLOCK + 5, "pin_s": 60, "priority": "high"}}
+    for prompt in batch:
+        engine.add(prompt, max_tokens=3, kv_transfer_params=control)
+    engine.run()
+    manager = engine.connector.manager
+    assert manager.stats().stored_blocks == 2 * len(batch)
+    assert manager.index.stats().pinned == 2 * len(batch)
+    reset_device_cache(engine)
+    for prompt in batch:
+        engine.add(prompt, kv_transfer_params={"kvtier": {"load": False}, "other": 1})
+    engine.run()
+    assert manager.stats().hit_tokens == 0
+    reset_device_cache(engine)
+    engine.generate(batch)
+    assert manager.stats().hit_tokens == sum(len(p) // BLOCK for p in batch) * BLOCK
+    assert engine.mismatches == []
+    assert manager.num_requests == 0 and engine.connector.scheduler._controls == {}
+
+
 def test_a_request_waits_for_its_load_before_it_runs(
     engine_factory: Callable[..., VllmSteps],
 ) -> None:
