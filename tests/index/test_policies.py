@@ -322,3 +322,38 @@ def test_a_chain_gets_its_slots_counting_up_whatever_order_they_were_freed_in() 
     assert slots == [1, None, 2, 3]
     index.commit(chain)
     assert [index.slot_of(key) for key in chain] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "prefix_arc"])
+def test_priority_bends_every_policys_choice(name: str) -> None:
+    registry = default_registry()
+    index = registry.build(BLOCK_INDEX, registry.get(BLOCK_INDEX, name).config_model(), 4)
+    assert isinstance(index, PolicyIndex)
+    store(index, [b"high"])
+    index.prioritize([b"high"], "high")
+    store(index, [b"a", b"b"])
+    store(index, [b"low"])
+    hit(index, [b"low"])
+    index.prioritize([b"low", b"absent"], "low")
+    store(index, [b"c"])
+    assert evicted(index) == [b"low"]
+    for key in new_keys("n", 6):
+        store(index, [key])
+    assert index.lookup([b"high"]) == 1, "the high key outlives every normal one"
+    index.prioritize([b"high"], "normal")
+    for key in new_keys("m", 8):
+        store(index, [key])
+    assert index.lookup([b"high"]) == 0
+
+
+def test_a_priority_leaves_with_its_key() -> None:
+    index = PolicyIndex(2, LRUPolicy())
+    (slot,) = index.reserve([b"w"])
+    assert slot is not None
+    index.prioritize([b"w"], "low")
+    index.abort([b"w"])
+    store(index, [b"a", b"b"])
+    index.prioritize([b"a"], "high")
+    index.discard([b"a"])
+    store(index, [b"w", b"c"])
+    assert evicted(index)[-1] == b"b", "neither the aborted nor the discarded key is ranked"
