@@ -64,9 +64,9 @@ class RequestControl(KVTierModel):
         gt=0,
         le=MAX_DURATION_S,
         description=(
-            "Keep the request's prompt blocks (those stored, within store_max_tokens) in the "
-            "host tier for this many seconds from its arrival: they are not evicted until "
-            "then. The server's pin_max_s cuts it, and pins take at most the server's "
+            "Keep the request's prompt blocks (within store_max_tokens) in the host tier for "
+            "this many seconds from when the engine first schedules it: they are not evicted "
+            "until then. The server's pin_max_s cuts it, and pins take at most the server's "
             f"pin_share of the tier. At most {MAX_DURATION_S:g}."
         ),
     )

@@ -126,7 +126,7 @@ class Planner:
             )
         state = self.requests.state(request_id)
         state.block_hashes = block_hashes
-        if control is not None:
+        if control is not None and state.control is None:  # not again after a preemption
             self.take_control(state, control)
         first = num_computed_tokens // setup.block_tokens
         for group in range(setup.num_groups):
