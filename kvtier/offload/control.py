@@ -117,7 +117,7 @@ def request_control(kv_transfer_params: object) -> RequestControl | None:
             )
         )
     try:
-        return RequestControl.model_validate(given)
+        return RequestControl.model_validate(dict(given))
     except ValidationError as exc:
         problems = [_problem(error) for error in exc.errors(include_url=False)]
         raise RequestControlError("; ".join(str(problem) for problem in problems)) from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import pytest
 
 from kvtier.config import load_config
@@ -56,6 +58,9 @@ def test_parameters_without_a_kvtier_entry_ask_for_nothing() -> None:
     assert request_control({"do_remote_prefill": True}) is None
     assert request_control(["kvtier"]) is None
     assert request_control({"kvtier": {}}) == RequestControl()
+    assert request_control({"kvtier": MappingProxyType({"load": False})}) == RequestControl(
+        load=False
+    )
 
 
 def test_a_valid_entry_is_read_whole() -> None:
