@@ -1,11 +1,14 @@
-"""KV-cache events of the host tier, told in the engine's terms: group, block hash and tokens.
+"""KV-cache events of every tier, told in the engine's terms: tier, group, block hash and tokens.
 
-The manager's :meth:`~kvtier.offload.OffloadManager.take_events` yields index
-events keyed by namespaced keys. Engines publish events by their own block
-hash, and a *stored* event also carries the block's token ids and its parent's
-hash, which only the live requests know. :class:`RequestTokens` keeps those
-requests (their growing lists of block hashes and token ids, never copies) and
-turns index events into :class:`BlockEvent` s:
+The manager's :meth:`~kvtier.offload.OffloadManager.take_events` yields the
+host tier's index events, keyed by namespaced keys, and
+:meth:`~kvtier.offload.OffloadManager.take_tier_events` the lower tiers'
+:class:`TierEvent` s, which :class:`LowerTierEvents` makes of the workers'
+reports. Engines publish events by their own block hash, and a *stored* event
+also carries the block's token ids and its parent's hash, which only the live
+requests know. :class:`RequestTokens` keeps those requests (their growing lists
+of block hashes and token ids, never copies), and the tokens of the blocks it
+described last, and turns both kinds of events into :class:`BlockEvent` s:
 
 1. :meth:`RequestTokens.track` — a request got device blocks.
 2. :meth:`RequestTokens.forget` — a request is over (its blocks are released);
@@ -17,16 +20,35 @@ turns index events into :class:`BlockEvent` s:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvtier.index.base import EventKind, IndexEvent
 from kvtier.keys import KeyNamespace
+from kvtier.offload.messages import WorkerReport
+from kvtier.tiers.chain import TierBlock
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING_TIER_BLOCKS = 1 << 16
+"""Lower-tier blocks reported by some workers and not yet by all, kept at most."""
+
+REMEMBERED_BLOCKS = 1 << 16
+"""Blocks whose tokens :class:`RequestTokens` keeps after their requests are over, at most."""
+
+
+class TierEvent(NamedTuple):
+    """A block stored in or removed from a lower tier, on every worker's account."""
+
+    kind: EventKind
+    block: TierBlock
 
 
 @dataclass(frozen=True)
 class BlockEvent:
-    """A block stored in or evicted from the host tier, by the engine's hash of it."""
+    """A block stored in or evicted from a tier, by the engine's hash of it."""
 
     kind: EventKind
     group: int
@@ -37,7 +59,69 @@ class BlockEvent:
     """For a stored block, the engine's hash of the block before it (``None`` for a first block
     or when no live request holds the block)."""
     token_ids: tuple[int, ...] = ()
-    """For a stored block, its token ids (empty when no live request holds the block)."""
+    """For a stored block, its token ids (empty when no live request holds the block and its
+    tokens are no longer remembered)."""
+    tier: str | None = None
+    """The lower tier the block is stored in or removed from, by name; ``None``: the host tier."""
+    shared: bool = False
+    """Whether that lower tier is a store other engines reach (the fleet's, not this host's)."""
+
+
+class LowerTierEvents:
+    """The lower tiers' stores and removals, once the workers' reports add up.
+
+    Each worker stores its own shard of a block under its own key: a block is
+    in a tier once all ``world_size`` workers reported storing it, and leaves it
+    when the first worker reports losing its shard (one event each, not one
+    per worker). A removal reported in the same report as a store of the same
+    block is taken as the later of the two. Blocks reported by some workers and
+    not yet by all wait, ``max_pending`` at most; past that the oldest are
+    forgotten (a worker whose put was dropped never reports the block).
+    """
+
+    def __init__(self, world_size: int, *, max_pending: int = MAX_PENDING_TIER_BLOCKS) -> None:
+        if world_size <= 0 or max_pending <= 0:
+            raise ValueError(
+                f"world_size and max_pending must be positive, got {world_size} and {max_pending}"
+            )
+        self.world_size = world_size
+        self.max_pending = max_pending
+        self._storing: dict[TierBlock, int] = {}
+        self._removing: dict[TierBlock, int] = {}
+        self._events: list[TierEvent] = []
+        self.forgotten = 0
+        """Pending blocks forgotten to keep within ``max_pending``."""
+
+    def count(self, report: WorkerReport) -> None:
+        """Add one (merged) report's lower-tier stores and removals."""
+        for block, workers in report.tier_stored.items():
+            stored = self._storing.pop(block, 0) + workers
+            if stored >= self.world_size:
+                self._removing.pop(block, None)  # a later loss is news again
+                self._events.append(TierEvent(EventKind.STORED, block))
+            else:
+                self._keep(self._storing, block, stored)
+        for block, workers in report.tier_removed.items():
+            removed = self._removing.pop(block, 0)
+            if not removed:
+                self._events.append(TierEvent(EventKind.EVICTED, block))
+            still_stored = self._storing.pop(block, 0) - workers
+            if still_stored > 0:
+                self._storing[block] = still_stored
+            if removed + workers < self.world_size:
+                self._keep(self._removing, block, removed + workers)
+
+    def _keep(self, pending: dict[TierBlock, int], block: TierBlock, workers: int) -> None:
+        pending[block] = workers
+        if len(pending) > self.max_pending:
+            del pending[next(iter(pending))]
+            self.forgotten += 1
+            logger.debug("forgot a lower-tier block some workers never reported")
+
+    def take(self) -> list[TierEvent]:
+        """Return and forget the events since the last call, in the order they completed."""
+        events, self._events = self._events, []
+        return events
 
 
 @dataclass
@@ -49,12 +133,22 @@ class _Tracked:
 class RequestTokens:
     """The live requests' block hashes and token ids, to describe the tier's events."""
 
-    def __init__(self, block_tokens: int, *, keep_forgotten: bool = True) -> None:
+    def __init__(
+        self,
+        block_tokens: int,
+        *,
+        keep_forgotten: bool = True,
+        remember_blocks: int = REMEMBERED_BLOCKS,
+    ) -> None:
         """Args:
         block_tokens: Tokens per block (the engine's block size).
         keep_forgotten: Keep requests passed to :meth:`forget` until the next
             :meth:`describe` (events of that step may name their blocks); without
             it they are dropped at once, for engines that publish no events.
+        remember_blocks: Keep the parent and tokens of this many blocks last
+            described as stored, for later stores of the same blocks (a lower
+            tier stores a block when the host tier evicts it, often after its
+            request is over).
         """
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
@@ -62,6 +156,8 @@ class RequestTokens:
         self._requests: dict[str, _Tracked] = {}
         self._forget: list[str] = []
         self._keep_forgotten = keep_forgotten
+        self._remember_blocks = remember_blocks
+        self._remembered: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
 
     def track(
         self, request_id: str, block_hashes: Sequence[bytes], token_ids: Sequence[int]
@@ -80,25 +176,32 @@ class RequestTokens:
         if not self._keep_forgotten:
             self._drop_forgotten()
 
-    def describe(self, events: Sequence[IndexEvent], namespace: KeyNamespace) -> list[BlockEvent]:
-        """Tell ``events`` (keys made by ``namespace``) in the engine's terms, in order.
+    def describe(
+        self,
+        events: Sequence[IndexEvent],
+        namespace: KeyNamespace,
+        tier_events: Sequence[TierEvent] = (),
+    ) -> list[BlockEvent]:
+        """Tell the host tier's ``events`` (keys made by ``namespace``), then the lower
+        tiers' ``tier_events``, in the engine's terms, in order.
 
         Tokens are looked up only for the hashes of stored blocks, each once.
         Then the requests passed to :meth:`forget` are dropped.
         """
-        if not events:
+        if not (events or tier_events):
             self._drop_forgotten()
             return []
-        split = [(event.kind, namespace.split(event.key)) for event in events]
-        wanted = {key.block_hash for kind, key in split if kind is EventKind.STORED}
+        split = [(event.kind, None, False, *namespace.split(event.key)) for event in events]
+        split += [(kind, *block) for kind, block in tier_events]
+        wanted = {block_hash for kind, *_, block_hash in split if kind is EventKind.STORED}
         found = self._tokens_of(wanted)
         described = []
-        for kind, (group, block_hash) in split:
+        for kind, tier, shared, group, block_hash in split:
             if kind is EventKind.STORED:
                 parent, tokens = found.get(block_hash, (None, ()))
-                described.append(BlockEvent(kind, group, block_hash, parent, tokens))
+                described.append(BlockEvent(kind, group, block_hash, parent, tokens, tier, shared))
             else:
-                described.append(BlockEvent(kind, group, block_hash))
+                described.append(BlockEvent(kind, group, block_hash, tier=tier, shared=shared))
         self._drop_forgotten()
         return described
 
@@ -113,6 +216,8 @@ class RequestTokens:
         return len(self._requests)
 
     def _tokens_of(self, wanted: set[bytes]) -> dict[bytes, tuple[bytes | None, tuple[int, ...]]]:
+        """Parent and tokens of the ``wanted`` blocks that a live request holds or that are
+        remembered; what is found is remembered (again) as the newest."""
         found: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
         if not wanted:
             return found
@@ -125,4 +230,13 @@ class RequestTokens:
                 parent = hashes[position - 1] if position else None
                 start = position * size
                 found[hashes[position]] = (parent, tuple(tracked.token_ids[start : start + size]))
+        remembered = self._remembered
+        for block_hash in wanted - found.keys():
+            if block_hash in remembered:
+                found[block_hash] = remembered[block_hash]
+        for block_hash, described in found.items():
+            remembered.pop(block_hash, None)
+            remembered[block_hash] = described
+        while len(remembered) > self._remember_blocks:
+            del remembered[next(iter(remembered))]
         return found

@@ -36,8 +36,8 @@ Per step:
    stores become readable or are dropped, its loads unpin their slots (a failed
    load is a recompute, never a hit).
 
-At any time: :meth:`take_events`, :meth:`stats` or :meth:`take_stats`,
-:meth:`take_observations`, :meth:`reset`.
+At any time: :meth:`take_events` and :meth:`take_tier_events`, :meth:`stats`
+or :meth:`take_stats`, :meth:`take_observations`, :meth:`reset`.
 
 The manager only delegates: :mod:`kvtier.offload` says which module owns which
 piece of the state (and how lower-tier moves and quarantined slots work).
@@ -54,6 +54,7 @@ from kvtier.config.model import DEFAULT_PIN_MAX_S, DEFAULT_PIN_SHARE, DEFAULT_RE
 from kvtier.index.base import BlockIndex, IndexEvent
 from kvtier.keys import KeyNamespace
 from kvtier.kinds import BLOCK_INDEX
+from kvtier.offload.events import LowerTierEvents, TierEvent
 from kvtier.offload.frontier import EvictionFrontier
 from kvtier.offload.ledger import BatchLedger, Progress
 from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
@@ -123,6 +124,7 @@ class OffloadManager:
         self.planner = Planner(
             setup, self.requests, self.ledger, self.moves, self.counters, self.pins
         )
+        self.tier_events = LowerTierEvents(world_size)
 
     @classmethod
     def from_config(
@@ -349,6 +351,9 @@ class OffloadManager:
         one = isinstance(report, WorkerReport)
         reports = [report] if one else [each for each in report or () if each is not None]
         self.moves.count(reports)
+        if self.setup.record_events:
+            for each in reports:
+                self.tier_events.count(each)
         collected = self.ledger.process(reports)
         self.moves.settle(collected.committed)
         self.moves.drain()
@@ -361,6 +366,11 @@ class OffloadManager:
         """Return and forget the tier's stored/evicted events (kept only with ``record_events``)."""
         self.moves.drain()
         return self.ledger.take_events()
+
+    def take_tier_events(self) -> list[TierEvent]:
+        """Return and forget the lower tiers' stores and removals that every worker reported
+        (kept only with ``record_events``; see :class:`~kvtier.offload.events.LowerTierEvents`)."""
+        return self.tier_events.take()
 
     def reset(self) -> bool:
         """Empty the tier: no block stored before this call is served after it.

@@ -9,10 +9,12 @@ the manager's lifetime; loads and stores share one id space.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvtier.copy.base import Direction
+from kvtier.tiers.chain import TierBlock
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,12 @@ class WorkerReport:
     tier_counts: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     """Lower tier name -> counters that grew since the last report (``TierStats`` field names,
     ``errors.<cause>`` for faults), added up over workers."""
+    tier_stored: Mapping[TierBlock, int] = field(default_factory=dict)
+    """Block -> number of workers that wrote their part of it to the lower tier (sent only
+    when the engine publishes KV-cache events)."""
+    tier_removed: Mapping[TierBlock, int] = field(default_factory=dict)
+    """Block -> number of workers whose lower tier no longer holds their part of it (evicted,
+    found corrupt or deleted, where the tier knows; sent only with KV-cache events)."""
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Return a report holding both reports' counts."""
@@ -173,6 +181,8 @@ class WorkerReport:
             _add_counts(self.settled, other.settled),
             promoted,
             tier_counts,
+            _add_counts(self.tier_stored, other.tier_stored),
+            _add_counts(self.tier_removed, other.tier_removed),
         )
 
     @classmethod
@@ -194,6 +204,8 @@ class WorkerReport:
             or self.settled
             or self.promoted
             or self.tier_counts
+            or self.tier_stored
+            or self.tier_removed
         )
 
     @property
@@ -222,8 +234,11 @@ class LazyCandidate:
     """The engine block holding the data."""
 
 
-def _add_counts(left: Mapping[int, int], right: Mapping[int, int]) -> dict[int, int]:
+_Counted = TypeVar("_Counted", bound=Hashable)
+
+
+def _add_counts(left: Mapping[_Counted, int], right: Mapping[_Counted, int]) -> dict[_Counted, int]:
     merged = dict(left)
-    for batch_id, count in right.items():
-        merged[batch_id] = merged.get(batch_id, 0) + count
+    for item, count in right.items():
+        merged[item] = merged.get(item, 0) + count
     return merged

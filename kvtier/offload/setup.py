@@ -54,8 +54,9 @@ class ManagerSetup:
     clock: Callable[[], float] = time.monotonic
     """Monotonic time in seconds (tests pass a manual clock)."""
     record_events: bool = False
-    """Keep the index's stored/evicted events for :meth:`OffloadManager.take_events`;
-    otherwise they are only counted."""
+    """Keep the index's stored/evicted events for :meth:`OffloadManager.take_events`, and
+    the lower tiers' stores and removals the workers report for
+    :meth:`OffloadManager.take_tier_events`; otherwise they are only counted."""
     pin_share: float = DEFAULT_PIN_SHARE
     """Share of the tier's slots that requests' timed pins may hold (see
     :mod:`~kvtier.offload.pins`); 0: none."""

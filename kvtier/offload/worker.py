@@ -60,7 +60,7 @@ from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout, LayoutError
 from kvtier.offload.failures import FailureCause, FailureLog
 from kvtier.offload.messages import Promotion, Transfer, TransferPlan, WorkerReport
-from kvtier.tiers.chain import Fetch, TierChain
+from kvtier.tiers.chain import Fetch, TierBlock, TierChain
 from kvtier.tiers.host import HostTier
 
 if TYPE_CHECKING:
@@ -201,6 +201,7 @@ class OffloadWorker:
         registry: Registry | None = None,
         rank: int = 0,
         model: str = "",
+        report_blocks: bool = False,
     ) -> OffloadWorker:
         """Build a worker, its host tier, copy backends and lower tiers from a validated config.
 
@@ -211,6 +212,8 @@ class OffloadWorker:
         pinned when the layout lives on a CUDA device. The tiers of
         ``config.tiers`` key this rank's records by ``model``, the layout's
         fingerprint, ``rank`` and ``world_size`` (and the config's namespace).
+        With ``report_blocks`` (the engine publishes KV-cache events), reports name
+        the blocks the lower tiers stored and removed.
 
         Raises:
             kvtier.config.ConfigError: The tier does not fit in the memory
@@ -230,7 +233,11 @@ class OffloadWorker:
         if config.tiers:
             keys = KeyNamespace(model, first.fingerprint, rank, world_size)
             chain = TierChain.from_config(
-                config, record_bytes=first.record_bytes, keys=keys, registry=registry
+                config,
+                record_bytes=first.record_bytes,
+                keys=keys,
+                registry=registry,
+                report_blocks=report_blocks,
             )
         return cls(
             layouts,
@@ -406,7 +413,12 @@ class OffloadWorker:
 
     def take_report(self) -> WorkerReport | None:
         """This worker's completions since the last call, or ``None`` if there are none."""
-        tier_counts = self.chain.take_counts() if self.chain is not None else {}
+        tier_counts: dict[str, dict[str, int]] = {}
+        stored: dict[TierBlock, int] = {}
+        removed: dict[TierBlock, int] = {}
+        if self.chain is not None:
+            tier_counts = self.chain.take_counts()
+            stored, removed = self.chain.take_blocks()
         if not (
             self._done
             or self._failed
@@ -414,6 +426,8 @@ class OffloadWorker:
             or self._settled
             or self._promoted
             or tier_counts
+            or stored
+            or removed
         ):
             return None
         report = WorkerReport(
@@ -423,6 +437,8 @@ class OffloadWorker:
             self._settled,
             self._promoted,
             tier_counts,
+            stored,
+            removed,
         )
         self._done, self._failed, self._abandoned_report, self._settled = {}, {}, {}, {}
         self._promoted = {}

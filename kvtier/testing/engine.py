@@ -439,8 +439,8 @@ class OffloadedEngine:
     byte on every rank (:attr:`mismatches` lists the wrong ones).
     :meth:`silence` withholds a worker's reports for some steps, as a rank
     that stops reporting (and may come back) would. With ``record_events``,
-    :attr:`events` collects the tier's KV-cache events with each stored
-    block's tokens.
+    :attr:`events` collects the tiers' KV-cache events with each stored
+    block's tokens (the lower tiers' with chains built with ``report_blocks``).
     """
 
     def __init__(
@@ -470,7 +470,7 @@ class OffloadedEngine:
             world_size: Number of workers.
             store_mode: The manager's store mode.
             late_worker: A worker whose reports reach the manager one step late.
-            record_events: Collect the tier's KV-cache events in :attr:`events`.
+            record_events: Collect the tiers' KV-cache events in :attr:`events`.
             resolver: Layout resolver (registered ``auto`` if ``None``).
             copy_deadline_s: The workers' copy deadline.
             report_deadline_s: The manager's report deadline.
@@ -593,7 +593,12 @@ class OffloadedEngine:
                 self._finish(request_id)
             else:
                 self.manager.scheduled(request_id, num_computed_tokens=state.computed_tokens)
-        self.events.extend(self.tokens.describe(self.manager.take_events(), self.manager.namespace))
+        manager = self.manager
+        self.events.extend(
+            self.tokens.describe(
+                manager.take_events(), manager.namespace, manager.take_tier_events()
+            )
+        )
 
     def drain(self, max_steps: int = 200) -> None:
         """Step until nothing waits, runs, is held or is in flight.

@@ -24,6 +24,13 @@ rank. Primitives, in the order they are called:
 6. :meth:`StorageTier.stats` returns the counters at any time.
 7. :meth:`StorageTier.close` finishes queued requests, then releases the store.
 
+A tier that knows which of its records went away (evicted to make room,
+dropped as corrupt, deleted) also is a :class:`RemovalLog`: after
+:meth:`RemovalLog.watch_removals` it keeps their keys for
+:meth:`RemovalLog.take_removed`. A shared store that evicts on its own
+(Redis's ``maxmemory`` policy, an object store's lifecycle rules) does not
+tell, and is not one.
+
 All I/O runs on the tier's own threads; a call only validates its arguments
 and queues. Queues are bounded: when the tier is slow, a put that finds its
 queue full is dropped and a get is answered as misses, at once and counted,
@@ -42,6 +49,7 @@ synchronous batch primitives, so a tier plugin writes only the store-specific I/
 from __future__ import annotations
 
 import enum
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -214,3 +222,34 @@ class StorageTier(ABC):
     @abstractmethod
     def close(self) -> None:
         """Finish queued requests, stop the tier's threads and release the store. Idempotent."""
+
+
+class RemovalLog:
+    """Mixin of a tier that knows the records it removes, so that they can be announced.
+
+    Off until :meth:`watch_removals`: a tier nobody asks keeps no keys. The
+    tier calls :meth:`_note_removed` from any thread.
+    """
+
+    _removed: list[BlockKey] | None = None
+    _removed_lock: threading.Lock
+
+    def watch_removals(self) -> None:
+        """Keep the keys of records removed from now on, for :meth:`take_removed`."""
+        self._removed_lock = threading.Lock()
+        self._removed = []
+
+    def take_removed(self) -> list[BlockKey]:
+        """Return and forget the keys of the records removed since the last call."""
+        if not self._removed:  # most calls; a key noted meanwhile is taken by the next one
+            return []
+        with self._removed_lock:
+            removed, self._removed = self._removed, []
+        return removed
+
+    def _note_removed(self, keys: Sequence[BlockKey]) -> None:
+        """Keep ``keys`` (records this tier no longer holds) if removals are watched."""
+        if self._removed is None or not keys:
+            return
+        with self._removed_lock:
+            self._removed.extend(keys)

@@ -11,6 +11,10 @@ order, each built by its plugin for this rank's :class:`~kvtier.tiers.base.TierS
   queue is full drops them and counts it.
 - :meth:`TierChain.take_counts` returns what each tier's counters gained since
   the last call, for the worker's report.
+- :meth:`TierChain.take_blocks` (with ``report_blocks``) returns the blocks
+  each tier stored and removed since the last call, for KV-cache events: a
+  store counts once the tier says it landed, a removal where the tier knows of
+  it (a :class:`~kvtier.tiers.base.RemovalLog`).
 
 Nothing here blocks: a tier that is slow answers misses at its deadline, a
 full queue answers at once.
@@ -23,17 +27,32 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvtier.keys import KeyNamespace
 from kvtier.kinds import STORAGE_TIER
-from kvtier.tiers.base import GetResult, StorageTier, TierSpec, TierStats
+from kvtier.tiers.base import GetResult, PutResult, RemovalLog, StorageTier, TierSpec, TierStats
 
 if TYPE_CHECKING:
     from kvtier.config.model import KVTierConfig
     from kvtier.plugins import Registry
 
 logger = logging.getLogger(__name__)
+
+
+class TierBlock(NamedTuple):
+    """A block in one lower tier, as workers report its stores and removals."""
+
+    tier: str
+    """The tier's name (:func:`tier_names`)."""
+    shared: bool
+    """Whether the tier is a store other engines reach (:attr:`StorageTier.shared
+    <kvtier.tiers.base.StorageTier.shared>`)."""
+    group: int
+    """The kv-cache group of the block."""
+    block_hash: bytes
+    """The engine's hash of the block."""
 
 
 class Fetch:
@@ -81,13 +100,25 @@ class Fetch:
 class TierChain:
     """This rank's storage tiers below the host tier, in lookup order."""
 
-    def __init__(self, tiers: Sequence[tuple[str, StorageTier]]) -> None:
-        """Use ``tiers``: (name, tier) pairs, searched in this order; names must differ."""
+    def __init__(
+        self, tiers: Sequence[tuple[str, StorageTier]], *, report_blocks: bool = False
+    ) -> None:
+        """Use ``tiers``: (name, tier) pairs, searched in this order; names must differ.
+
+        With ``report_blocks``, keep the blocks stored and removed for :meth:`take_blocks`.
+        """
         names = [name for name, _ in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must differ, got {names}")
         self.tiers = tuple(tiers)
         self._reported: dict[str, TierStats] = {name: TierStats() for name in names}
+        self.report_blocks = report_blocks
+        self._stored: dict[TierBlock, int] = {}
+        self._stored_lock = threading.Lock()
+        if report_blocks:
+            for _, tier in self.tiers:
+                if isinstance(tier, RemovalLog):
+                    tier.watch_removals()
 
     @classmethod
     def from_config(
@@ -97,6 +128,7 @@ class TierChain:
         record_bytes: int,
         keys: KeyNamespace,
         registry: Registry,
+        report_blocks: bool = False,
     ) -> TierChain:
         """Build each tier of ``config.tiers`` for one rank.
 
@@ -106,6 +138,7 @@ class TierChain:
             record_bytes: Bytes of one block record.
             keys: The rank's namespace: model, layout fingerprint, rank and world size.
             registry: The plugins that build the tiers.
+            report_blocks: Keep the blocks stored and removed for :meth:`take_blocks`.
 
         Raises:
             kvtier.tiers.TierError: A tier cannot start (the tiers built before it are closed).
@@ -125,7 +158,7 @@ class TierChain:
             for _, tier in built:
                 tier.close()
             raise
-        return cls(built)
+        return cls(built, report_blocks=report_blocks)
 
     def fetch(self, group: int, block_hashes: Sequence[bytes]) -> Fetch:
         """Start looking up the blocks of ``group`` named by ``block_hashes``; returns at once."""
@@ -133,8 +166,49 @@ class TierChain:
 
     def store(self, group: int, block_hashes: Sequence[bytes], records: Sequence[bytes]) -> None:
         """Queue ``records`` (stable copies) under their blocks' keys in every tier."""
-        for _, tier in self.tiers:
-            tier.put(tier.keys.keys(block_hashes, group), records)
+        for name, tier in self.tiers:
+            future = tier.put(tier.keys.keys(block_hashes, group), records)
+            if self.report_blocks:
+                future.add_done_callback(
+                    partial(self._landed, name, tier.shared, group, tuple(block_hashes))
+                )
+
+    def _landed(
+        self,
+        name: str,
+        shared: bool,
+        group: int,
+        block_hashes: tuple[bytes, ...],
+        future: Future[PutResult],
+    ) -> None:
+        """Keep the blocks a put stored (on the tier's thread, or at once when refused)."""
+        stored = future.result().stored
+        landed = [
+            TierBlock(name, shared, group, block_hash)
+            for block_hash, ok in zip(block_hashes, stored, strict=True)
+            if ok
+        ]
+        if landed:
+            with self._stored_lock:
+                self._stored.update(dict.fromkeys(landed, 1))
+
+    def take_blocks(self) -> tuple[dict[TierBlock, int], dict[TierBlock, int]]:
+        """The blocks stored, and removed, since the last call (each counted once: this rank).
+
+        Empty unless the chain was built with ``report_blocks``. A removal is
+        known only from a tier that is a :class:`~kvtier.tiers.base.RemovalLog`.
+        """
+        stored: dict[TierBlock, int] = {}
+        if self._stored:
+            with self._stored_lock:
+                stored, self._stored = self._stored, {}
+        removed: dict[TierBlock, int] = {}
+        for name, tier in self.tiers:
+            if self.report_blocks and isinstance(tier, RemovalLog):
+                for key in tier.take_removed():
+                    group, block_hash = tier.keys.split(key)
+                    removed[TierBlock(name, tier.shared, group, block_hash)] = 1
+        return stored, removed
 
     def take_counts(self) -> dict[str, dict[str, int]]:
         """Per tier, the counters that grew since the last call (``errors.<cause>`` per fault)."""

@@ -28,6 +28,8 @@ registered one, ``lru`` by default), so the tier evicts with the same policies
 as the host tier; a get pins its slots while it reads, so they are never
 overwritten under it. The index numbers its own slots; the tier maps them to
 file slots, so a warm restart can put every record found back where it lies.
+The tier is a :class:`~kvtier.tiers.base.RemovalLog`: the keys it evicts, finds
+corrupt or deletes can be announced as removed.
 
 Warm restart: a new tier with the same path, rank, world size and record size
 reads the header area of every slot, keeps the records whose header is intact
@@ -58,7 +60,7 @@ from kvtier.config.sources import file_kind
 from kvtier.index.base import BlockIndex, BlockKey, EventKind
 from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
-from kvtier.tiers.base import Cause, TierError, TierSpec
+from kvtier.tiers.base import Cause, RemovalLog, TierError, TierSpec
 from kvtier.tiers.configs import DiskTierConfig
 from kvtier.tiers.queued import QueuedTier
 from kvtier.tiers.record import (
@@ -145,7 +147,7 @@ def aligned_buffer(nbytes: int) -> memoryview:
     return memoryview(mmap.mmap(-1, nbytes))
 
 
-class DiskTier(QueuedTier):
+class DiskTier(QueuedTier, RemovalLog):
     """One rank's records in one file; see the module docstring for the layout."""
 
     def __init__(self, config: DiskTierConfig, spec: TierSpec, index: BlockIndex) -> None:
@@ -500,6 +502,7 @@ class DiskTier(QueuedTier):
                 self._index.discard(untrusted)
                 self._index.unpin(pinned)
                 self._index.take_events()
+            self._note_removed(untrusted)
         return found
 
     def _read_record(self, key: BlockKey, offset: int) -> memoryview | RecordFault:
@@ -526,7 +529,9 @@ class DiskTier(QueuedTier):
             ]
             sequence = self._sequence
             self._sequence += len(keys)
-            evicted = sum(event.kind is EventKind.EVICTED for event in index.take_events())
+            events = index.take_events()
+            evicted = [event.key for event in events if event.kind is EventKind.EVICTED]
+            self._note_removed(evicted)
         written: list[BlockKey] = []
         failed: list[BlockKey] = []
         areas = self._thread_buffer()
@@ -554,7 +559,9 @@ class DiskTier(QueuedTier):
             index.commit(written)
             index.abort(failed)
         self._count(
-            evictions=evicted, stores=len(written), bytes_written=len(written) * self.record_bytes
+            evictions=len(evicted),
+            stores=len(written),
+            bytes_written=len(written) * self.record_bytes,
         )
         done = set(written)
         return [key in done or was for key, was in zip(keys, present, strict=True)]
@@ -632,6 +639,7 @@ class DiskTier(QueuedTier):
             self._index.pin(held)
             self._index.discard(held)
             self._index.take_events()
+        self._note_removed(held)
         zero_header = aligned_buffer(HEADER_AREA_BYTES)
         try:
             for slot in slots:

@@ -11,7 +11,7 @@ import torch
 
 import kvtier.offload.worker
 from kvtier.copy.base import CopyBackend
-from kvtier.index.base import BlockKey
+from kvtier.index.base import BlockKey, EventKind
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.keys import KeyNamespace, hash_token_blocks
@@ -43,8 +43,11 @@ def prompt(seed: int) -> list[int]:
 class Fleet:
     """Engines that share one store per rank (as engines sharing a Redis would)."""
 
-    def __init__(self, world_size: int = 1, **tier_settings: object) -> None:
+    def __init__(
+        self, world_size: int = 1, *, record_events: bool = False, **tier_settings: object
+    ) -> None:
         self.world_size = world_size
+        self.record_events = record_events
         self.stores: list[dict[BlockKey, bytes]] = [{} for _ in range(world_size)]
         self.tier_settings = tier_settings
         self.tiers: list[MemoryTier] = []
@@ -59,11 +62,16 @@ class Fleet:
                 TierSpec(record_bytes, keys), store=self.stores[rank], **self.tier_settings
             )
             self.tiers.append(tier)
-            chains.append(TierChain([("memory", tier)]))
+            chains.append(TierChain([("memory", tier)], report_blocks=self.record_events))
         # The host tier holds one prompt: a second prompt evicts (demotes) the first.
         index = PolicyIndex(PROMPT_BLOCKS + 1, LRUPolicy())
         return OffloadedEngine(
-            spec, index, torch_backend, world_size=self.world_size, chains=chains
+            spec,
+            index,
+            torch_backend,
+            world_size=self.world_size,
+            chains=chains,
+            record_events=self.record_events,
         )
 
 
@@ -99,6 +107,38 @@ def test_an_evicted_prefix_is_demoted_then_promoted_back_with_its_bytes(world_si
     counts = stats.tiers["memory"]
     assert counts["hits"] == demoted * world_size
     assert counts["bytes_read"] == demoted * world_size * engine.workers[0].tier.record_bytes
+    engine.close()
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_demoted_block_is_announced_once_with_its_tokens_when_every_rank_stored_it(
+    world_size: int,
+) -> None:
+    fleet = Fleet(world_size, record_events=True)
+    engine = fleet.engine()
+    serve(engine, 1, 2)  # prompt 2 evicts prompt 1 from the host tier
+    engine.step()  # the step after an eviction hands the evicted blocks to the workers
+    demoted = engine.manager.stats().demoted_blocks
+    assert demoted >= 1
+    deadline = time.monotonic() + 10
+    while sum(event.tier is not None for event in engine.events) < demoted:
+        assert time.monotonic() < deadline, "the demotions were never announced"
+        engine.step()  # reports what landed
+        time.sleep(0.001)
+    for _ in range(3):
+        engine.step()
+    demoted = engine.manager.stats().demoted_blocks
+    lower = [event for event in engine.events if event.tier is not None]
+    assert [event.kind for event in lower] == [EventKind.STORED] * demoted
+    assert {event.tier for event in lower} == {"memory"}
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    tokens = prompt(1)
+    for event in lower:
+        position = hashes.index(event.block_hash)
+        assert event.token_ids == tuple(
+            tokens[position * BLOCK_TOKENS : (position + 1) * BLOCK_TOKENS]
+        )
+        assert event.parent_hash == (hashes[position - 1] if position else None)
     engine.close()
 
 

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from kvtier.config import KVTierConfig, load_config
+from kvtier.index.base import BlockKey
 from kvtier.keys import KeyNamespace
 from kvtier.plugins import default_registry
 from kvtier.testing.contracts_tier import block_hashes, make_spec, payloads
 from kvtier.testing.tiers import MemoryTier
-from kvtier.tiers.chain import Fetch, TierChain, tier_names
+from kvtier.tiers.chain import Fetch, TierBlock, TierChain, tier_names
+from kvtier.tiers.disk import SUPERBLOCK_BYTES, DiskTier, DiskTierConfig, build_disk_tier
 
 RECORD_BYTES = make_spec().record_bytes
+DISK_BYTES = SUPERBLOCK_BYTES + 4 * DiskTier.slot_bytes_for(RECORD_BYTES)
+"""A disk tier of four records."""
 
 
 def wait(fetch: Fetch) -> Fetch:
@@ -68,6 +73,42 @@ def test_store_writes_every_tier_and_a_stalled_one_drops_without_blocking() -> N
     assert counts["stalled"]["queue_drops"] >= 2
     chain.close()
     assert len(fast.store) == 8
+
+
+def test_with_report_blocks_the_chain_names_what_landed_and_what_the_tiers_removed(
+    tmp_path: Path,
+) -> None:
+    disk_config = DiskTierConfig(path=tmp_path, capacity_bytes=DISK_BYTES)
+    disk = build_disk_tier(disk_config, make_spec())
+    hashes = block_hashes("landed", 6)
+    refused = set(make_spec().keys.keys(hashes[2:], 1))
+
+    def fail(op: str, keys: Sequence[BlockKey]) -> None:
+        if refused.intersection(keys):
+            raise OSError("the store refused the write")
+
+    shared, failing = MemoryTier(make_spec()), MemoryTier(make_spec(), fail=fail)
+    shared.shared = True
+    chain = TierChain([("disk", disk), ("redis", shared), ("fails", failing)], report_blocks=True)
+    chain.store(1, hashes[:2], payloads(2))
+    chain.store(1, hashes[2:], payloads(4, seed=1))  # lands everywhere but in "fails"
+    chain.close()
+    stored, removed = chain.take_blocks()
+    assert stored == {
+        **{TierBlock("disk", False, 1, block_hash): 1 for block_hash in hashes},
+        **{TierBlock("redis", True, 1, block_hash): 1 for block_hash in hashes},
+        **{TierBlock("fails", False, 1, block_hash): 1 for block_hash in hashes[:2]},
+    }
+    assert removed == {TierBlock("disk", False, 1, block_hash): 1 for block_hash in hashes[:2]}
+    assert chain.take_blocks() == ({}, {})
+
+
+def test_without_report_blocks_the_chain_keeps_no_blocks(tmp_path: Path) -> None:
+    disk_config = DiskTierConfig(path=tmp_path, capacity_bytes=DISK_BYTES)
+    chain = TierChain([("disk", build_disk_tier(disk_config, make_spec()))])
+    chain.store(0, block_hashes("quiet", 6), payloads(6))
+    chain.close()
+    assert chain.take_blocks() == ({}, {})
 
 
 def test_tiers_of_a_config_are_built_for_the_rank(tmp_path: Path) -> None:

@@ -789,3 +789,21 @@ def test_a_key_that_cannot_be_read_is_a_start_up_error(
         open_tier(key_file=tmp_path / "absent.key")
     with pytest.raises(TierError, match=r"^disk tier: key_file .*: a key is 32 to 64 bytes"):
         open_tier(key_file=write_keys(tmp_path / "short.key", "ab" * 16))
+
+
+def test_a_watched_tier_names_the_records_it_evicted_found_corrupt_or_deleted(
+    open_tier: Callable[..., DiskTier],
+) -> None:
+    tier = open_tier()
+    keys = tier.keys.keys(block_hashes("gone", 11))
+    records = payloads(11, RECORD)
+    store(tier, keys[:8], records[:8])
+    assert tier.take_removed() == [], "removals are kept only once watched"
+    tier.watch_removals()
+    store(tier, keys[8:10], records[8:10])
+    assert tier.take_removed() == keys[:2], "the tier holds 8 records: the two oldest went"
+    overwrite(tier, slot_offset(tier, keys[2]) + HEADER_AREA_BYTES + 10, b"\xff\x00")
+    assert fetch(tier, keys[2:4]) == [None, records[3]]
+    done(tier.delete(keys[4:5] + keys[10:]))
+    assert tier.take_removed() == [keys[2], keys[4]], "a key never stored is not removed"
+    assert tier.take_removed() == []

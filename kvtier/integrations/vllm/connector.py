@@ -47,7 +47,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from kvtier.config import ConfigError, KVTierConfig, Problem, load_config
 from kvtier.integrations.vllm.adapters import VllmAdapter, adapter_for
 from kvtier.integrations.vllm.logs import join_vllm_logging, startup_summary
-from kvtier.integrations.vllm.scheduler import KVTierScheduler
+from kvtier.integrations.vllm.scheduler import KVTierScheduler, publishes_kv_events
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.worker import KVTierWorker
 from kvtier.offload import OffloadManager, TransferPlan, WorkerReport
@@ -203,6 +203,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                 world_size=world_size,
                 record_bytes=record_bytes,
                 model=vllm_config.model_config.model,
+                report_blocks=publishes_kv_events(vllm_config),
             )
 
     @property

@@ -42,7 +42,13 @@ import logging
 from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, cast
 
-from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from vllm.v1.core.kv_cache_utils import (
     BlockHashWithGroupId,
     get_block_hash,
@@ -75,8 +81,24 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-EVENT_MEDIUM = "CPU"
-"""The ``medium`` of the KV-cache events the host tier publishes."""
+LOCAL = "LOCAL"
+REMOTE = "REMOTE"
+"""The ``locality`` of an event: a store of this host, or one every engine of the fleet reaches."""
+
+
+def event_place(event: BlockEvent) -> tuple[str, str, str | None]:
+    """Where an event's block is, in vLLM's event fields: ``medium``, ``locality`` and
+    ``ownership`` (the lower tier's name; ``None`` for the host tier)."""
+    if event.tier is None:
+        return MEDIUM_CPU, LOCAL, None
+    return MEDIUM_STORAGE, REMOTE if event.shared else LOCAL, event.tier
+
+
+def publishes_kv_events(vllm_config: VllmConfig) -> bool:
+    """Whether vLLM publishes KV-cache events (``kv_events_config.enable_kv_cache_events``)."""
+    events = vllm_config.kv_events_config
+    return bool(events is not None and events.enable_kv_cache_events)
+
 
 LAZY_HEADROOM = 2
 """Lazy mode keeps the first this-many steps' worth of blocks of vLLM's free queue stored."""
@@ -172,8 +194,7 @@ class KVTierScheduler:
             # A tier miss is always recoverable: recompute instead of failing the request.
             logger.info("kvtier sets kv_load_failure_policy to 'recompute'")
             transfer_config.kv_load_failure_policy = "recompute"
-        events = vllm_config.kv_events_config
-        self.record_events = bool(events is not None and events.enable_kv_cache_events)
+        self.record_events = publishes_kv_events(vllm_config)
         self.config = config
         self.block_tokens = block_tokens
         self.record_bytes = record_bytes
@@ -372,14 +393,18 @@ class KVTierScheduler:
         return True
 
     def take_events(self) -> list[KVCacheEvent]:
-        """This step's KV-cache events of the tier (none unless vLLM publishes events)."""
+        """This step's KV-cache events of every tier (none unless vLLM publishes events)."""
         if not self.record_events:
             return []  # vLLM asks every step
-        described = self.tokens.describe(self.manager.take_events(), self.manager.namespace)
+        manager = self.manager
+        described = self.tokens.describe(
+            manager.take_events(), manager.namespace, manager.take_tier_events()
+        )
         return [self._vllm_event(event) for event in described]
 
     def _vllm_event(self, event: BlockEvent) -> KVCacheEvent:
         block_hash = maybe_convert_block_hash(event.block_hash)
+        medium, locality, ownership = event_place(event)
         if event.kind is EventKind.STORED:
             parent = event.parent_hash
             return BlockStored(
@@ -388,11 +413,19 @@ class KVTierScheduler:
                 token_ids=list(event.token_ids),
                 block_size=self.block_tokens,
                 lora_id=None,
-                medium=EVENT_MEDIUM,
+                medium=medium,
                 lora_name=None,
                 group_idx=event.group,
+                locality=locality,
+                ownership=ownership,
             )
-        return BlockRemoved(block_hashes=[block_hash], medium=EVENT_MEDIUM, group_idx=event.group)
+        return BlockRemoved(
+            block_hashes=[block_hash],
+            medium=medium,
+            group_idx=event.group,
+            locality=locality,
+            ownership=ownership,
+        )
 
     def stats(self) -> KVTierStats | None:
         """What changed in the tier's counters and usage since the last call, and the

@@ -77,8 +77,12 @@ class KVTierWorker:
         world_size: int,
         record_bytes: int,
         model: str = "",
+        report_blocks: bool = False,
     ) -> None:
+        """``report_blocks``: vLLM publishes KV-cache events, so reports name the blocks the
+        lower tiers stored and removed (see :meth:`kvtier.offload.OffloadWorker.from_config`)."""
         self.config = config
+        self.report_blocks = report_blocks
         self.model = model
         self.kv_cache_config = kv_cache_config
         self.world_size = world_size
@@ -119,6 +123,7 @@ class KVTierWorker:
             registry=registry,
             rank=self._rank(),
             model=self.model,
+            report_blocks=self.report_blocks,
         )
 
     def _rank(self) -> int:
