@@ -10,6 +10,7 @@ the second one (``make test`` builds both).
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -365,6 +366,50 @@ def test_events_name_stored_blocks_with_their_tokens(
     assert stored[0].parent_block_hash is None
     assert stored[1].parent_block_hash == stored[0].block_hashes[0]
     assert all(event.group_idx == 0 and event.block_size == BLOCK for event in stored)
+
+
+def test_events_follow_evicted_blocks_to_the_disk_tier(
+    engine_factory: Callable[..., VllmSteps], tmp_path: Path
+) -> None:
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from kvtier.integrations.checkpoints import TinyLlamaSpec
+
+    record_bytes = TinyLlamaSpec().kv_bytes_per_token() * BLOCK
+    disk = {"type": "disk", "path": str(tmp_path), "capacity_bytes": 64 * 2 * record_bytes}
+    engine = engine_factory({"cpu_bytes": 4 * record_bytes, "tiers": [disk]}, kv_events=True)
+    first, *later = prompts(13, 3, 4 * BLOCK + 3, 4 * BLOCK + 4)
+    engine.generate([first])
+    engine.generate(later)  # they evict the first prompt's blocks from the host tier
+    deadline = time.monotonic() + 10
+    events = []
+    while time.monotonic() < deadline:
+        engine.step()  # hands the evicted blocks to the disk tier, then reports what landed
+        events = [event for batch in engine.events for event in batch.events]
+        stored = {
+            event.block_hashes[0]: event
+            for event in events
+            if isinstance(event, BlockStored) and event.medium == "STORAGE"
+        }
+        if len(stored) >= 4:
+            break
+        time.sleep(0.01)
+    host = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    first_hashes = [event.block_hashes[0] for event in host[:4]]
+    assert [event.token_ids for event in host[:4]] == [
+        first[i * BLOCK : (i + 1) * BLOCK] for i in range(4)
+    ]
+    removed = {
+        event.block_hashes[0]
+        for event in events
+        if isinstance(event, BlockRemoved) and (event.medium, event.locality) == ("CPU", "LOCAL")
+    }
+    assert set(first_hashes) <= removed
+    for position, block_hash in enumerate(first_hashes):
+        event = stored[block_hash]
+        assert (event.medium, event.locality, event.ownership) == ("STORAGE", "LOCAL", "disk")
+        assert event.token_ids == first[position * BLOCK : (position + 1) * BLOCK]
+        assert event.parent_block_hash == (first_hashes[position - 1] if position else None)
 
 
 def test_steps_that_change_nothing_in_the_tier_report_no_stats(
