@@ -216,27 +216,26 @@ class RequestTokens:
         return len(self._requests)
 
     def _tokens_of(self, wanted: set[bytes]) -> dict[bytes, tuple[bytes | None, tuple[int, ...]]]:
-        """Parent and tokens of the ``wanted`` blocks that a live request holds or that are
-        remembered; what is found is remembered (again) as the newest."""
+        """Parent and tokens of the ``wanted`` blocks that are remembered or that a live
+        request holds (a hash fixes both); what is found is remembered as the newest."""
         found: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
         if not wanted:
             return found
+        remembered = self._remembered
+        for block_hash in wanted:
+            if block_hash in remembered:
+                found[block_hash] = remembered.pop(block_hash)
+        missing = wanted - found.keys()
         size = self.block_tokens
-        for tracked in self._requests.values():
+        for tracked in self._requests.values() if missing else ():
             hashes = tracked.block_hashes
             for position in range(len(hashes)):
-                if hashes[position] not in wanted or hashes[position] in found:
+                if hashes[position] not in missing or hashes[position] in found:
                     continue
                 parent = hashes[position - 1] if position else None
                 start = position * size
                 found[hashes[position]] = (parent, tuple(tracked.token_ids[start : start + size]))
-        remembered = self._remembered
-        for block_hash in wanted - found.keys():
-            if block_hash in remembered:
-                found[block_hash] = remembered[block_hash]
-        for block_hash, described in found.items():
-            remembered.pop(block_hash, None)
-            remembered[block_hash] = described
+        remembered.update(found)
         while len(remembered) > self._remember_blocks:
             del remembered[next(iter(remembered))]
         return found
