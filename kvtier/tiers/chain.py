@@ -199,12 +199,14 @@ class TierChain:
         known only from a tier that is a :class:`~kvtier.tiers.base.RemovalLog`.
         """
         stored: dict[TierBlock, int] = {}
+        removed: dict[TierBlock, int] = {}
+        if not self.report_blocks:
+            return stored, removed
         if self._stored:
             with self._stored_lock:
                 stored, self._stored = self._stored, {}
-        removed: dict[TierBlock, int] = {}
         for name, tier in self.tiers:
-            if self.report_blocks and isinstance(tier, RemovalLog):
+            if isinstance(tier, RemovalLog):
                 for key in tier.take_removed():
                     group, block_hash = tier.keys.split(key)
                     removed[TierBlock(name, tier.shared, group, block_hash)] = 1
