@@ -21,6 +21,7 @@ described last, and turns both kinds of events into :class:`BlockEvent` s:
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -35,8 +36,8 @@ logger = logging.getLogger(__name__)
 MAX_PENDING_TIER_BLOCKS = 1 << 16
 """Lower-tier blocks reported by some workers and not yet by all, kept at most."""
 
-REMEMBERED_BLOCKS = 1 << 16
-"""Blocks whose tokens :class:`RequestTokens` keeps after their requests are over, at most."""
+REMEMBERED_TOKENS = 1 << 20
+"""Token ids :class:`RequestTokens` keeps of blocks whose requests are over, at most (8 MiB)."""
 
 
 class TierEvent(NamedTuple):
@@ -138,17 +139,17 @@ class RequestTokens:
         block_tokens: int,
         *,
         keep_forgotten: bool = True,
-        remember_blocks: int = REMEMBERED_BLOCKS,
+        remember_tokens: int = REMEMBERED_TOKENS,
     ) -> None:
         """Args:
         block_tokens: Tokens per block (the engine's block size).
         keep_forgotten: Keep requests passed to :meth:`forget` until the next
             :meth:`describe` (events of that step may name their blocks); without
             it they are dropped at once, for engines that publish no events.
-        remember_blocks: Keep the parent and tokens of this many blocks last
-            described as stored, for later stores of the same blocks (a lower
-            tier stores a block when the host tier evicts it, often after its
-            request is over).
+        remember_tokens: Keep the parent and tokens of the blocks last described
+            as stored, up to this many tokens, for later stores of the same
+            blocks (a lower tier stores a block when the host tier evicts it,
+            often after its request is over).
         """
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
@@ -156,8 +157,9 @@ class RequestTokens:
         self._requests: dict[str, _Tracked] = {}
         self._forget: list[str] = []
         self._keep_forgotten = keep_forgotten
-        self._remember_blocks = remember_blocks
-        self._remembered: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
+        self._remember_blocks = remember_tokens // block_tokens
+        # block hash -> (parent hash, token ids as 8-byte integers), oldest first
+        self._remembered: dict[bytes, tuple[bytes | None, array[int]]] = {}
 
     def track(
         self, request_id: str, block_hashes: Sequence[bytes], token_ids: Sequence[int]
@@ -223,8 +225,9 @@ class RequestTokens:
             return found
         remembered = self._remembered
         for block_hash in wanted:
-            if block_hash in remembered:
-                found[block_hash] = remembered.pop(block_hash)
+            kept = remembered.pop(block_hash, None)
+            if kept is not None:
+                found[block_hash] = (kept[0], tuple(kept[1]))
         missing = wanted - found.keys()
         size = self.block_tokens
         for tracked in self._requests.values() if missing else ():
@@ -235,7 +238,8 @@ class RequestTokens:
                 parent = hashes[position - 1] if position else None
                 start = position * size
                 found[hashes[position]] = (parent, tuple(tracked.token_ids[start : start + size]))
-        remembered.update(found)
+        for block_hash, (parent, tokens) in found.items():
+            remembered[block_hash] = (parent, array("q", tokens))
         while len(remembered) > self._remember_blocks:
             del remembered[next(iter(remembered))]
         return found

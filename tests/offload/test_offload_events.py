@@ -3,6 +3,8 @@ and the lower tiers' events made of the workers' reports."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from kvtier.index.base import EventKind, IndexEvent
@@ -33,7 +35,7 @@ def test_stored_blocks_get_their_tokens_and_parent() -> None:
 def test_requests_are_read_live_and_forgotten_after_the_next_events() -> None:
     hashes: list[bytes] = []
     token_ids: list[int] = []
-    tokens = RequestTokens(block_tokens=2, remember_blocks=0)
+    tokens = RequestTokens(block_tokens=2, remember_tokens=0)
     tokens.track("r", hashes, token_ids)
     hashes.extend(HASHES[:2])
     token_ids.extend([1, 2, 3, 4])
@@ -100,6 +102,7 @@ def test_blocks_some_ranks_never_report_are_forgotten_oldest_first() -> None:
 def test_reports_add_up_lower_tier_blocks_over_workers() -> None:
     one = WorkerReport(tier_stored={on_disk(b"h0"): 1}, tier_removed={on_disk(b"h1"): 1})
     merged = WorkerReport.merge_all([one, one, None])
+    assert pickle.loads(pickle.dumps(merged)) == merged, "reports cross process boundaries"
     assert merged.tier_stored == {on_disk(b"h0"): 2}
     assert merged.tier_removed == {on_disk(b"h1"): 2}
     assert not merged.empty and WorkerReport().empty
@@ -122,7 +125,7 @@ def test_lower_tier_events_follow_the_host_tiers_and_keep_their_place() -> None:
 
 
 def test_tokens_of_blocks_described_are_remembered_after_their_request_is_over() -> None:
-    tokens = RequestTokens(block_tokens=2, remember_blocks=2)
+    tokens = RequestTokens(block_tokens=2, remember_tokens=4)
     tokens.track("r", HASHES, [10, 11, 12, 13, 14, 15])
     tokens.describe([stored(b"h0"), stored(b"h1"), stored(b"h2")], NAMESPACE)
     tokens.forget(["r"])
