@@ -30,6 +30,7 @@ DEFAULT_CPU_BYTES = 8 * GiB
 DEFAULT_COPY_DEADLINE_S = 10.0
 DEFAULT_REPORT_DEADLINE_S = 30.0
 DEFAULT_CLOSE_TIMEOUT_S = 10.0
+DEFAULT_FLUSH_DEADLINE_S = 10.0
 MEMINFO = "/proc/meminfo"
 """Where Linux reports memory; ``MemAvailable`` is what new allocations can get."""
 DEFAULT_SAME_STEP_LOAD_BYTES = 16 << 20
@@ -62,8 +63,9 @@ TIERS_FIELD = "tiers"
 """The :class:`KVTierConfig` field listing the storage tiers below the host tier, in order."""
 TIERS_DESCRIPTION = (
     "Storage tiers below the host tier, in lookup order: each entry is one storage-tier "
-    "plugin's settings, picked by its `type` (see `kvtier plugins`). A block evicted from the "
-    "host tier is written to every tier of the list; a lookup searches them in order. "
+    "plugin's settings, picked by its `type` (see `kvtier plugins`). Each tier's "
+    "`write_policy` says when host-tier blocks are written to it (shared stores as soon as "
+    "they are stored, a disk on eviction and shutdown); a lookup searches them in order. "
     f"Empty keeps blocks in host memory only. At most {MAX_TIERS} entries; two entries that "
     "write the same store (identical entries, or disk tiers on one path) are refused."
 )
@@ -186,6 +188,17 @@ class RootSettings(KVTierModel):
             "Seconds shutdown waits for copies still running; after it they are abandoned and "
             "the host tier's memory is deliberately not freed, so a late copy cannot write "
             f"freed memory. At most {MAX_DURATION_S:g}."
+        ),
+    )
+    flush_deadline_s: float = Field(
+        DEFAULT_FLUSH_DEADLINE_S,
+        ge=0,
+        le=MAX_DURATION_S,
+        description=(
+            "Seconds a graceful shutdown may spend writing the blocks still in the host tier "
+            "to the write_back tiers that lack them (after the copies in flight ended); blocks "
+            "not handed to a tier by then are skipped, and both are counted in the shutdown's "
+            f"log line. 0 writes nothing. At most {MAX_DURATION_S:g}."
         ),
     )
 

@@ -54,6 +54,7 @@ from kvtier.config.model import DEFAULT_PIN_MAX_S, DEFAULT_PIN_SHARE, DEFAULT_RE
 from kvtier.index.base import BlockIndex, IndexEvent
 from kvtier.keys import KeyNamespace
 from kvtier.kinds import BLOCK_INDEX
+from kvtier.models import WritePolicy, write_policy_of
 from kvtier.offload.events import LowerTierEvents, TierEvent
 from kvtier.offload.frontier import EvictionFrontier
 from kvtier.offload.ledger import BatchLedger, Progress
@@ -93,7 +94,7 @@ class OffloadManager:
         record_observations: bool = False,
         group_windows: Sequence[int | None] | None = None,
         report_deadline_s: float = DEFAULT_REPORT_DEADLINE_S,
-        lower_tiers: bool = False,
+        write_policies: Sequence[WritePolicy] = (),
         clock: Callable[[], float] = time.monotonic,
         pin_share: float = DEFAULT_PIN_SHARE,
         pin_max_s: float = DEFAULT_PIN_MAX_S,
@@ -112,7 +113,7 @@ class OffloadManager:
         self.setup = setup = ManagerSetup(
             index, block_tokens, record_bytes, world_size, store_mode, num_groups,
             namespace or KeyNamespace(), null_block_id, group_windows, report_deadline_s,
-            lower_tiers, clock, record_events, pin_share, pin_max_s,
+            tuple(write_policies), clock, record_events, pin_share, pin_max_s,
         )  # fmt: skip
         self.index, self.namespace = index, setup.namespace
         self.store_mode, self.world_size = setup.store_mode, world_size
@@ -153,7 +154,7 @@ class OffloadManager:
             world_size=world_size,
             store_mode=config.store_mode,
             report_deadline_s=config.report_deadline_s,
-            lower_tiers=bool(config.tiers),
+            write_policies=tuple(write_policy_of(tier) for tier in config.tiers),
             pin_share=config.pin_share,
             pin_max_s=config.pin_max_s,
             **options,

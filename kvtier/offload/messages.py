@@ -37,12 +37,21 @@ class Transfer:
     """Host tier slots, one per device block."""
     request_id: str | None = None
     """The request a load is for (workers report finished loads by request); ``None`` for stores."""
+    block_hashes: tuple[bytes, ...] = ()
+    """For a store, when some lower tier is written back: the engine's hashes of the blocks,
+    so that a worker closing gracefully can write those still in their slots to those tiers.
+    Empty otherwise."""
 
     def __post_init__(self) -> None:
         if len(self.device_blocks) != len(self.host_slots):
             raise ValueError(
                 f"transfer {self.batch_id} pairs {len(self.device_blocks)} device blocks "
                 f"with {len(self.host_slots)} host slots; they must be equal"
+            )
+        if self.block_hashes and len(self.block_hashes) != len(self.host_slots):
+            raise ValueError(
+                f"transfer {self.batch_id} names {len(self.block_hashes)} block hashes for "
+                f"{len(self.host_slots)} host slots; give one per slot, or none"
             )
 
     def __len__(self) -> int:
@@ -70,7 +79,11 @@ class Promotion:
 
 @dataclass(frozen=True)
 class Demotion:
-    """Write blocks the host tier just evicted to every lower tier before their slots are reused."""
+    """Write blocks of host slots to some lower tiers, before the plan's copies reuse the slots.
+
+    In :attr:`TransferPlan.demotions` the blocks were just evicted from the host
+    tier; in :attr:`TransferPlan.write_throughs` they stay in it.
+    """
 
     group: int
     """The kv-cache group the blocks belong to."""
@@ -78,6 +91,9 @@ class Demotion:
     """The engine's hashes of the blocks."""
     host_slots: tuple[int, ...]
     """The host tier slots that still hold them."""
+    tiers: tuple[int, ...]
+    """Positions, in the workers' chain, of the lower tiers to write them to (may be none:
+    an evicted block no tier writes back)."""
 
 
 @dataclass(frozen=True)
@@ -87,9 +103,9 @@ class TransferPlan:
     Workers execute it in this order: if ``flush``, wait for every copy already
     in flight (requests were preempted and their device blocks are about to be
     reused); before the step's forward, copy the loads of the ``same_step``
-    requests and wait for them; after it, copy ``demotions`` out of their slots
-    (the plan's stores and promotions may reuse those slots), then submit
-    ``stores``, the other ``loads`` and ``promotions``; then report.
+    requests and wait for them; after it, copy ``demotions`` and ``write_throughs``
+    out of their slots (the plan's stores and promotions may reuse those slots), then
+    submit ``stores``, the other ``loads`` and ``promotions``; then report.
     """
 
     stores: tuple[Transfer, ...] = ()
@@ -105,7 +121,10 @@ class TransferPlan:
     promotions: tuple[Promotion, ...] = ()
     """Lower-tier reads into host slots, for requests waiting on their lookup."""
     demotions: tuple[Demotion, ...] = ()
-    """Blocks evicted from the host tier, to write to the lower tiers."""
+    """Blocks evicted from the host tier, to write to the lower tiers that write them back."""
+    write_throughs: tuple[Demotion, ...] = ()
+    """Blocks the host tier keeps, just stored or reused, to write to the lower tiers that
+    write them through."""
     same_step: frozenset[str] = frozenset()
     """Requests the engine runs in this very step, on the blocks their loads write: workers
     copy those loads (and report those requests' ``unavailable`` blocks as failed) before
@@ -126,6 +145,7 @@ class TransferPlan:
             or self.unavailable
             or self.promotions
             or self.demotions
+            or self.write_throughs
         )
 
 

@@ -1,10 +1,28 @@
-"""Owns the moves between the host tier and the tiers below it: promotions and demotions.
+"""Owns the moves between the host tier and the tiers below it: promotions and writes.
 
 A lookup that misses in the host tier reserves host slots for the missing
 blocks and plans a *promotion*: workers read the blocks from the lower tiers
-into those slots, and the blocks every worker found become host hits. A block
-the host tier evicts is *demoted*: the next plan has workers copy it out of
-its slot, before anything reuses the slot, and write it to every lower tier.
+into those slots, and the blocks every worker found become host hits.
+
+Blocks go down the chain as each lower tier's write policy
+(:data:`~kvtier.models.WritePolicy`) says, each at most once per tier while it
+stays in the host tier. The next plan has workers copy them out of their
+slots, before anything reuses the slots, and queue them to the tiers named:
+
+- a store made readable is *written through* to the ``write_through`` tiers;
+- a block the engine loads from the host tier for the first time (a reuse) is
+  written through to the ``write_through_admitted`` tiers;
+- a block the host tier evicts is *demoted* to the ``write_back`` tiers.
+
+A block promoted from below is never written through: it is held below
+already (whoever stored it wrote it through), and written back on eviction as
+a stored one is (a disk tier skips a record it holds). With ``write_back``
+tiers, stores carry their blocks' hashes, so that a worker closing gracefully
+writes the blocks still in their slots to those tiers (see
+:meth:`~kvtier.offload.worker.OffloadWorker.close`); a demotion, a new copy
+into the slot or a reset (a demotion to no tier) tells it a block left.
+Every write is a put on a tier's bounded queue: a full queue drops it, counted
+by the tier, and it is not tried again.
 """
 
 from __future__ import annotations
@@ -49,13 +67,17 @@ class LowerTierMoves:
         self._promoting: dict[str, set[int]] = {}
         # Slots of readable blocks, to find an evicted block's bytes.
         self._slots: dict[BlockKey, int] = {}
-        # Evicted blocks to demote in the next plan, with the slot that still holds each.
-        self.demotions: dict[BlockKey, int] = {}
+        # Readable blocks a reuse does not write through again: written already, or promoted.
+        self._reused: set[BlockKey] = set()
+        # Blocks to write in the next plan, with the slot that still holds each and the
+        # positions of the tiers to write: evicted ones (demotions), kept ones (write-throughs).
+        self.demotions: dict[BlockKey, tuple[int, tuple[int, ...]]] = {}
+        self.write_throughs: dict[BlockKey, tuple[int, tuple[int, ...]]] = {}
 
     @property
     def has_work(self) -> bool:
-        """Whether demotions or promotions wait for the next plan."""
-        return bool(self.demotions or self._to_plan)
+        """Whether writes or promotions wait for the next plan."""
+        return bool(self.demotions or self.write_throughs or self._to_plan)
 
     def wait_for(self, request_id: str, wanted: Sequence[bytes], hits: int) -> bool:
         """Whether a lookup that found ``hits`` of ``wanted`` must be asked again later.
@@ -128,29 +150,63 @@ class LowerTierMoves:
         return promotions
 
     def take_demotions(self) -> tuple[Demotion, ...]:
-        """Blocks evicted since the last plan, per group, with the slots that still hold them."""
+        """Blocks evicted since the last plan, per group and tiers, with the slots that still
+        hold them."""
         if not self.demotions:
             return ()
-        per_group: dict[int, tuple[list[bytes], list[int]]] = {}
-        for key, slot in self.demotions.items():
+        self.counters.add("demoted_blocks", sum(bool(t) for _, t in self.demotions.values()))
+        return self._messages(self.demotions)
+
+    def take_write_throughs(self) -> tuple[Demotion, ...]:
+        """Blocks to write through since the last plan, per group and tiers, with their slots."""
+        if not self.write_throughs:
+            return ()
+        self.counters.add("written_through_blocks", len(self.write_throughs))
+        return self._messages(self.write_throughs)
+
+    def _messages(
+        self, writes: dict[BlockKey, tuple[int, tuple[int, ...]]]
+    ) -> tuple[Demotion, ...]:
+        """``writes`` as one message per group and tiers; empties ``writes``."""
+        batches: dict[tuple[int, tuple[int, ...]], tuple[list[bytes], list[int]]] = {}
+        for key, (slot, tiers) in writes.items():
             group, block_hash = self.setup.namespace.split(key)
-            hashes, slots = per_group.setdefault(group, ([], []))
+            hashes, slots = batches.setdefault((group, tiers), ([], []))
             hashes.append(block_hash)
             slots.append(slot)
-        self.counters.add("demoted_blocks", len(self.demotions))
-        self.demotions.clear()
+        writes.clear()
         return tuple(
-            Demotion(group, tuple(hashes), tuple(slots))
-            for group, (hashes, slots) in sorted(per_group.items())
+            Demotion(group, tuple(hashes), tuple(slots), tiers)
+            for (group, tiers), (hashes, slots) in sorted(batches.items())
         )
 
     def settle(self, committed: Iterable[tuple[Sequence[BlockKey], Sequence[int]]]) -> None:
         """After the ledger settled the reports: remember the slots of the stores made
-        readable (``committed``), to demote them when evicted; expire late promotions."""
-        if self.setup.lower_tiers:
+        readable (``committed``), to write them down the chain; expire late promotions."""
+        setup = self.setup
+        if setup.lower_tiers:
+            through = setup.through_tiers
             for keys, slots in committed:
                 self._slots.update(zip(keys, slots, strict=True))
+                if through:
+                    self.write_throughs.update(
+                        (key, (slot, through)) for key, slot in zip(keys, slots, strict=True)
+                    )
         self._expire()
+
+    def reused(self, keys: Iterable[BlockKey]) -> None:
+        """The engine loads these readable blocks from the host tier: write the ones not
+        written yet through to the ``write_through_admitted`` tiers."""
+        tiers = self.setup.reuse_tiers
+        if not tiers:
+            return
+        for key in keys:
+            slot = self._slots.get(key)
+            if slot is None or key in self._reused:
+                continue
+            self._reused.add(key)
+            planned = self.write_throughs.get(key)
+            self.write_throughs[key] = (slot, tiers if planned is None else planned[1] + tiers)
 
     def drain(self) -> None:
         """Take the index's events (the ledger counts them); demote the evicted blocks whose
@@ -159,11 +215,16 @@ class LowerTierMoves:
         if not events:
             return  # most calls
         self.ledger.count_index_events(events)
-        if not self.setup.lower_tiers:
+        setup = self.setup
+        if not setup.lower_tiers:
             return
+        back = setup.back_tiers
         for event in events:
             if event.kind is EventKind.EVICTED and event.key in self._slots:
-                self.demotions[event.key] = self._slots.pop(event.key)
+                slot = self._slots.pop(event.key)
+                self._reused.discard(event.key)
+                if back:
+                    self.demotions[event.key] = (slot, back)
 
     def count(self, reports: Iterable[WorkerReport]) -> None:
         """Add the reports' promotion answers; commit what every worker found."""
@@ -202,6 +263,8 @@ class LowerTierMoves:
         if found:
             index.commit(found)
             self._slots.update(zip(found, message.host_slots, strict=False))
+            if self.setup.reuse_tiers:
+                self._reused.update(found)
         if promotion.found < len(promotion.keys):
             index.abort(promotion.keys[promotion.found :])
             self.ledger.departures += len(promotion.keys) - promotion.found
@@ -241,6 +304,16 @@ class LowerTierMoves:
             )
 
     def reset(self) -> None:
-        """A reset forgets blocks; it does not move them down the chain."""
-        self._slots.clear()
+        """A reset forgets blocks; it does not move them down the chain.
+
+        With ``write_back`` tiers, every block the workers may still write on closing
+        leaves as a demotion to no tier, so that none of them is written.
+        """
+        forgotten = {key: slot for key, (slot, _) in self.demotions.items()}
+        forgotten.update(self._slots)
         self.demotions.clear()
+        if self.setup.back_tiers:
+            self.demotions.update((key, (slot, ())) for key, slot in forgotten.items())
+        self._slots.clear()
+        self._reused.clear()
+        self.write_throughs.clear()

@@ -100,6 +100,7 @@ class Planner:
             unavailable=unavailable,
             promotions=moves.take_promotions(),
             demotions=moves.take_demotions(),
+            write_throughs=moves.take_write_throughs(),
             same_step=same_step,
             idle=idle and bool(moves.promotions),
         )
@@ -212,6 +213,7 @@ class Planner:
                 pinned = tuple(keys[:readable])
                 slots = tuple(index.pin(pinned))
                 self.prioritize(state, pinned)
+                self.moves.reused(pinned)
                 state.pending_loads.append(
                     PendingLoad(group, pinned, tuple(blocks[:readable]), slots)
                 )
@@ -372,11 +374,19 @@ class Planner:
     def _store_transfers(self, per_group: _GroupStores, now: float) -> list[Transfer]:
         transfers = []
         observations = self.counters.observations
+        # a worker closing gracefully writes the blocks still in the host tier to these tiers
+        named = bool(self.setup.back_tiers)
+        split = self.setup.namespace.split
         for group, (blocks, slots, keys, requests) in enumerate(per_group):
             if not blocks:
                 continue
             transfer = Transfer(
-                self.ledger.new_batch_id(), Direction.STORE, group, tuple(blocks), tuple(slots)
+                self.ledger.new_batch_id(),
+                Direction.STORE,
+                group,
+                tuple(blocks),
+                tuple(slots),
+                block_hashes=tuple(split(key)[1] for key in keys) if named else (),
             )
             self.ledger.add_store(transfer, tuple(keys), requests, now)
             transfers.append(transfer)

@@ -10,6 +10,7 @@ from typing import Literal
 from kvtier.config.model import DEFAULT_PIN_MAX_S, DEFAULT_PIN_SHARE, DEFAULT_REPORT_DEADLINE_S
 from kvtier.index.base import BlockIndex
 from kvtier.keys import KeyNamespace
+from kvtier.models import WritePolicy
 
 StoreMode = Literal["eager", "lazy"]
 GroupBlockIds = Sequence[Sequence[int]]
@@ -48,9 +49,10 @@ class ManagerSetup:
     report_deadline_s: float = DEFAULT_REPORT_DEADLINE_S
     """Seconds after planning by which every worker must have reported a batch; later, the
     batch fails (see :meth:`OffloadManager.process`)."""
-    lower_tiers: bool = False
-    """Workers have storage tiers below the host tier: host misses are looked up there
-    (promotions) and evicted blocks are written there (demotions)."""
+    write_policies: tuple[WritePolicy, ...] = ()
+    """One per storage tier the workers have below the host tier, in their order: host
+    misses are looked up there (promotions), and host-tier blocks are written there as
+    each tier's policy says (:mod:`~kvtier.offload.moves`). Empty: no lower tiers."""
     clock: Callable[[], float] = time.monotonic
     """Monotonic time in seconds (tests pass a manual clock)."""
     record_events: bool = False
@@ -64,6 +66,12 @@ class ManagerSetup:
     """The longest timed pin a request gets, in seconds."""
     windows: tuple[int | None, ...] = field(init=False)
     """``group_windows`` with one entry per group."""
+    through_tiers: tuple[int, ...] = field(init=False)
+    """Positions of the ``write_through`` tiers."""
+    reuse_tiers: tuple[int, ...] = field(init=False)
+    """Positions of the ``write_through_admitted`` tiers."""
+    back_tiers: tuple[int, ...] = field(init=False)
+    """Positions of the ``write_back`` tiers."""
 
     def __post_init__(self) -> None:
         for name in ("block_tokens", "record_bytes", "world_size", "num_groups"):
@@ -87,6 +95,25 @@ class ManagerSetup:
                 f"None or a positive block count; got {given!r}"
             )
         object.__setattr__(self, "windows", windows)
+        for name, policy in (
+            ("through_tiers", "write_through"),
+            ("reuse_tiers", "write_through_admitted"),
+            ("back_tiers", "write_back"),
+        ):
+            tiers = tuple(i for i, each in enumerate(self.write_policies) if each == policy)
+            object.__setattr__(self, name, tiers)
+        if len(self.through_tiers + self.reuse_tiers + self.back_tiers) != len(
+            self.write_policies
+        ):
+            raise ValueError(
+                "write_policies must each be write_through, write_through_admitted or "
+                f"write_back; got {self.write_policies!r}"
+            )
+
+    @property
+    def lower_tiers(self) -> bool:
+        """Whether workers have storage tiers below the host tier."""
+        return bool(self.write_policies)
 
     @property
     def windowed(self) -> bool:

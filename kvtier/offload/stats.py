@@ -129,7 +129,14 @@ OFFLOAD_COUNTERS: tuple[Counter, ...] = (
         "demoted_blocks",
         _C,
         "blocks",
-        "Blocks evicted from the host tier and written to the tiers below it.",
+        "Blocks evicted from the host tier and written to the write_back tiers below it.",
+    ),
+    Counter(
+        "written_through_blocks",
+        _C,
+        "blocks",
+        "Blocks written to the write_through tiers below the host tier as they were stored, "
+        "or to the write_through_admitted ones as they were first reused.",
     ),
     Counter(
         "expired_promotions",
@@ -204,6 +211,28 @@ TIER_COUNTERS: tuple[Counter, ...] = (
 )
 """Per storage tier below the host tier, the workers' counts added up (keys, not blocks),
 under the :class:`~kvtier.tiers.TierStats` counter each names (its ``source``)."""
+
+
+FLUSH_COUNTERS: tuple[Counter, ...] = (
+    Counter(
+        "flushed_blocks",
+        _C,
+        "records",
+        "Blocks of the host tier a rank closing gracefully wrote to a write_back tier that "
+        "lacked them.",
+    ),
+    Counter(
+        "flush_skipped_blocks",
+        _C,
+        "records",
+        "Blocks a rank closing gracefully did not hand to a write_back tier that lacked them, "
+        "because flush_deadline_s had passed.",
+    ),
+)
+"""Per write_back tier, what one rank's graceful close wrote of the host tier's blocks. They
+come after the rank's last report, so no metric carries them: the close logs them and
+:attr:`OffloadWorker.flush_counts <kvtier.offload.worker.OffloadWorker.flush_counts>`
+holds them."""
 
 
 def tier_counts(counts: Mapping[str, int]) -> dict[str, int]:

@@ -13,8 +13,8 @@ order each step:
    loads of the plan's ``same_step`` requests, whose tokens this step
    computes on the loaded blocks, and wait for them.
 4. (the engine runs its model)
-5. :meth:`OffloadWorker.get_finished` — hands the plan's demotions to the
-   lower tiers (copies of their slots), submits the plan's stores and loads
+5. :meth:`OffloadWorker.get_finished` — hands the plan's demotions and
+   write-throughs to the lower tiers (copies of their slots), submits the plan's stores and loads
    (behind the model's work on the current stream) and promotions (reads from
    the lower tiers, on their threads), polls copies and promotions in flight,
    and returns the finished requests whose held blocks may be freed and the
@@ -35,7 +35,9 @@ later report says the copy is over (``settled``). An exception other than
 ``submit`` it fails the batch, from a poll it abandons the copy.
 :meth:`OffloadWorker.close` waits at most ``close_timeout_s`` for copies still
 running, then abandons them, leaving the host tier and their backends open so
-that no late copy writes freed memory.
+that no late copy writes freed memory. Before it closes the lower tiers, it
+writes the blocks still in the host tier to the ``write_back`` tiers that lack
+them, for at most ``flush_deadline_s`` (see :mod:`~kvtier.offload.moves`).
 
 A load abandoned while its copy still runs may still write the engine's device
 blocks, which the engine has started to recompute into: only a copy that
@@ -45,21 +47,29 @@ normal copy keeps that to hung hardware.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.config.model import DEFAULT_CLOSE_TIMEOUT_S, DEFAULT_COPY_DEADLINE_S
+from kvtier.config.model import (
+    DEFAULT_CLOSE_TIMEOUT_S,
+    DEFAULT_COPY_DEADLINE_S,
+    DEFAULT_FLUSH_DEADLINE_S,
+)
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
 from kvtier.keys import KeyNamespace
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout, LayoutError
 from kvtier.offload.failures import FailureCause, FailureLog
-from kvtier.offload.messages import Promotion, Transfer, TransferPlan, WorkerReport
+from kvtier.offload.messages import Demotion, Promotion, Transfer, TransferPlan, WorkerReport
+from kvtier.offload.stats import FLUSH_COUNTERS
+from kvtier.tiers.base import PutResult
 from kvtier.tiers.chain import Fetch, TierBlock, TierChain
 from kvtier.tiers.host import HostTier
 
@@ -77,6 +87,9 @@ IDLE_FETCH_WAIT_S = 0.002
 (:attr:`TransferPlan.idle`). Such steps follow each other at once, and on a loop of them
 the tiers' threads got the interpreter once per switch interval (5 ms): reading 128 disk
 records back took 0.26 to 0.58 s instead of 10 to 20 ms."""
+
+FLUSH_BATCH_BLOCKS = 64
+"""Blocks per put of a graceful close's flush; ``flush_deadline_s`` is checked between puts."""
 
 _FIRST_PAUSE_S = 1e-4
 _LONGEST_PAUSE_S = 1e-2
@@ -116,6 +129,7 @@ class OffloadWorker:
         *,
         copy_deadline_s: float = DEFAULT_COPY_DEADLINE_S,
         close_timeout_s: float = DEFAULT_CLOSE_TIMEOUT_S,
+        flush_deadline_s: float = DEFAULT_FLUSH_DEADLINE_S,
         chain: TierChain | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
@@ -131,18 +145,20 @@ class OffloadWorker:
             copy_deadline_s: Seconds after its submission at which the worker
                 abandons a copy that is still running.
             close_timeout_s: Seconds :meth:`close` waits for copies still running.
+            flush_deadline_s: Seconds :meth:`close` may spend writing the host tier's
+                blocks to the ``write_back`` tiers that lack them.
             chain: This rank's tiers below the host tier, if any (closed with the worker).
             clock: Monotonic time in seconds (tests pass a manual clock).
             sleep: Pauses the caller between polls while a flush or close waits.
 
         Raises:
             LayoutError: If a layout's record size differs from the tier's.
-            ValueError: If the deadline is not positive or the timeout is negative.
+            ValueError: If the deadline is not positive or a timeout is negative.
         """
-        if copy_deadline_s <= 0 or close_timeout_s < 0:
+        if copy_deadline_s <= 0 or close_timeout_s < 0 or flush_deadline_s < 0:
             raise ValueError(
-                f"copy_deadline_s must be positive and close_timeout_s not negative, got "
-                f"{copy_deadline_s} and {close_timeout_s}"
+                f"copy_deadline_s must be positive, close_timeout_s and flush_deadline_s not "
+                f"negative, got {copy_deadline_s}, {close_timeout_s} and {flush_deadline_s}"
             )
         self.layouts: tuple[KVLayout, ...] = (
             (layouts,) if isinstance(layouts, KVLayout) else tuple(layouts)
@@ -165,6 +181,7 @@ class OffloadWorker:
         self._backends = list(backends.values())
         self.copy_deadline_s = copy_deadline_s
         self.close_timeout_s = close_timeout_s
+        self.flush_deadline_s = flush_deadline_s
         self._clock = clock
         self._sleep = sleep
         self._failures = FailureLog(logger)
@@ -189,6 +206,11 @@ class OffloadWorker:
         self._host_bytes = tier.buffer.numpy()
         self._fetches: dict[int, tuple[Promotion, Fetch]] = {}
         self._promoted: dict[int, tuple[int, int]] = {}
+        # Per host slot, the block it holds that write_back tiers lack: (group, hash, tier
+        # positions); written to them on a graceful close.
+        self._owed: dict[int, tuple[int, bytes, tuple[int, ...]]] = {}
+        self.flush_counts: dict[str, dict[str, int]] = {}
+        """Per write_back tier, what :meth:`close` wrote (``FLUSH_COUNTERS`` names them)."""
         self._closed = False
 
     @classmethod
@@ -245,6 +267,7 @@ class OffloadWorker:
             build_backend,
             copy_deadline_s=config.copy_deadline_s,
             close_timeout_s=config.close_timeout_s,
+            flush_deadline_s=config.flush_deadline_s,
             chain=chain,
         )
 
@@ -266,9 +289,9 @@ class OffloadWorker:
             return
         for transfer in (*plan.stores, *plan.loads):
             self._check(transfer)
-        for message in (*plan.promotions, *plan.demotions):
-            self._check_slots(message.host_slots, "promotion or demotion")
-        if (plan.promotions or plan.demotions) and self.chain is None:
+        for message in (*plan.promotions, *plan.demotions, *plan.write_throughs):
+            self._check_slots(message.host_slots, "promotion or lower-tier write")
+        if (plan.promotions or plan.demotions or plan.write_throughs) and self.chain is None:
             raise ValueError(
                 "the plan moves blocks to or from lower tiers, but this worker has none; build "
                 "the manager and the workers from the same config"
@@ -347,6 +370,9 @@ class OffloadWorker:
                     self._submit(transfer)
             for promotion in plan.promotions:
                 assert self.chain is not None
+                if self._owed:
+                    for slot in promotion.host_slots:
+                        self._owed.pop(slot, None)
                 fetch = self.chain.fetch(promotion.group, promotion.block_hashes)
                 self._fetches[promotion.batch_id] = (promotion, fetch)
         # Most decode steps have nothing in flight and nobody waiting: skip the polls.
@@ -362,11 +388,22 @@ class OffloadWorker:
         return released, loaded
 
     def _demote(self, plan: TransferPlan) -> None:
-        """Copy the evicted blocks out of their slots (the plan may reuse them) and queue them."""
+        """Copy the blocks to write down the chain out of their slots (the plan may reuse
+        them) and queue them; evicted blocks are no longer owed to any tier."""
+        for write in plan.write_throughs:
+            self._write_down(write)
         for demotion in plan.demotions:
-            assert self.chain is not None
-            records = [self._host_bytes[slot].tobytes() for slot in demotion.host_slots]
-            self.chain.store(demotion.group, demotion.block_hashes, records)
+            self._write_down(demotion)
+            if self._owed:
+                for slot in demotion.host_slots:
+                    self._owed.pop(slot, None)
+
+    def _write_down(self, write: Demotion) -> None:
+        if not write.tiers:
+            return  # an evicted block no tier writes back
+        assert self.chain is not None
+        records = [self._host_bytes[slot].tobytes() for slot in write.host_slots]
+        self.chain.store(write.group, write.block_hashes, records, write.tiers)
 
     def _poll_fetches(self) -> None:
         """Write the leading blocks of each finished fetch into its slots and report them."""
@@ -377,6 +414,22 @@ class OffloadWorker:
             for slot, record in zip(promotion.host_slots, fetch.records, strict=False):
                 self._host_bytes[slot] = memoryview(record).cast("B")
             self._promoted[batch_id] = (1, len(fetch.records))
+            self._owe_promoted(promotion, fetch)
+
+    def _owe_promoted(self, promotion: Promotion, fetch: Fetch) -> None:
+        """Owe the promoted blocks to the write_back tiers searched before the one that had
+        each (they lacked it)."""
+        assert self.chain is not None
+        back = self.chain.back_tiers
+        if not back:
+            return
+        positions = {name: position for position, (name, _) in enumerate(self.chain.tiers)}
+        for slot, block_hash, source in zip(
+            promotion.host_slots, promotion.block_hashes, fetch.sources, strict=False
+        ):
+            lacking = tuple(p for p in back if p < positions[source])
+            if lacking:
+                self._owed[slot] = (promotion.group, block_hash, lacking)
 
     def _pop_settled(self, waiting: dict[str, set[int]]) -> set[str]:
         """Remove and return the requests in ``waiting`` none of whose batches is in flight."""
@@ -464,11 +517,15 @@ class OffloadWorker:
         return len(self._abandoned)
 
     def close(self) -> None:
-        """Wait at most ``close_timeout_s`` for copies, then close the backends and the tier.
+        """Wait at most ``close_timeout_s`` for copies, flush, then close the backends and tiers.
 
         Copies still running after that are abandoned; their backends and the
         host tier are then left open (their memory deliberately not freed) so
-        that a late copy writes nothing freed. Idempotent.
+        that a late copy writes nothing freed. The flush writes the blocks still
+        in the host tier to the ``write_back`` tiers that lack them, in puts of
+        :data:`FLUSH_BATCH_BLOCKS`, each waited for; once ``flush_deadline_s``
+        passed, the rest are skipped. Both are counted in :attr:`flush_counts`
+        and logged. Idempotent.
         """
         if self._closed:
             return
@@ -478,6 +535,8 @@ class OffloadWorker:
             self._abandon(
                 batch_id, FailureCause.CLOSE_TIMEOUT, "still running when the worker closed"
             )
+        started = self._clock()
+        puts = self._flush_owed() if self._owed else []
         live = {id(copy.backend) for copy in self._abandoned.values()}
         for backend in self._backends:
             if id(backend) not in live:
@@ -498,7 +557,51 @@ class OffloadWorker:
             # Promotions still reading are abandoned: their slots are never read again.
             self._fetches.clear()
             self.chain.close()
+        if self.flush_counts:
+            for name, put in puts:  # every put ended: the tiers finished their queues
+                self.flush_counts[name]["flushed_blocks"] += sum(put.result().stored)
+            logger.info(
+                "wrote the host tier's blocks to the write_back tiers lacking them in %.2f s: %s",
+                self._clock() - started,
+                "; ".join(
+                    f"{name}: {row['flushed_blocks']} written, {row['flush_skipped_blocks']} "
+                    f"skipped at flush_deadline_s={self.flush_deadline_s:g}"
+                    for name, row in self.flush_counts.items()
+                ),
+            )
         self._closed = True
+
+    def _flush_owed(self) -> list[tuple[str, Future[PutResult]]]:
+        """Write the owed blocks down the chain until ``flush_deadline_s`` passed; count the
+        skipped ones in :attr:`flush_counts` and return the puts, per tier name."""
+        assert self.chain is not None
+        until = self._clock() + self.flush_deadline_s
+        batches: dict[tuple[int, tuple[int, ...]], list[tuple[bytes, int]]] = {}
+        for slot, (group, block_hash, tiers) in self._owed.items():
+            batches.setdefault((group, tiers), []).append((block_hash, slot))
+        self._owed = {}
+        counts = {
+            self.chain.tiers[p][0]: {counter.name: 0 for counter in FLUSH_COUNTERS}
+            for p in self.chain.back_tiers
+        }
+        puts: list[tuple[str, Future[PutResult]]] = []
+        for (group, tiers), blocks in sorted(batches.items()):
+            names = [self.chain.tiers[p][0] for p in tiers]
+            for start in range(0, len(blocks), FLUSH_BATCH_BLOCKS):
+                batch = blocks[start : start + FLUSH_BATCH_BLOCKS]
+                left = until - self._clock()
+                if left <= 0:
+                    for name in names:
+                        counts[name]["flush_skipped_blocks"] += len(batch)
+                    continue
+                records = [self._host_bytes[slot].tobytes() for _, slot in batch]
+                hashes = [block_hash for block_hash, _ in batch]
+                futures = self.chain.store(group, hashes, records, tiers)
+                # a put still running at the deadline ends while the tier closes
+                concurrent.futures.wait(futures, timeout=left)
+                puts.extend(zip(names, futures, strict=True))
+        self.flush_counts = counts
+        return puts
 
     def _check(self, transfer: Transfer) -> None:
         if not 0 <= transfer.group < len(self.layouts):
@@ -526,6 +629,9 @@ class OffloadWorker:
             )
 
     def _submit(self, transfer: Transfer) -> None:
+        if self._owed and transfer.direction is Direction.STORE:
+            for slot in transfer.host_slots:
+                self._owed.pop(slot, None)
         backend = self._group_backends[transfer.group]
         batch = CopyBatch(transfer.direction, transfer.device_blocks, transfer.host_slots)
         try:
@@ -634,6 +740,10 @@ class OffloadWorker:
     def _record(self, transfer: Transfer, *, ok: bool) -> None:
         counts = self._done if ok else self._failed
         counts[transfer.batch_id] = counts.get(transfer.batch_id, 0) + 1
+        if ok and transfer.block_hashes and self.chain is not None and self.chain.back_tiers:
+            back, group = self.chain.back_tiers, transfer.group
+            for slot, block_hash in zip(transfer.host_slots, transfer.block_hashes, strict=True):
+                self._owed[slot] = (group, block_hash, back)
         if not ok and transfer.direction is Direction.LOAD:
             self._load_failed(transfer)
         self._same_step_batches.discard(transfer.batch_id)

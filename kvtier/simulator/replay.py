@@ -215,7 +215,7 @@ class EngineReplay:
             world_size=world_size,
             store_mode=store_mode,
             namespace=REPLAY_NAMESPACE,
-            lower_tiers=bool(lower_tiers),
+            write_policies=("write_back",) * len(lower_tiers),
         )
         self.index = index
         self.chain = list(lower_tiers)

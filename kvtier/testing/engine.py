@@ -490,7 +490,7 @@ class OffloadedEngine:
             store_mode=store_mode,
             record_events=record_events,
             report_deadline_s=report_deadline_s,
-            lower_tiers=chains is not None,
+            write_policies=() if chains is None else chains[0].write_policies,
             clock=clock,
         )
         self.guard = LazyStoreGuard(self.manager)

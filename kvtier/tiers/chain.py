@@ -1,14 +1,15 @@
-"""One rank's tiers below the host tier: lookups read down the chain, demotions write to all.
+"""One rank's tiers below the host tier: lookups read down the chain, writes go to the tiers named.
 
 One :class:`TierChain` per rank holds the storage tiers the config lists, in
-order, each built by its plugin for this rank's :class:`~kvtier.tiers.base.TierSpec`.
+order, each built by its plugin for this rank's :class:`~kvtier.tiers.base.TierSpec`,
+with its write policy (:data:`~kvtier.models.WritePolicy`).
 
 - :meth:`TierChain.fetch` looks blocks up tier by tier: each tier is asked
   for the blocks from the first one the tiers before it did not have, so the
   result is the longest prefix found across the chain. Every read runs on the
   tiers' own threads; the caller polls the returned :class:`Fetch`.
-- :meth:`TierChain.store` hands copies of records to every tier; a tier whose
-  queue is full drops them and counts it.
+- :meth:`TierChain.store` hands copies of records to the tiers named; a tier
+  whose queue is full drops them and counts it.
 - :meth:`TierChain.take_counts` returns what each tier's counters gained since
   the last call, for the worker's report.
 - :meth:`TierChain.take_blocks` (with ``report_blocks``) returns the blocks
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from kvtier.keys import KeyNamespace
 from kvtier.kinds import STORAGE_TIER
+from kvtier.models import WritePolicy, write_policy_of
 from kvtier.tiers.base import GetResult, PutResult, RemovalLog, StorageTier, TierSpec, TierStats
 
 if TYPE_CHECKING:
@@ -101,16 +103,29 @@ class TierChain:
     """This rank's storage tiers below the host tier, in lookup order."""
 
     def __init__(
-        self, tiers: Sequence[tuple[str, StorageTier]], *, report_blocks: bool = False
+        self,
+        tiers: Sequence[tuple[str, StorageTier]],
+        write_policies: Sequence[WritePolicy] | None = None,
+        *,
+        report_blocks: bool = False,
     ) -> None:
         """Use ``tiers``: (name, tier) pairs, searched in this order; names must differ.
 
+        ``write_policies``: one per tier; ``None`` writes every tier back (on eviction).
         With ``report_blocks``, keep the blocks stored and removed for :meth:`take_blocks`.
         """
         names = [name for name, _ in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must differ, got {names}")
         self.tiers = tuple(tiers)
+        policies = ("write_back",) * len(names) if write_policies is None else write_policies
+        if len(policies) != len(names):
+            raise ValueError(
+                f"give one write policy per tier: {len(names)} tiers, {len(policies)} policies"
+            )
+        self.write_policies: tuple[WritePolicy, ...] = tuple(policies)
+        self.back_tiers = tuple(i for i, p in enumerate(policies) if p == "write_back")
+        """Positions of the tiers written back: the ones a graceful close writes to."""
         self._reported: dict[str, TierStats] = {name: TierStats() for name in names}
         self.report_blocks = report_blocks
         self._stored: dict[TierBlock, int] = {}
@@ -158,20 +173,35 @@ class TierChain:
             for _, tier in built:
                 tier.close()
             raise
-        return cls(built, report_blocks=report_blocks)
+        return cls(
+            built,
+            [write_policy_of(tier_config) for tier_config in config.tiers],
+            report_blocks=report_blocks,
+        )
 
     def fetch(self, group: int, block_hashes: Sequence[bytes]) -> Fetch:
         """Start looking up the blocks of ``group`` named by ``block_hashes``; returns at once."""
         return Fetch(self, group, block_hashes)
 
-    def store(self, group: int, block_hashes: Sequence[bytes], records: Sequence[bytes]) -> None:
-        """Queue ``records`` (stable copies) under their blocks' keys in every tier."""
-        for name, tier in self.tiers:
+    def store(
+        self,
+        group: int,
+        block_hashes: Sequence[bytes],
+        records: Sequence[bytes],
+        tiers: Sequence[int],
+    ) -> list[Future[PutResult]]:
+        """Queue ``records`` (stable copies) under their blocks' keys in the tiers at the
+        positions ``tiers``; one future per tier."""
+        futures = []
+        for position in tiers:
+            name, tier = self.tiers[position]
             future = tier.put(tier.keys.keys(block_hashes, group), records)
             if self.report_blocks:
                 future.add_done_callback(
                     partial(self._landed, name, tier.shared, group, tuple(block_hashes))
                 )
+            futures.append(future)
+        return futures
 
     def _landed(
         self,

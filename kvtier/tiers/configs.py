@@ -22,6 +22,7 @@ from kvtier.config import (
     PluginConfig,
 )
 from kvtier.config.units import ByteBudget
+from kvtier.models import WritePolicy
 from kvtier.tiers.mooncake_address import check_master_address, check_metadata_server
 from kvtier.tiers.redis_url import check_redis_url
 
@@ -46,6 +47,20 @@ def queue_depth_field() -> Any:
     )
 
 
+def write_policy_field(default: WritePolicy, why: str) -> Any:
+    """The ``write_policy`` setting of a storage tier: when host-tier blocks reach it."""
+    return Field(
+        default,
+        description=(
+            "When blocks of the host tier are written to this tier: write_through as soon as "
+            "each is stored in the host tier; write_through_admitted only blocks the host tier "
+            "served again (a hit), at their first reuse; write_back when the host tier evicts "
+            "them, and on a graceful shutdown those still in host memory that the tier lacks "
+            f"(within flush_deadline_s). {why}"
+        ),
+    )
+
+
 def backoff_field(default_s: float, description: str) -> Any:
     """A wait between tries after a failure, bounded like every duration of a tier."""
     return Field(
@@ -54,6 +69,13 @@ def backoff_field(default_s: float, description: str) -> Any:
         le=MAX_DURATION_S,
         description=f"{description} At most {MAX_DURATION_S:g}.",
     )
+
+
+SHARED_TIER_WRITES = (
+    "The default gives the other engines every block the host tier admitted as soon as it "
+    "is stored, hot prefixes included (which the host tier may never evict)."
+)
+"""Why a tier shared by a fleet (redis, mooncake, s3) writes through by default."""
 
 
 class RecordKeyConfig(PluginConfig):
@@ -186,6 +208,11 @@ class DiskTierConfig(RecordKeyConfig):
         ),
     )
     queue_depth: int = queue_depth_field()
+    write_policy: WritePolicy = write_policy_field(
+        "write_back",
+        "The default keeps the disk's writes to what the host tier lets go, and a restart "
+        "still finds what was in host memory.",
+    )
     get_deadline_s: float | None = Field(
         1.0,
         gt=0,
@@ -256,6 +283,7 @@ class RedisTierConfig(RecordKeyConfig):
         ),
     )
     queue_depth: int = queue_depth_field()
+    write_policy: WritePolicy = write_policy_field("write_through", SHARED_TIER_WRITES)
     get_deadline_s: float | None = Field(
         1.0,
         gt=0,
@@ -368,6 +396,7 @@ class MooncakeTierConfig(RecordKeyConfig):
         ),
     )
     queue_depth: int = queue_depth_field()
+    write_policy: WritePolicy = write_policy_field("write_through", SHARED_TIER_WRITES)
     get_deadline_s: float | None = Field(
         1.0,
         gt=0,
@@ -500,6 +529,7 @@ class S3TierConfig(RecordKeyConfig):
         ),
     )
     queue_depth: int = queue_depth_field()
+    write_policy: WritePolicy = write_policy_field("write_through", SHARED_TIER_WRITES)
     get_deadline_s: float | None = Field(
         1.0,
         gt=0,

@@ -175,7 +175,9 @@ def test_records_of_another_tenant_or_model_or_corrupted_are_misses(
     counts = second.manager.stats().tiers["memory"]
     assert counts["misses"] >= 1
     if fault is not None:
-        assert counts[f"errors.{fault}"] == len(fleet.stores[0])
+        # the store holds both prompts (prompt 2's written as the first engine closed)
+        assert len(fleet.stores[0]) == 2 * PROMPT_BLOCKS
+        assert counts[f"errors.{fault}"] == PROMPT_BLOCKS
     second.close()
 
 
@@ -199,7 +201,7 @@ def test_a_promotion_no_worker_reports_answers_the_lookup_at_the_report_deadline
         index,
         block_tokens=BLOCK_TOKENS,
         record_bytes=64,
-        lower_tiers=True,
+        write_policies=("write_back",),
         report_deadline_s=5.0,
         clock=lambda: now[0],
     )
@@ -220,7 +222,10 @@ def test_a_promotion_no_worker_reports_answers_the_lookup_at_the_report_deadline
 
 def test_a_promotion_makes_room_with_other_blocks_than_the_prefix_it_completes() -> None:
     manager = OffloadManager(
-        PolicyIndex(8, LRUPolicy()), block_tokens=BLOCK_TOKENS, record_bytes=64, lower_tiers=True
+        PolicyIndex(8, LRUPolicy()),
+        block_tokens=BLOCK_TOKENS,
+        record_bytes=64,
+        write_policies=("write_back",),
     )
     wanted, other = (hash_token_blocks(prompt(seed), BLOCK_TOKENS) for seed in (1, 2))
 
@@ -250,7 +255,10 @@ def test_a_promotion_makes_room_with_other_blocks_than_the_prefix_it_completes()
 
 def test_impossible_promotion_reports_are_rejected() -> None:
     manager = OffloadManager(
-        PolicyIndex(8, LRUPolicy()), block_tokens=BLOCK_TOKENS, record_bytes=64, lower_tiers=True
+        PolicyIndex(8, LRUPolicy()),
+        block_tokens=BLOCK_TOKENS,
+        record_bytes=64,
+        write_policies=("write_back",),
     )
     hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
     manager.lookup("r", hashes, 0, len(prompt(1)))

@@ -67,7 +67,7 @@ def test_store_writes_every_tier_and_a_stalled_one_drops_without_blocking() -> N
     started = time.monotonic()
     for round_ in range(4):
         hashes = block_hashes(f"round{round_}", 2)
-        chain.store(0, hashes, payloads(2, seed=round_))
+        chain.store(0, hashes, payloads(2, seed=round_), (0, 1))
     assert time.monotonic() - started < 1.0
     counts = chain.take_counts()
     assert counts["stalled"]["queue_drops"] >= 2

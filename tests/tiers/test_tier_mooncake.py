@@ -141,7 +141,7 @@ def test_a_config_builds_the_tier_and_its_counts_are_reported_under_its_name(
         [(name, tier)] = chain.tiers
         assert name == "mooncake" and isinstance(tier, MooncakeTier)
         hashes = block_hashes("chain", 2)
-        chain.store(0, hashes, payloads(2, RECORD, seed=5))
+        chain.store(0, hashes, payloads(2, RECORD, seed=5), (0,))
         deadline = time.monotonic() + 10
         while tier.stats().stores < 2:
             assert time.monotonic() < deadline, "the chain's stores never reached the store"
