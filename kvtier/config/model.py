@@ -196,9 +196,9 @@ class RootSettings(KVTierModel):
         le=MAX_DURATION_S,
         description=(
             "Seconds a graceful shutdown may spend writing the blocks still in the host tier "
-            "to the write_back tiers that lack them (after the copies in flight ended); blocks "
-            "not handed to a tier by then are skipped, and both are counted in the shutdown's "
-            f"log line. 0 writes nothing. At most {MAX_DURATION_S:g}."
+            "to the write_back tiers (and write_through ones) that lack them, after the copies "
+            "in flight ended; blocks not handed to a tier by then are skipped, and both are "
+            f"counted in the shutdown's log line. 0 writes nothing. At most {MAX_DURATION_S:g}."
         ),
     )
 

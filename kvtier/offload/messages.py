@@ -38,9 +38,9 @@ class Transfer:
     request_id: str | None = None
     """The request a load is for (workers report finished loads by request); ``None`` for stores."""
     block_hashes: tuple[bytes, ...] = ()
-    """For a store, when some lower tier is written back: the engine's hashes of the blocks,
-    so that a worker closing gracefully can write those still in their slots to those tiers.
-    Empty otherwise."""
+    """For a store, when some lower tier is written back or through: the engine's hashes of
+    the blocks, so that a worker closing gracefully can write those still in their slots to
+    the tiers that lack them. Empty otherwise."""
 
     def __post_init__(self) -> None:
         if len(self.device_blocks) != len(self.host_slots):

@@ -16,11 +16,16 @@ slots, before anything reuses the slots, and queue them to the tiers named:
 
 A block promoted from below is never written through: it is held below
 already (whoever stored it wrote it through), and written back on eviction as
-a stored one is (a disk tier skips a record it holds). With ``write_back``
-tiers, stores carry their blocks' hashes, so that a worker closing gracefully
-writes the blocks still in their slots to those tiers (see
-:meth:`~kvtier.offload.worker.OffloadWorker.close`); a demotion, a new copy
-into the slot or a reset (a demotion to no tier) tells it a block left.
+a stored one is (a disk tier skips a record it holds).
+
+With ``write_back`` or ``write_through`` tiers, stores carry their blocks'
+hashes, and a worker keeps, per slot, the tiers its block is owed to: a
+graceful close (:meth:`~kvtier.offload.worker.OffloadWorker.close`) writes the
+blocks still in their slots to the ``write_back`` tiers, and to the
+``write_through`` tiers the blocks whose write-through no plan carried yet (the
+engine's last stores are made readable by its last report, and no plan
+follows). A write-through, a demotion, a new copy into the slot or a reset (a
+demotion to no tier) settles what a slot owes.
 Every write is a put on a tier's bounded queue: a full queue drops it, counted
 by the tier, and it is not tried again.
 """
@@ -306,13 +311,13 @@ class LowerTierMoves:
     def reset(self) -> None:
         """A reset forgets blocks; it does not move them down the chain.
 
-        With ``write_back`` tiers, every block the workers may still write on closing
-        leaves as a demotion to no tier, so that none of them is written.
+        With ``write_back`` or ``write_through`` tiers, every block the workers may still
+        write on closing leaves as a demotion to no tier, so that none of them is written.
         """
         forgotten = {key: slot for key, (slot, _) in self.demotions.items()}
         forgotten.update(self._slots)
         self.demotions.clear()
-        if self.setup.back_tiers:
+        if self.setup.back_tiers or self.setup.through_tiers:
             self.demotions.update((key, (slot, ())) for key, slot in forgotten.items())
         self._slots.clear()
         self._reused.clear()

@@ -374,8 +374,9 @@ class Planner:
     def _store_transfers(self, per_group: _GroupStores, now: float) -> list[Transfer]:
         transfers = []
         observations = self.counters.observations
-        # a worker closing gracefully writes the blocks still in the host tier to these tiers
-        named = bool(self.setup.back_tiers)
+        # a worker closing gracefully writes the blocks still in the host tier to the tiers
+        # that lack them: the write_back ones, and write_through ones if no plan wrote them
+        named = bool(self.setup.back_tiers or self.setup.through_tiers)
         split = self.setup.namespace.split
         for group, (blocks, slots, keys, requests) in enumerate(per_group):
             if not blocks:

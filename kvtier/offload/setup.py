@@ -102,9 +102,7 @@ class ManagerSetup:
         ):
             tiers = tuple(i for i, each in enumerate(self.write_policies) if each == policy)
             object.__setattr__(self, name, tiers)
-        if len(self.through_tiers + self.reuse_tiers + self.back_tiers) != len(
-            self.write_policies
-        ):
+        if len(self.through_tiers + self.reuse_tiers + self.back_tiers) != len(self.write_policies):
             raise ValueError(
                 "write_policies must each be write_through, write_through_admitted or "
                 f"write_back; got {self.write_policies!r}"

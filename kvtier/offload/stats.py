@@ -218,18 +218,19 @@ FLUSH_COUNTERS: tuple[Counter, ...] = (
         "flushed_blocks",
         _C,
         "records",
-        "Blocks of the host tier a rank closing gracefully wrote to a write_back tier that "
-        "lacked them.",
+        "Blocks of the host tier a rank closing gracefully wrote to a lower tier that lacked "
+        "them: a write_back tier, or a write_through one no plan wrote them to yet.",
     ),
     Counter(
         "flush_skipped_blocks",
         _C,
         "records",
-        "Blocks a rank closing gracefully did not hand to a write_back tier that lacked them, "
+        "Blocks a rank closing gracefully did not hand to a lower tier that lacked them, "
         "because flush_deadline_s had passed.",
     ),
 )
-"""Per write_back tier, what one rank's graceful close wrote of the host tier's blocks. They
+"""Per write_back or write_through tier, what one rank's graceful close wrote of the host
+tier's blocks. They
 come after the rank's last report, so no metric carries them: the close logs them and
 :attr:`OffloadWorker.flush_counts <kvtier.offload.worker.OffloadWorker.flush_counts>`
 holds them."""

@@ -36,8 +36,9 @@ later report says the copy is over (``settled``). An exception other than
 :meth:`OffloadWorker.close` waits at most ``close_timeout_s`` for copies still
 running, then abandons them, leaving the host tier and their backends open so
 that no late copy writes freed memory. Before it closes the lower tiers, it
-writes the blocks still in the host tier to the ``write_back`` tiers that lack
-them, for at most ``flush_deadline_s`` (see :mod:`~kvtier.offload.moves`).
+writes the blocks still in the host tier to the ``write_back`` and
+``write_through`` tiers that lack them, for at most ``flush_deadline_s`` (see
+:mod:`~kvtier.offload.moves`).
 
 A load abandoned while its copy still runs may still write the engine's device
 blocks, which the engine has started to recompute into: only a copy that
@@ -146,7 +147,7 @@ class OffloadWorker:
                 abandons a copy that is still running.
             close_timeout_s: Seconds :meth:`close` waits for copies still running.
             flush_deadline_s: Seconds :meth:`close` may spend writing the host tier's
-                blocks to the ``write_back`` tiers that lack them.
+                blocks to the tiers that lack them.
             chain: This rank's tiers below the host tier, if any (closed with the worker).
             clock: Monotonic time in seconds (tests pass a manual clock).
             sleep: Pauses the caller between polls while a flush or close waits.
@@ -206,11 +207,13 @@ class OffloadWorker:
         self._host_bytes = tier.buffer.numpy()
         self._fetches: dict[int, tuple[Promotion, Fetch]] = {}
         self._promoted: dict[int, tuple[int, int]] = {}
-        # Per host slot, the block it holds that write_back tiers lack: (group, hash, tier
-        # positions); written to them on a graceful close.
+        # Per host slot, the block it holds and the tiers that lack it, by position: the
+        # write_back ones, and write_through ones no plan wrote it to yet (see moves.py);
+        # written to them on a graceful close.
         self._owed: dict[int, tuple[int, bytes, tuple[int, ...]]] = {}
         self.flush_counts: dict[str, dict[str, int]] = {}
-        """Per write_back tier, what :meth:`close` wrote (``FLUSH_COUNTERS`` names them)."""
+        """Per write_back or write_through tier, what :meth:`close` wrote of the blocks it
+        lacked (``FLUSH_COUNTERS`` names the counts)."""
         self._closed = False
 
     @classmethod
@@ -392,11 +395,26 @@ class OffloadWorker:
         them) and queue them; evicted blocks are no longer owed to any tier."""
         for write in plan.write_throughs:
             self._write_down(write)
+            if self._owed:
+                self._written(write)
         for demotion in plan.demotions:
             self._write_down(demotion)
             if self._owed:
                 for slot in demotion.host_slots:
                     self._owed.pop(slot, None)
+
+    def _written(self, write: Demotion) -> None:
+        """The blocks of ``write`` are no longer owed to its tiers."""
+        for slot in write.host_slots:
+            owed = self._owed.get(slot)
+            if owed is None:
+                continue
+            group, block_hash, tiers = owed
+            lacking = tuple(p for p in tiers if p not in write.tiers)
+            if lacking:
+                self._owed[slot] = (group, block_hash, lacking)
+            else:
+                del self._owed[slot]
 
     def _write_down(self, write: Demotion) -> None:
         if not write.tiers:
@@ -420,7 +438,8 @@ class OffloadWorker:
         """Owe the promoted blocks to the write_back tiers searched before the one that had
         each (they lacked it)."""
         assert self.chain is not None
-        back = self.chain.back_tiers
+        policies = self.chain.write_policies
+        back = [p for p in self.chain.flushed_tiers if policies[p] == "write_back"]
         if not back:
             return
         positions = {name: position for position, (name, _) in enumerate(self.chain.tiers)}
@@ -522,7 +541,8 @@ class OffloadWorker:
         Copies still running after that are abandoned; their backends and the
         host tier are then left open (their memory deliberately not freed) so
         that a late copy writes nothing freed. The flush writes the blocks still
-        in the host tier to the ``write_back`` tiers that lack them, in puts of
+        in the host tier to the ``write_back`` and ``write_through`` tiers that lack them
+        (:mod:`~kvtier.offload.moves` says which), in puts of
         :data:`FLUSH_BATCH_BLOCKS`, each waited for; once ``flush_deadline_s``
         passed, the rest are skipped. Both are counted in :attr:`flush_counts`
         and logged. Idempotent.
@@ -561,7 +581,7 @@ class OffloadWorker:
             for name, put in puts:  # every put ended: the tiers finished their queues
                 self.flush_counts[name]["flushed_blocks"] += sum(put.result().stored)
             logger.info(
-                "wrote the host tier's blocks to the write_back tiers lacking them in %.2f s: %s",
+                "wrote the host tier's blocks to the lower tiers lacking them in %.2f s: %s",
                 self._clock() - started,
                 "; ".join(
                     f"{name}: {row['flushed_blocks']} written, {row['flush_skipped_blocks']} "
@@ -582,7 +602,7 @@ class OffloadWorker:
         self._owed = {}
         counts = {
             self.chain.tiers[p][0]: {counter.name: 0 for counter in FLUSH_COUNTERS}
-            for p in self.chain.back_tiers
+            for p in self.chain.flushed_tiers
         }
         puts: list[tuple[str, Future[PutResult]]] = []
         for (group, tiers), blocks in sorted(batches.items()):
@@ -740,10 +760,10 @@ class OffloadWorker:
     def _record(self, transfer: Transfer, *, ok: bool) -> None:
         counts = self._done if ok else self._failed
         counts[transfer.batch_id] = counts.get(transfer.batch_id, 0) + 1
-        if ok and transfer.block_hashes and self.chain is not None and self.chain.back_tiers:
-            back, group = self.chain.back_tiers, transfer.group
+        if ok and transfer.block_hashes and self.chain is not None and self.chain.flushed_tiers:
+            tiers, group = self.chain.flushed_tiers, transfer.group
             for slot, block_hash in zip(transfer.host_slots, transfer.block_hashes, strict=True):
-                self._owed[slot] = (group, block_hash, back)
+                self._owed[slot] = (group, block_hash, tiers)
         if not ok and transfer.direction is Direction.LOAD:
             self._load_failed(transfer)
         self._same_step_batches.discard(transfer.batch_id)

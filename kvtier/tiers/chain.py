@@ -124,8 +124,12 @@ class TierChain:
                 f"give one write policy per tier: {len(names)} tiers, {len(policies)} policies"
             )
         self.write_policies: tuple[WritePolicy, ...] = tuple(policies)
-        self.back_tiers = tuple(i for i, p in enumerate(policies) if p == "write_back")
-        """Positions of the tiers written back: the ones a graceful close writes to."""
+        self.flushed_tiers = tuple(
+            i for i, p in enumerate(policies) if p in ("write_back", "write_through")
+        )
+        """Positions of the tiers a graceful close writes the host tier's blocks they lack to:
+        the write_back ones, and the write_through ones (the blocks stored last, whose
+        write-through no plan carried yet)."""
         self._reported: dict[str, TierStats] = {name: TierStats() for name in names}
         self.report_blocks = report_blocks
         self._stored: dict[TierBlock, int] = {}
