@@ -2,7 +2,9 @@
 
 Engines run one after another in this process (vLLM keeps one worker connector
 per process): each serves the same prompts, and every engine's tokens must
-equal the first engine's, whatever it found in the lower tiers.
+equal the first engine's, whatever it found in the lower tiers. Every tier has
+its default write policy: the shared ones are written as blocks are stored, a
+disk as the host tier evicts them and when the engine shuts down.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("engine_environment")]
 
 RECORD_BYTES = TinyLlamaSpec().kv_bytes_per_token() * BLOCK
-PROMPTS = [[random.Random(seed).randrange(1000) for _ in range(6 * BLOCK + 5)] for seed in range(8)]
+PROMPT_BLOCKS = 6
+PROMPTS = [
+    [random.Random(seed).randrange(1000) for _ in range(PROMPT_BLOCKS * BLOCK + 5)]
+    for seed in range(8)
+]
 """Eight prompts of six full blocks: 48 blocks, far more than the host tier holds."""
 HOST_BYTES = 8 * RECORD_BYTES
 DEVICE = {"num_device_blocks": 64, "max_model_len": 512, "max_num_seqs": 4}
@@ -110,7 +116,8 @@ def test_a_restarted_engine_serves_disk_hits_with_identical_tokens(
 ) -> None:
     expected, first = first_run
     assert first.demoted_blocks > 0 and first.promoted_blocks == 0
-    assert first.tiers["disk"]["stores"] == first.tiers["redis"]["stores"] > 0
+    assert first.written_through_blocks > 0
+    assert first.tiers["disk"]["stores"] > 0 and first.tiers["redis"]["stores"] > 0
     # corrupt one record's payload: a miss, counted, never a wrong token
     from kvtier.tiers.disk import HEADER_AREA_BYTES, SUPERBLOCK_BYTES
 
@@ -122,11 +129,40 @@ def test_a_restarted_engine_serves_disk_hits_with_identical_tokens(
         handle.write(bytes([byte[0] ^ 0xFF]))
     got, stats = run(model_dir, chain_config, PROMPTS)
     assert got == expected
-    assert stats.promoted_blocks > 0
+    # every block the first engine stored is found again: the one corrupted on disk in Redis
+    assert stats.promoted_blocks == first.stored_blocks
     assert stats.loaded_blocks >= stats.promoted_blocks
-    disk = stats.tiers["disk"]
-    assert disk["hits"] >= stats.promoted_blocks  # a fetch keeps the leading hits only
-    assert disk["errors.checksum"] == 1
+    disk, redis = stats.tiers["disk"], stats.tiers["redis"]
+    # a fetch keeps the leading hits only; Redis had the record corrupted on disk
+    assert disk["hits"] + redis["hits"] >= stats.promoted_blocks
+    assert disk["errors.checksum"] == 1 and redis["hits"] >= 1
+
+
+def test_a_restart_finds_every_prefix_block_even_those_the_host_tier_never_evicted(
+    model_dir: str, tmp_path: Path
+) -> None:
+    """Four prefixes of six blocks, used twice between fillers, on a 32-slot host tier: the
+    host tier keeps the hot prefixes, so only a disk written at shutdown has them all."""
+    rng = random.Random(36)
+    prefixes = [[rng.randrange(1000) for _ in range(PROMPT_BLOCKS * BLOCK)] for _ in range(4)]
+
+    def prefixed() -> list[list[int]]:
+        return [prefix + [rng.randrange(1000) for _ in range(5)] for prefix in prefixes]
+
+    fillers = [[rng.randrange(1000) for _ in range(PROMPT_BLOCKS * BLOCK + 5)] for _ in range(8)]
+    disk = {"type": "disk", "path": str(tmp_path), "capacity_bytes": 256 * RECORD_BYTES}
+    config = {"cpu_bytes": 32 * RECORD_BYTES, "tiers": [disk]}
+    run(model_dir, config, [*prefixed(), *fillers[:4], *prefixed(), *fillers[4:]])
+    again = prefixed()
+    got, stats = run(model_dir, config, again)
+    assert stats.promoted_blocks == stats.loaded_blocks == 4 * PROMPT_BLOCKS
+    vanilla = start_engine(model_dir, None, **DEVICE)
+    try:
+        assert got == serve(vanilla, again)
+    finally:
+        from kvtier.integrations.vllm.offline import shutdown
+
+        shutdown(vanilla)
 
 
 def test_another_tenant_on_the_same_stores_gets_no_hits(
@@ -152,10 +188,10 @@ def test_an_engine_sharing_the_redis_and_a_redis_that_restarts(
     config = {"cpu_bytes": HOST_BYTES, "tiers": [redis_tier(redis_server)]}
     llm = start_engine(model_dir, config, **DEVICE)
     try:
-        # an engine on another machine would find what engine A demoted
+        # an engine on another machine finds every block engine A stored of these prompts
         assert serve(llm, PROMPTS[:3]) == expected[:3]
         before = manager_of(llm).stats()
-        assert before.promoted_blocks > 0
+        assert before.promoted_blocks == 3 * PROMPT_BLOCKS
         # the server dies: lookups miss and stores drop, counted; tokens stay right
         redis_server.kill()
         assert serve(llm, PROMPTS[3:6]) == expected[3:6]
@@ -219,11 +255,11 @@ def test_two_engines_one_after_the_other_share_a_mooncake_store(
     config = {"cpu_bytes": HOST_BYTES, "tiers": [mooncake_store.tier_settings()]}
     got, first = run(model_dir, config, PROMPTS)
     assert got == expected
-    assert first.demoted_blocks > 0 and first.tiers["mooncake"]["stores"] > 0
-    # the second engine finds what the first one demoted, and its tokens stay the same
+    assert first.written_through_blocks > 0 and first.tiers["mooncake"]["stores"] > 0
+    # the second engine finds every block the first one stored, and its tokens stay the same
     got, second = run(model_dir, config, PROMPTS[:3])
     assert got == expected[:3]
-    assert second.promoted_blocks > 0
+    assert second.promoted_blocks == 3 * PROMPT_BLOCKS
     assert second.tiers["mooncake"]["hits"] >= second.promoted_blocks
 
 
@@ -253,9 +289,9 @@ def test_a_second_engine_serves_the_first_engines_prefixes_from_an_s3_bucket(
 ) -> None:
     config = {"cpu_bytes": HOST_BYTES, "tiers": [s3_tier]}
     expected, first = run(model_dir, config, PROMPTS)
-    assert first.demoted_blocks > 0 and first.tiers["s3"]["stores"] > 0
+    assert first.written_through_blocks > 0 and first.tiers["s3"]["stores"] > 0
     got, second = run(model_dir, config, PROMPTS)
     assert got == expected
-    assert second.promoted_blocks > 0
+    assert second.promoted_blocks == first.stored_blocks == len(PROMPTS) * PROMPT_BLOCKS
     assert second.tiers["s3"]["hits"] >= second.promoted_blocks
     assert "errors.server" not in second.tiers["s3"]
