@@ -15,6 +15,7 @@ import pytest
 from kvtier import hookspecs
 from kvtier.config import KVTierConfig, load_config
 from kvtier.kinds import KINDS, STORAGE_TIER, Kind
+from kvtier.offload.stats import FLUSH_COUNTERS
 from kvtier.plugins import default_registry
 from tests.conftest import REPO_ROOT, load_script
 
@@ -117,6 +118,11 @@ def test_builtin_storage_tier_fields_are_documented(name: str) -> None:
         assert info.description, f"{registration.config_model.__name__}.{field} has no description"
         assert f"| `{field}` |" in page
         assert info.description.replace("|", "\\|") in page
+
+
+@pytest.mark.parametrize("counter", FLUSH_COUNTERS, ids=lambda counter: counter.name)
+def test_shutdown_counts_are_in_the_metrics_page(counter: Any) -> None:
+    assert f"| `{counter.name}` | {counter.unit} |" in (DOCS / "metrics.md").read_text()
 
 
 def test_every_command_is_in_the_command_line_page() -> None:

@@ -30,7 +30,7 @@ DEFAULT_CPU_BYTES = 8 * GiB
 DEFAULT_COPY_DEADLINE_S = 10.0
 DEFAULT_REPORT_DEADLINE_S = 30.0
 DEFAULT_CLOSE_TIMEOUT_S = 10.0
-DEFAULT_FLUSH_DEADLINE_S = 10.0
+DEFAULT_FLUSH_DEADLINE_S = 4.0
 MEMINFO = "/proc/meminfo"
 """Where Linux reports memory; ``MemAvailable`` is what new allocations can get."""
 DEFAULT_SAME_STEP_LOAD_BYTES = 16 << 20
@@ -198,7 +198,9 @@ class RootSettings(KVTierModel):
             "Seconds a graceful shutdown may spend writing the blocks still in the host tier "
             "to the write_back tiers (and write_through ones) that lack them, after the copies "
             "in flight ended; blocks not handed to a tier by then are skipped, and both are "
-            f"counted in the shutdown's log line. 0 writes nothing. At most {MAX_DURATION_S:g}."
+            "counted in the shutdown's log line. 0 writes nothing. vLLM kills worker processes "
+            "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5) after it asked them to stop: raise that "
+            f"with this. At most {MAX_DURATION_S:g}."
         ),
     )
 
