@@ -1,10 +1,18 @@
-"""What the offload tests share with the fault-injection tests: a small two-region layout."""
+"""What the offload tests share with the fault-injection tests: a small two-region layout;
+and among the lower-tier tests: prompts, the torch copy backend, serving until idle."""
 
 from __future__ import annotations
 
+import random
+import time
+
 import torch
 
+from kvtier.copy.base import CopyBackend
+from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import BlockRegion, KVLayout
+from kvtier.plugins import default_registry
+from kvtier.testing.engine import OffloadedEngine
 
 NUM_BLOCKS = 8
 BLOCK_BYTES = 16
@@ -15,3 +23,30 @@ def make_layout() -> KVLayout:
     kv = torch.arange(2 * NUM_BLOCKS * BLOCK_BYTES, dtype=torch.int64).remainder(251)
     kv = kv.to(torch.uint8).reshape(2, NUM_BLOCKS, BLOCK_BYTES)
     return KVLayout((BlockRegion("k", kv[0]), BlockRegion("v", kv[1])), "flash_attn")
+
+
+BLOCK_TOKENS = 4
+PROMPT_BLOCKS = 5
+
+
+def torch_backend(layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
+    return default_registry().build(COPY_BACKEND, COPY_BACKEND_CONFIG, layout, host_buffer)
+
+
+COPY_BACKEND_CONFIG = default_registry().get(COPY_BACKEND, "torch").config_model()
+
+
+def prompt(seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(PROMPT_BLOCKS * BLOCK_TOKENS + 1)]
+
+
+def serve(engine: OffloadedEngine, *seeds: int) -> None:
+    for seed in seeds:
+        engine.submit(prompt(seed))
+        # lookups wait for the tiers' threads: step by time, not by a count of steps
+        deadline = time.monotonic() + 10
+        while not engine.idle:
+            assert time.monotonic() < deadline, "the engine did not drain"
+            engine.step()
+            time.sleep(0.001)

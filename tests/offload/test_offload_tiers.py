@@ -2,42 +2,22 @@
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 
 import pytest
-import torch
 
 import kvtier.offload.worker
-from kvtier.copy.base import CopyBackend
 from kvtier.index.base import BlockKey, EventKind
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.keys import KeyNamespace, hash_token_blocks
-from kvtier.kinds import COPY_BACKEND
-from kvtier.layout.base import KVLayout
 from kvtier.offload import OffloadManager, Promotion, TransferPlan, WorkerReport
-from kvtier.plugins import default_registry
 from kvtier.testing.engine import EngineSpec, OffloadedEngine, SyntheticEngine
 from kvtier.testing.tiers import MemoryTier
 from kvtier.tiers import TierSpec
 from kvtier.tiers.chain import TierChain
-
-BLOCK_TOKENS = 4
-PROMPT_BLOCKS = 5
-
-
-def torch_backend(layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
-    return default_registry().build(COPY_BACKEND, COPY_BACKEND_CONFIG, layout, host_buffer)
-
-
-COPY_BACKEND_CONFIG = default_registry().get(COPY_BACKEND, "torch").config_model()
-
-
-def prompt(seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1000) for _ in range(PROMPT_BLOCKS * BLOCK_TOKENS + 1)]
+from tests.offload.conftest import BLOCK_TOKENS, PROMPT_BLOCKS, prompt, serve, torch_backend
 
 
 class Fleet:
@@ -73,17 +53,6 @@ class Fleet:
             chains=chains,
             record_events=self.record_events,
         )
-
-
-def serve(engine: OffloadedEngine, *seeds: int) -> None:
-    for seed in seeds:
-        engine.submit(prompt(seed))
-        # lookups wait for the tiers' threads: step by time, not by a count of steps
-        deadline = time.monotonic() + 10
-        while not engine.idle:
-            assert time.monotonic() < deadline, "the engine did not drain"
-            engine.step()
-            time.sleep(0.001)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

@@ -14,7 +14,7 @@ from kvtier.testing.engine import EngineSpec, OffloadedEngine, SyntheticEngine
 from kvtier.testing.tiers import MemoryTier
 from kvtier.tiers import TierSpec
 from kvtier.tiers.chain import TierChain
-from tests.offload.test_offload_tiers import BLOCK_TOKENS, PROMPT_BLOCKS, serve, torch_backend
+from tests.offload.conftest import BLOCK_TOKENS, PROMPT_BLOCKS, serve, torch_backend
 
 
 class Stores:
