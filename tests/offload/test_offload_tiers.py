@@ -123,6 +123,21 @@ def test_a_second_engine_on_the_same_store_gets_the_first_ones_blocks() -> None:
     second.close()
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_every_rank_writes_back_what_its_host_tier_kept_when_it_closes(world_size: int) -> None:
+    fleet = Fleet(world_size)
+    first = fleet.engine()
+    serve(first, 1)
+    first.close()
+    assert first.manager.stats().evicted_blocks == 0
+    assert [len(store) for store in fleet.stores] == [PROMPT_BLOCKS] * world_size
+    second = fleet.engine()
+    serve(second, 1)
+    assert second.manager.stats().promoted_blocks == PROMPT_BLOCKS
+    assert second.stats.verified_blocks == PROMPT_BLOCKS and second.mismatches == []
+    second.close()
+
+
 @pytest.mark.parametrize(
     ("engine_settings", "fault"),
     [({"namespace": "tenant-b"}, None), ({"model": "model-b"}, None), ({}, "checksum")],
