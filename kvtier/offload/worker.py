@@ -14,10 +14,10 @@ order each step:
    computes on the loaded blocks, and wait for them.
 4. (the engine runs its model)
 5. :meth:`OffloadWorker.get_finished` — hands the plan's demotions and
-   write-throughs to the lower tiers (copies of their slots), submits the plan's stores and loads
-   (behind the model's work on the current stream) and promotions (reads from
-   the lower tiers, on their threads), polls copies and promotions in flight,
-   and returns the finished requests whose held blocks may be freed and the
+   write-throughs to the lower tiers (copies of their slots), submits the
+   plan's stores and loads (behind the model's work on the current stream) and
+   promotions (reads from the lower tiers, on their threads), polls copies and
+   promotions in flight, and returns the finished requests whose held blocks may be freed and the
    requests whose loads completed.
 6. :meth:`OffloadWorker.take_load_failures` — what of those loads failed, for
    the engine to recompute: device blocks with one kv-cache group, whole
