@@ -425,7 +425,7 @@ class OffloadManager:
 
     @property
     def has_tier_work(self) -> bool:
-        """Whether demotions or promotions wait for the next plan."""
+        """Whether lower-tier writes or promotions wait for the next plan."""
         return self.moves.has_work
 
     @property
