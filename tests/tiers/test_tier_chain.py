@@ -90,8 +90,8 @@ def test_with_report_blocks_the_chain_names_what_landed_and_what_the_tiers_remov
     shared, failing = MemoryTier(make_spec()), MemoryTier(make_spec(), fail=fail)
     shared.shared = True
     chain = TierChain([("disk", disk), ("redis", shared), ("fails", failing)], report_blocks=True)
-    chain.store(1, hashes[:2], payloads(2))
-    chain.store(1, hashes[2:], payloads(4, seed=1))  # lands everywhere but in "fails"
+    chain.store(1, hashes[:2], payloads(2), (0, 1, 2))
+    chain.store(1, hashes[2:], payloads(4, seed=1), (0, 1, 2))  # lands everywhere but in "fails"
     chain.close()
     stored, removed = chain.take_blocks()
     assert stored == {
@@ -106,7 +106,7 @@ def test_with_report_blocks_the_chain_names_what_landed_and_what_the_tiers_remov
 def test_without_report_blocks_the_chain_keeps_no_blocks(tmp_path: Path) -> None:
     disk_config = DiskTierConfig(path=tmp_path, capacity_bytes=DISK_BYTES)
     chain = TierChain([("disk", build_disk_tier(disk_config, make_spec()))])
-    chain.store(0, block_hashes("quiet", 6), payloads(6))
+    chain.store(0, block_hashes("quiet", 6), payloads(6), (0,))
     chain.close()
     assert chain.take_blocks() == ({}, {})
 
