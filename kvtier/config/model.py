@@ -132,6 +132,24 @@ class RootSettings(KVTierModel):
             "requests wait. 0 loads every hit a step ahead. Accepts sizes such as '16MiB'."
         ),
     )
+    cost_guard: bool = Field(
+        True,
+        description=(
+            "Skip a load, from the host tier or a tier below, that is predicted slower than "
+            "recomputing its tokens, from the read times and prefill speed measured as the "
+            "engine runs; the engine then computes those tokens. Until a cost is measured "
+            "nothing is skipped."
+        ),
+    )
+    cost_guard_margin: float = Field(
+        1.0,
+        gt=0,
+        le=1000,
+        description=(
+            "The cost guard skips a load predicted to take more than this many times as long "
+            "as recomputing its tokens: above 1 it loads more, below 1 it recomputes more."
+        ),
+    )
     copy_deadline_s: float = Field(
         DEFAULT_COPY_DEADLINE_S,
         gt=0,

@@ -37,7 +37,8 @@ Per step:
    load is a recompute, never a hit).
 
 At any time: :meth:`take_events` and :meth:`take_tier_events`, :meth:`stats`
-or :meth:`take_stats`, :meth:`take_observations`, :meth:`reset`.
+or :meth:`take_stats`, :meth:`take_observations`, :meth:`reset`; and, with the cost
+guard on, once per engine step that computed tokens: :meth:`step_timed`.
 
 The manager only delegates: :mod:`kvtier.offload` says which module owns which
 piece of the state (and how lower-tier moves and quarantined slots work).
@@ -55,6 +56,7 @@ from kvtier.index.base import BlockIndex, IndexEvent
 from kvtier.keys import KeyNamespace
 from kvtier.kinds import BLOCK_INDEX
 from kvtier.models import WritePolicy, write_policy_of
+from kvtier.offload.costguard import CostGuard
 from kvtier.offload.events import LowerTierEvents, TierEvent
 from kvtier.offload.frontier import EvictionFrontier
 from kvtier.offload.ledger import BatchLedger, Progress
@@ -98,17 +100,24 @@ class OffloadManager:
         clock: Callable[[], float] = time.monotonic,
         pin_share: float = DEFAULT_PIN_SHARE,
         pin_max_s: float = DEFAULT_PIN_MAX_S,
+        cost_guard: bool = False,
+        cost_guard_margin: float = 1.0,
+        tier_names: Sequence[str] = (),
     ) -> None:
         """Create a manager over ``index``, the directory of the host tier.
 
         Every argument is the :class:`~kvtier.offload.setup.ManagerSetup` field of its
         name, which says what it means, but ``record_observations``: keep latencies,
         batch sizes and per-request hits for :meth:`take_observations` (whoever sets it
-        must take them regularly).
+        must take them regularly); ``cost_guard`` and ``cost_guard_margin``: the
+        :class:`~kvtier.config.KVTierConfig` settings of those names (see
+        :mod:`~kvtier.offload.costguard`); ``tier_names``: the workers' lower tiers, in
+        lookup order, as :func:`~kvtier.tiers.chain.tier_names` names them.
 
         Raises:
-            ValueError: If a size or the deadline is not positive, ``store_mode``
-                is unknown or ``group_windows`` does not give one entry per group.
+            ValueError: If a size, the deadline or the margin is not positive,
+                ``store_mode`` is unknown or ``group_windows`` does not give one entry
+                per group.
         """
         self.setup = setup = ManagerSetup(
             index, block_tokens, record_bytes, world_size, store_mode, num_groups,
@@ -120,7 +129,14 @@ class OffloadManager:
         self.counters = Counters(record_observations=record_observations, logger=logger)
         self.requests = RequestTable(setup)
         self.ledger = BatchLedger(setup, self.requests, self.counters)
-        self.moves = LowerTierMoves(setup, self.ledger, self.counters)
+        self.guard = CostGuard(
+            self.counters,
+            block_tokens=block_tokens,
+            tier_names=tier_names,
+            enabled=cost_guard,
+            margin=cost_guard_margin,
+        )
+        self.moves = LowerTierMoves(setup, self.ledger, self.counters, self.guard)
         self.pins = TimedPins(setup)
         self.planner = Planner(
             setup, self.requests, self.ledger, self.moves, self.counters, self.pins
@@ -145,6 +161,7 @@ class OffloadManager:
         memory for). ``options``: the constructor's arguments the config does not set.
         """
         from kvtier.plugins import default_registry
+        from kvtier.tiers.chain import tier_names
 
         num_slots = config.host_slots(record_bytes, world_size)
         registry = registry if registry is not None else default_registry()
@@ -157,6 +174,9 @@ class OffloadManager:
             write_policies=tuple(write_policy_of(tier) for tier in config.tiers),
             pin_share=config.pin_share,
             pin_max_s=config.pin_max_s,
+            cost_guard=config.cost_guard,
+            cost_guard_margin=config.cost_guard_margin,
+            tier_names=tier_names(config),
             **options,
         )
 
@@ -174,7 +194,8 @@ class OffloadManager:
         with a window, the last ``window`` blocks of the hit), starting at the
         first block the engine does not hold, and never covers the request's
         last token (the engine must compute at least one). A request whose
-        load failed gets no hit until it finished. ``None``: ask again later, the
+        load failed gets no hit until it finished, nor one the cost guard predicts
+        slower to load than to recompute. ``None``: ask again later, the
         missing blocks are being promoted (:mod:`~kvtier.offload.moves`).
 
         Args:
@@ -191,6 +212,9 @@ class OffloadManager:
         if hits < len(wanted) and self.setup.lower_tiers:
             if self.moves.wait_for(request_id, wanted, hits):
                 return None
+        if not self.guard.load_host_hit(request_id, hits):
+            logger.debug("request %s: cost guard skips %d tier hit blocks", request_id, hits)
+            return 0
         logger.debug("request %s: %d tier hit blocks after %d", request_id, hits, first)
         return hits * self.setup.block_tokens
 
@@ -229,6 +253,7 @@ class OffloadManager:
                 that do not cover the accepted blocks.
         """
         self.moves.forget(request_id)
+        self.guard.forget(request_id)
         self.planner.allocated(
             request_id,
             block_hashes,
@@ -289,6 +314,7 @@ class OffloadManager:
         for request_id in request_ids:
             self.planner.flush = True
             self.moves.forget(request_id)
+            self.guard.forget(request_id)
             self.requests.restart(request_id)
 
     def finished(
@@ -311,6 +337,7 @@ class OffloadManager:
                 for a request waiting for its load): no plan announces a hold.
         """
         self.moves.forget(request_id)
+        self.guard.forget(request_id)
         return self.requests.finish(request_id, num_computed_tokens, engine_frees_blocks)
 
     def build_plan(
@@ -355,6 +382,7 @@ class OffloadManager:
         if self.setup.record_events:
             for each in reports:
                 self.tier_events.count(each)
+        self.guard.measured(reports)
         collected = self.ledger.process(reports)
         self.moves.settle(collected.committed)
         self.moves.drain()
@@ -362,6 +390,12 @@ class OffloadManager:
             pins.expire(self.setup.clock())
             pins.pin_readable()
         return collected.progress(self.requests.take_released())
+
+    def step_timed(self, computed_tokens: int, seconds: float) -> None:
+        """The engine ran a step that computed ``computed_tokens`` tokens (prefill and
+        decode) in ``seconds``, from scheduling to its output: the cost guard's measure of
+        the engine's prefill speed. Ignored with the guard off."""
+        self.guard.step_timed(computed_tokens, seconds)
 
     def take_events(self) -> list[IndexEvent]:
         """Return and forget the tier's stored/evicted events (kept only with ``record_events``)."""

@@ -75,6 +75,8 @@ class Promotion:
     """The engine's hashes of the blocks, in prefix order (each rank namespaces them itself)."""
     host_slots: tuple[int, ...]
     """Host tier slots reserved for them, one per block."""
+    skip_tiers: frozenset[str] = frozenset()
+    """Tiers not to ask: the cost guard predicted their read slower than recomputing."""
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,16 @@ class WorkerReport:
     tier_removed: Mapping[TierBlock, int] = field(default_factory=dict)
     """Block -> number of workers whose lower tier no longer holds their part of it (evicted,
     found corrupt or deleted, where the tier knows; sent only with KV-cache events)."""
+    load_times: tuple[tuple[int, float], ...] = field(default=(), compare=False)
+    """Per load batch that completed: (blocks, seconds from its submission until the worker
+    saw it done), for the cost guard; every worker's, one after the other. Timings are
+    measurements, not outcomes: reports that differ only in them are equal."""
+    read_times: Mapping[str, tuple[tuple[int, float], ...]] = field(
+        default_factory=dict, compare=False
+    )
+    """Lower tier name -> per read of a promotion: (records it returned, seconds from asking
+    to its answer), for the cost guard; every worker's, one after the other (not compared,
+    as ``load_times``)."""
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Return a report holding both reports' counts."""
@@ -194,6 +206,9 @@ class WorkerReport:
             merged = tier_counts.setdefault(name, {})
             for counter, value in counts.items():
                 merged[counter] = merged.get(counter, 0) + value
+        read_times = dict(self.read_times)
+        for name, times in other.read_times.items():
+            read_times[name] = read_times.get(name, ()) + times
         return WorkerReport(
             _add_counts(self.done, other.done),
             _add_counts(self.failed, other.failed),
@@ -203,6 +218,8 @@ class WorkerReport:
             tier_counts,
             _add_counts(self.tier_stored, other.tier_stored),
             _add_counts(self.tier_removed, other.tier_removed),
+            self.load_times + other.load_times,
+            read_times,
         )
 
     @classmethod
@@ -226,6 +243,8 @@ class WorkerReport:
             or self.tier_counts
             or self.tier_stored
             or self.tier_removed
+            or self.load_times
+            or self.read_times
         )
 
     @property

@@ -28,6 +28,10 @@ follows). A write-through, a demotion, a new copy into the slot or a reset (a
 demotion to no tier) settles what a slot owes.
 Every write is a put on a tier's bounded queue: a full queue drops it, counted
 by the tier, and it is not tried again.
+
+The :mod:`~kvtier.offload.costguard` names the tiers a promotion must not read
+(predicted slower than recomputing its blocks); when it names all of them, the
+blocks are not promoted and the request computes them.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.index.base import BlockKey, EventKind
+from kvtier.offload.costguard import CostGuard
 from kvtier.offload.failures import FailureCause
 from kvtier.offload.ledger import BatchLedger
 from kvtier.offload.messages import Demotion, Promotion, WorkerReport
@@ -62,10 +67,13 @@ class PromotionBatch:
 class LowerTierMoves:
     """Promotions in flight and to plan, and the evicted blocks to demote."""
 
-    def __init__(self, setup: ManagerSetup, ledger: BatchLedger, counters: Counters) -> None:
+    def __init__(
+        self, setup: ManagerSetup, ledger: BatchLedger, counters: Counters, guard: CostGuard
+    ) -> None:
         self.setup = setup
         self.ledger = ledger
         self.counters = counters
+        self.guard = guard
         self.promotions: dict[int, PromotionBatch] = {}
         self._to_plan: list[Promotion] = []
         # Requests whose lookup waits for promotions (batch ids), or got its answer (empty set).
@@ -109,6 +117,9 @@ class LowerTierMoves:
         if setup.windowed:
             return False  # a windowed group's hit needs other blocks than the prefix's
         missing = wanted[hits:]
+        skip = self.guard.skipped_tiers(len(missing))
+        if skip and len(skip) == len(self.guard.tier_names):
+            return False
         reserved: list[tuple[int, list[BlockKey], list[int | None]]] = []
         count = len(missing)
         for group in range(setup.num_groups):
@@ -140,6 +151,7 @@ class LowerTierMoves:
                 group,
                 tuple(missing[:count]),
                 tuple(slot for slot in slots[:count] if slot is not None),
+                skip,
             )
             self.promotions[message.batch_id] = PromotionBatch(
                 message, tuple(keys[:count]), request_id, now, found=count

@@ -144,6 +144,13 @@ OFFLOAD_COUNTERS: tuple[Counter, ...] = (
         "lookups",
         "Lower-tier lookups some rank did not answer within report_deadline_s (recomputed).",
     ),
+    Counter(
+        "guard_skipped_tokens",
+        _C,
+        "tokens",
+        "Host-tier hit tokens the cost guard did not load, because loading them was predicted "
+        "slower than recomputing them; the engine computed them.",
+    ),
     Counter("capacity_blocks", _G, "blocks", "Host-tier slots per rank."),
     Counter(
         "used_blocks", _G, "blocks", "Host-tier slots holding a block or being written, per rank."
@@ -208,9 +215,18 @@ TIER_COUNTERS: tuple[Counter, ...] = (
         "written without the key); each is a miss, also counted in tier_errors.",
         source=TIER_ERRORS_PREFIX + "auth",
     ),
+    Counter(
+        "guard_skipped_records",
+        _C,
+        "records",
+        "Records the cost guard did not read from a storage tier, because reading them (and "
+        "loading them from the host tier) was predicted slower than recomputing them; counted "
+        "once for all ranks, by the scheduler.",
+    ),
 )
 """Per storage tier below the host tier, the workers' counts added up (keys, not blocks),
-under the :class:`~kvtier.tiers.TierStats` counter each names (its ``source``)."""
+under the :class:`~kvtier.tiers.TierStats` counter each names (its ``source``), and the
+cost guard's skips (:mod:`~kvtier.offload.costguard`), which the scheduler counts."""
 
 
 FLUSH_COUNTERS: tuple[Counter, ...] = (
@@ -305,6 +321,11 @@ class Observations:
     """Blocks of each load batch planned."""
     store_blocks: list[int] = field(default_factory=list)
     """Blocks of each store batch planned."""
+    guard_load_seconds: list[float] = field(default_factory=list)
+    """Per cost-guard decision made on measurements: the predicted seconds of the load."""
+    guard_recompute_seconds: list[float] = field(default_factory=list)
+    """Per cost-guard decision made on measurements: the predicted seconds of recomputing
+    the same tokens instead."""
     request_hit_tokens: list[int] = field(default_factory=list)
     """Per request, at its first allocation: the tokens it accepted from the tier (0 for
     none). A preempted request that starts over is counted again."""

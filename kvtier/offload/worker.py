@@ -214,6 +214,8 @@ class OffloadWorker:
         self.flush_counts: dict[str, dict[str, int]] = {}
         """Per write_back or write_through tier, what :meth:`close` wrote of the blocks it
         lacked (``FLUSH_COUNTERS`` names the counts)."""
+        # (blocks, seconds from submission until seen done) of each load that completed
+        self._load_times: list[tuple[int, float]] = []
         self._closed = False
 
     @classmethod
@@ -376,7 +378,9 @@ class OffloadWorker:
                 if self._owed:
                     for slot in promotion.host_slots:
                         self._owed.pop(slot, None)
-                fetch = self.chain.fetch(promotion.group, promotion.block_hashes)
+                fetch = self.chain.fetch(
+                    promotion.group, promotion.block_hashes, promotion.skip_tiers
+                )
                 self._fetches[promotion.batch_id] = (promotion, fetch)
         # Most decode steps have nothing in flight and nobody waiting: skip the polls.
         if self._inflight or self._abandoned:
@@ -488,9 +492,13 @@ class OffloadWorker:
         tier_counts: dict[str, dict[str, int]] = {}
         stored: dict[TierBlock, int] = {}
         removed: dict[TierBlock, int] = {}
-        if self.chain is not None:
-            tier_counts = self.chain.take_counts()
-            stored, removed = self.chain.take_blocks()
+        read_times: dict[str, tuple[tuple[int, float], ...]] = {}
+        chain = self.chain
+        if chain is not None:
+            tier_counts = chain.take_counts()
+            stored, removed = chain.take_blocks()
+            if chain.read_times:
+                read_times = chain.take_read_times()
         if not (
             self._done
             or self._failed
@@ -500,6 +508,7 @@ class OffloadWorker:
             or tier_counts
             or stored
             or removed
+            or read_times
         ):
             return None
         report = WorkerReport(
@@ -511,9 +520,11 @@ class OffloadWorker:
             tier_counts,
             stored,
             removed,
+            tuple(self._load_times),
+            read_times,
         )
         self._done, self._failed, self._abandoned_report, self._settled = {}, {}, {}, {}
-        self._promoted = {}
+        self._promoted, self._load_times = {}, []
         return report
 
     @property
@@ -692,6 +703,9 @@ class OffloadWorker:
             if finished:
                 del self._inflight[batch_id]
                 self._record(copy.transfer, ok=True)
+                if copy.transfer.direction is Direction.LOAD:
+                    submitted = copy.deadline - self.copy_deadline_s
+                    self._load_times.append((len(copy.transfer), now - submitted))
             elif now >= copy.deadline:
                 self._abandon(
                     batch_id,

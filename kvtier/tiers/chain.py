@@ -11,7 +11,8 @@ with its write policy (:data:`~kvtier.models.WritePolicy`).
 - :meth:`TierChain.store` hands copies of records to the tiers named; a tier
   whose queue is full drops them and counts it.
 - :meth:`TierChain.take_counts` returns what each tier's counters gained since
-  the last call, for the worker's report.
+  the last call, and :meth:`TierChain.take_read_times` how long each fetch's
+  reads took, for the worker's report.
 - :meth:`TierChain.take_blocks` (with ``report_blocks``) returns the blocks
   each tier stored and removed since the last call, for KV-cache events: a
   store counts once the tier says it landed, a removal where the tier knows of
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import asdict
@@ -60,10 +63,18 @@ class TierBlock(NamedTuple):
 class Fetch:
     """Blocks being read down the chain; :attr:`done` once every tier that was asked answered."""
 
-    def __init__(self, chain: TierChain, group: int, block_hashes: Sequence[bytes]) -> None:
+    def __init__(
+        self,
+        chain: TierChain,
+        group: int,
+        block_hashes: Sequence[bytes],
+        skip: frozenset[str] = frozenset(),
+    ) -> None:
         self._chain = chain
         self._group = group
         self._hashes = tuple(block_hashes)
+        self._skip = skip
+        self._asked_at = 0.0
         self.records: list[memoryview] = []
         """Payloads of the leading blocks found, in order (complete once :attr:`done`)."""
         self.sources: list[str] = []
@@ -81,21 +92,28 @@ class Fetch:
         return self._done.wait(timeout_s)
 
     def _ask(self, position: int) -> None:
+        tiers = self._chain.tiers
+        while position < len(tiers) and tiers[position][0] in self._skip:
+            position += 1
         start = len(self.records)
-        if start == len(self._hashes) or position == len(self._chain.tiers):
+        if start == len(self._hashes) or position == len(tiers):
             self._done.set()
             return
-        name, tier = self._chain.tiers[position]
+        name, tier = tiers[position]
         keys = tier.keys.keys(self._hashes[start:], self._group)
+        self._asked_at = time.monotonic()
         future = tier.get(keys)
         future.add_done_callback(lambda answered: self._answered(position, name, answered))
 
     def _answered(self, position: int, name: str, future: Future[GetResult]) -> None:
+        found = 0
         for record in future.result().records:
             if record is None:
                 break
             self.records.append(record)
             self.sources.append(name)
+            found += 1
+        self._chain.read_times.append((name, found, time.monotonic() - self._asked_at))
         self._ask(position + 1)
 
 
@@ -138,6 +156,9 @@ class TierChain:
             for _, tier in self.tiers:
                 if isinstance(tier, RemovalLog):
                     tier.watch_removals()
+        self.read_times: deque[tuple[str, int, float]] = deque()
+        """Each read of a fetch, as it answered (on the tiers' threads): (tier, records
+        returned, seconds from asking)."""
 
     @classmethod
     def from_config(
@@ -183,9 +204,12 @@ class TierChain:
             report_blocks=report_blocks,
         )
 
-    def fetch(self, group: int, block_hashes: Sequence[bytes]) -> Fetch:
-        """Start looking up the blocks of ``group`` named by ``block_hashes``; returns at once."""
-        return Fetch(self, group, block_hashes)
+    def fetch(
+        self, group: int, block_hashes: Sequence[bytes], skip: frozenset[str] = frozenset()
+    ) -> Fetch:
+        """Start looking up the blocks of ``group`` named by ``block_hashes`` in every tier
+        but those named in ``skip``; returns at once."""
+        return Fetch(self, group, block_hashes, skip)
 
     def store(
         self,
@@ -263,6 +287,16 @@ class TierChain:
             if counts:
                 grown[name] = counts
         return grown
+
+    def take_read_times(self) -> dict[str, tuple[tuple[int, float], ...]]:
+        """Per tier, (records returned, seconds) of each fetch read that answered since the
+        last call."""
+        times: dict[str, list[tuple[int, float]]] = {}
+        read_times = self.read_times
+        while read_times:
+            name, found, seconds = read_times.popleft()
+            times.setdefault(name, []).append((found, seconds))
+        return {name: tuple(each) for name, each in times.items()}
 
     def close(self) -> None:
         """Close every tier (each finishes its queued requests first)."""

@@ -27,6 +27,10 @@ Then, in ``Scheduler.update_from_output()``:
    workers (vLLM counts ``finished_sending`` / ``finished_recving`` until all
    ``world_size`` workers named a request).
 6. :meth:`KVTierScheduler.stats` then :meth:`KVTierScheduler.take_events`.
+   vLLM asks for the stats once for every step it scheduled, in the order it
+   scheduled them, so this call ends the oldest step being timed: the cost
+   guard's prefill speed is each step's scheduled tokens over the time from
+   its plan to its stats.
 
 Any time: :meth:`KVTierScheduler.reset_cache`.
 
@@ -39,6 +43,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+from collections import deque
 from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, cast
 
@@ -99,6 +105,9 @@ def publishes_kv_events(vllm_config: VllmConfig) -> bool:
     events = vllm_config.kv_events_config
     return bool(events is not None and events.enable_kv_cache_events)
 
+
+TIMED_STEPS = 16
+"""Most steps timed at once (vLLM has at most its batch queue's in flight)."""
 
 LAZY_HEADROOM = 2
 """Lazy mode keeps the first this-many steps' worth of blocks of vLLM's free queue stored."""
@@ -228,6 +237,11 @@ class KVTierScheduler:
         self._same_step_budget = config.same_step_load_bytes if num_groups == 1 else 0
         self._same_step_left = self._same_step_budget
         self._same_step: set[str] = set()
+        # Steps being timed for the cost guard, oldest first: (planned at, scheduled tokens);
+        # bounded for callers that never ask for stats.
+        self._steps: deque[tuple[float, int]] | None = (
+            deque(maxlen=TIMED_STEPS) if config.cost_guard else None
+        )
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """Keep vLLM's block pool: lazy mode reads its free queue and protects blocks in it."""
@@ -305,6 +319,8 @@ class KVTierScheduler:
         """This step's plan for every worker."""
         self._same_step_left = self._same_step_budget
         self._same_step.clear()
+        if self._steps is not None:
+            self._steps.append((time.monotonic(), scheduler_output.total_num_scheduled_tokens))
         manager = self.manager
         if scheduler_output.preempted_req_ids:
             manager.preempted(scheduler_output.preempted_req_ids)
@@ -432,6 +448,9 @@ class KVTierScheduler:
         latencies, batch sizes and per-request hits measured since then; ``None`` when
         nothing did (vLLM asks every step, and most steps change nothing in the tier)."""
         manager = self.manager
+        if self._steps:
+            planned_at, tokens = self._steps.popleft()
+            manager.step_timed(tokens, time.monotonic() - planned_at)
         grown = manager.take_stats()
         if grown is None and not manager.has_observations:
             return None  # most steps

@@ -144,6 +144,20 @@ METRICS: Mapping[str, MetricSpec] = {
         "allocates it.",
         buckets=HIT_BUCKETS_TOKENS,
     ),
+    "guard_load_seconds": MetricSpec(
+        MetricKind.HISTOGRAM,
+        "seconds",
+        "Per cost-guard decision made on measurements: the predicted seconds of the load "
+        "(a lower tier's read and the host tier's load, or the host tier's load alone).",
+        buckets=LATENCY_BUCKETS_S,
+    ),
+    "guard_recompute_seconds": MetricSpec(
+        MetricKind.HISTOGRAM,
+        "seconds",
+        "Per cost-guard decision made on measurements: the predicted seconds of recomputing "
+        "the same tokens instead.",
+        buckets=LATENCY_BUCKETS_S,
+    ),
     **{f"tier_{counter.name}": _declared(counter, "tier") for counter in TIER_COUNTERS},
 }
 """Every metric the connector reports, by short name: the offload counters and gauges and
@@ -156,6 +170,8 @@ OFFLOAD_HISTOGRAMS: Mapping[str, str] = {
     "load_batch_blocks": "load_blocks",
     "store_batch_blocks": "store_blocks",
     "request_hit_tokens": "request_hit_tokens",
+    "guard_load_seconds": "guard_load_seconds",
+    "guard_recompute_seconds": "guard_recompute_seconds",
 }
 """Histogram metric name -> the :class:`~kvtier.offload.Observations` field it observes."""
 
