@@ -5,17 +5,30 @@ of encoded records (so reads go through the same header checks as a real
 tier). Its I/O threads wait for :attr:`MemoryTier.gate` before each batch, so
 a test can make the tier as slow as it likes: clear the gate, fill the
 queues, see puts dropped and gets missed at their deadline, then set it again.
+
+:func:`memory_tier_registry` registers it as storage tier type ``memory``, whose
+every read takes ``read_delay_s``, for code that builds its tiers from a config
+(an engine's connector): a deliberately slow lower tier.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal
 
+from pydantic import Field
+
+import kvtier
+from kvtier.config import PluginConfig
 from kvtier.index.base import BlockKey
-from kvtier.tiers.base import TierSpec
+from kvtier.tiers.base import StorageTier, TierSpec
 from kvtier.tiers.queued import QueuedTier
 from kvtier.tiers.record import RecordCodec, RecordFault
+
+if TYPE_CHECKING:
+    from kvtier.plugins import Registry
 
 GATE_TIMEOUT_S = 30.0
 """An I/O thread never waits for the gate longer than this."""
@@ -97,3 +110,49 @@ class MemoryTier(QueuedTier):
     def _remove(self, keys: Sequence[BlockKey]) -> list[bool]:
         self._enter("remove", keys)
         return [self.store.pop(key, None) is not None for key in keys]
+
+
+class MemoryTierConfig(PluginConfig):
+    """A :class:`MemoryTier` whose reads each take ``read_delay_s`` (tests and benchmarks)."""
+
+    type: Literal["memory"] = Field(
+        default="memory", description="Keep records in this process's memory (tests only)."
+    )
+    read_delay_s: float = Field(
+        0.0, ge=0, description="Seconds every batch read waits before it reads."
+    )
+
+
+class _MemoryTierPlugin:
+    def __init__(self, store: dict[BlockKey, bytes]) -> None:
+        self.store = store
+
+    @kvtier.hookimpl
+    def register_storage_tiers(self, register: Callable[..., None]) -> None:
+        def build(config: MemoryTierConfig, spec: TierSpec) -> StorageTier:
+            delay_s = config.read_delay_s
+
+            def slow_reads(op: str, keys: Sequence[BlockKey]) -> None:
+                if op == "read" and delay_s:
+                    time.sleep(delay_s)
+
+            return MemoryTier(spec, store=self.store, fail=slow_reads)
+
+        register("memory", build, MemoryTierConfig)
+
+
+def memory_tier_registry(store: dict[BlockKey, bytes] | None = None) -> Registry:
+    """The built-in plugins plus storage tier type ``memory`` over ``store`` (a new dict if
+    ``None``; every tier the registry builds shares it, as engines sharing a store would).
+
+    Returns:
+        A registry to stand in for :func:`kvtier.plugins.default_registry` (tests patch
+        ``kvtier.plugins._default_registry`` with it) while a config names ``{"type": "memory"}``.
+    """
+    from kvtier.plugins import build_plugin_manager, collect
+
+    manager = build_plugin_manager()
+    manager.register(
+        _MemoryTierPlugin({} if store is None else store), name="kvtier-testing-memory-tier"
+    )
+    return collect(manager)
