@@ -3,7 +3,8 @@
 Four parts, each a module of ``vllm_bench``: ``ttft`` (a cold prefill, a vLLM prefix-cache hit
 and a kvtier hit, in eager and lazy store mode, against the fastest host copy of the prompt's KV
 bytes), ``busy`` (a tier hit arriving while other requests decode), ``lower-tiers`` (a hit found
-only in a disk tier, or a Redis tier where ``redis-server`` is installed) and ``throughput`` (a
+only in a disk tier, or a Redis, Mooncake or S3 tier where their servers are installed, and a
+slow tier with and without the cost guard) and ``throughput`` (a
 0% hit rate with and without the connector). All run the same random-weight model; the output
 holds every timing, ratios against the peers and a verdict against each target. vLLM logs to
 stderr.
@@ -48,6 +49,12 @@ def arguments() -> argparse.ArgumentParser:
         help="device hits and tier hits timed per TTFT prompt (each repeat's prompt)",
     )
     parser.add_argument("--lower-tier-repeats", type=int, default=3)
+    parser.add_argument(
+        "--slow-tier-read-s",
+        type=float,
+        default=2.0,
+        help="seconds each read of the slow tier takes (more than the prompt's cold prefill)",
+    )
     parser.add_argument("--busy-hit-tokens", type=int, default=1024)
     parser.add_argument(
         "--busy-repeats", type=int, default=6, help="repeats per engine of each busy arm"

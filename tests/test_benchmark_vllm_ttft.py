@@ -121,3 +121,13 @@ def test_each_prompt_times_its_device_and_tier_hits_in_turn(
     assert [len(ttft[kind]) for kind in ("cold", "device_hit", "tier_hit")] == [2, 6, 6]
     assert ttft["pairs_per_prompt"] == 3
     assert loads == [1, 8, 8, 1, 1, 8] * 2
+
+
+def test_every_field_of_the_lower_tier_part_is_documented(benchmarks_on_path: None) -> None:
+    from vllm_bench import lower_tiers
+
+    tiers = ["disk", "redis", "mooncake", "s3", "slow", "slow_guarded"]
+    report = lower_tiers.lower_tier_report({name: {"cold": [1.0], "hit": [0.1]} for name in tiers})
+    page = (Path(__file__).parent.parent / "docs" / "benchmarks" / "lower-tiers.md").read_text()
+    fields = [*report, "slow_tier_read_s", *report["lower_tier_ttft_s"], *lower_tiers.TARGETS]
+    assert [field for field in fields if f"`{field}`" not in page] == []

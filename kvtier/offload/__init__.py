@@ -4,7 +4,8 @@ The scheduler side is :class:`OffloadManager`, a facade over modules that each o
 piece of state: the request table and window logic (:mod:`~kvtier.offload.requests`),
 planning (:mod:`~kvtier.offload.planner`, with :mod:`~kvtier.offload.frontier` for lazy
 mode), the batch ledger (:mod:`~kvtier.offload.ledger`), the moves to and from the tiers
-below the host tier (:mod:`~kvtier.offload.moves`), the counters
+below the host tier (:mod:`~kvtier.offload.moves`), the cost guard that skips loads
+predicted slower than recomputing (:mod:`~kvtier.offload.costguard`), the counters
 (:mod:`~kvtier.offload.stats`) and every tier's KV-cache events
 (:mod:`~kvtier.offload.events`); what they all read is :mod:`~kvtier.offload.setup`. The
 worker side is :class:`OffloadWorker`.
