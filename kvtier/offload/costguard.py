@@ -153,8 +153,8 @@ class CostGuard:
         if not self.enabled:
             return
         costs = self.costs
+        host = costs[HOST]
         for report in reports:
-            host = costs[HOST]
             for blocks, seconds in report.load_times:
                 host.add(blocks, seconds)
             for name, times in report.read_times.items():
