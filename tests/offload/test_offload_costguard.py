@@ -144,7 +144,7 @@ def lower_tier_manager(*tier_names: str) -> OffloadManager:
         PolicyIndex(16, LRUPolicy()),
         block_tokens=BLOCK_TOKENS,
         record_bytes=64,
-        lower_tiers=True,
+        write_policies=("write_back",) * len(tier_names),
         cost_guard=True,
         tier_names=tier_names,
     )
