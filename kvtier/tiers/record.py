@@ -20,12 +20,13 @@ The seal, by scheme:
 
 - ``checksum`` (a tier without a key): XXH3-64 of the payload, then XXH3-64 of
   the header (this half of the seal zeroed) and the key. Detects damage, not forgery.
-- ``mac`` (a tier with a key): GMAC, the tag of AES-256-GCM under a random
-  96-bit nonce with nothing to encrypt and the header before the seal, the key
-  and the payload as associated data (measured faster than keyed BLAKE3 and
-  HMAC-SHA256; see ``benchmarks/tier_bench.py``). Nobody without the key can
-  make a record that verifies, and since the key and the fingerprint are
-  covered, a record copied under another key, namespace or layout is a miss.
+- ``mac`` (a tier with a key): the tag of AES-256-GCM under a random 96-bit
+  nonce, encrypting the header before the seal and the key (the ciphertext is
+  dropped) with the payload as associated data: GMAC over the payload
+  (measured faster than keyed BLAKE3 and HMAC-SHA256; see
+  ``benchmarks/tier_bench.py``). Nobody without the key can make a record
+  that verifies, and since the key and the fingerprint are covered, a record
+  copied under another key, namespace or layout is a miss.
 - ``aead`` (a tier with a key and ``encrypt``): AES-256-GCM of the payload under
   a random 96-bit nonce, with the header before the seal and the key as
   associated data; the seal is the GCM tag and the body is the ciphertext.
@@ -56,6 +57,7 @@ from pathlib import Path
 import xxhash
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvtier.index.base import BlockKey
 from kvtier.tiers.base import TierError
@@ -64,9 +66,10 @@ from kvtier.tiers.configs import RecordKeyConfig
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVTR"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """Version of the record header written by this code; others are read as faults.
-Version 1 had no scheme, key id or nonce and always used checksums."""
+Version 1 had no scheme, key id or nonce and always used checksums; version 2's MAC
+took the header as associated data, before the payload, where version 3 encrypts it."""
 
 _FIXED = struct.Struct("<4sHHQ16sQB3x4s12s16s")
 _VERSIONED = struct.Struct("<4sH")
@@ -158,21 +161,21 @@ class RecordKeys:
     def __init__(self, secrets: Sequence[bytes]) -> None:
         if not secrets:
             raise ValueError("no key given")
-        self._mac: dict[bytes, algorithms.AES] = {}
-        self._aead: dict[bytes, algorithms.AES] = {}
+        self._mac: dict[bytes, AESGCM] = {}
+        self._aead: dict[bytes, bytes] = {}
         for secret in secrets:
             if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
                 raise ValueError(
                     f"a key is {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes, got {len(secret)}"
                 )
             key_id = _derived(secret, b"kvtier record key id", _KEY_ID_BYTES)
-            mac = algorithms.AES(_derived(secret, b"kvtier record mac", 32))
-            aead = algorithms.AES(_derived(secret, b"kvtier record aead", 32))
+            mac = AESGCM(_derived(secret, b"kvtier record mac", 32))
+            aead = _derived(secret, b"kvtier record aead", 32)
             self._mac.setdefault(key_id, mac)
             self._aead.setdefault(key_id, aead)
         self.signing_id = _derived(secrets[0], b"kvtier record key id", _KEY_ID_BYTES)
         self.signing_mac = self._mac[self.signing_id]
-        self.signing_aead = self._aead[self.signing_id]
+        self.signing_aead = AESGCM(self._aead[self.signing_id])
 
     @classmethod
     def parse(cls, text: str) -> RecordKeys:
@@ -242,22 +245,20 @@ class RecordKeys:
                 "(openssl rand -hex 32)"
             ) from None
 
-    def mac_key(self, key_id: bytes) -> algorithms.AES | None:
+    def mac_key(self, key_id: bytes) -> AESGCM | None:
         """The MAC key named ``key_id``, or ``None`` when it is not one of these keys."""
         return self._mac.get(key_id)
 
-    def aead_key(self, key_id: bytes) -> algorithms.AES | None:
+    def aead_key(self, key_id: bytes) -> bytes | None:
         """The AEAD key named ``key_id``, or ``None`` when it is not one of these keys."""
         return self._aead.get(key_id)
 
 
-def _gmac(mac_key: algorithms.AES, nonce: bytes, sealed: bytes, body: memoryview | bytes) -> bytes:
-    """The GMAC tag of ``sealed`` then ``body``."""
-    encryptor = Cipher(mac_key, modes.GCM(nonce)).encryptor()
-    encryptor.authenticate_additional_data(sealed)
-    encryptor.authenticate_additional_data(body)
-    encryptor.finalize()
-    return encryptor.tag
+def _mac(mac_key: AESGCM, nonce: bytes, sealed: bytes, body: memoryview | bytes) -> bytes:
+    """The MAC of ``sealed`` and ``body``: the GCM tag of ``sealed`` encrypted with ``body``
+    as associated data. One call, so that its fixed cost is a tenth of the same tag made
+    through a cipher context (about 1 against 7 µs)."""
+    return mac_key.encrypt(nonce, sealed, body)[-_SEAL_BYTES:]
 
 
 class RecordCodec:
@@ -303,7 +304,7 @@ class RecordCodec:
 
         Returns:
             The header's length, and the body to store after it: ``payload`` itself,
-            or with ``encrypt`` its ciphertext (new bytes).
+            or with ``encrypt`` its ciphertext (a view of new bytes).
         """
         if not 0 < len(key) <= MAX_KEY_BYTES:
             raise ValueError(f"a record key is 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
@@ -335,12 +336,10 @@ class RecordCodec:
             return end, body
         sealed = b"".join((view[:_SEAL_OFFSET], key))
         if self.scheme is Scheme.MAC:
-            seal = _gmac(keys.signing_mac, nonce, sealed, payload)
+            seal: bytes | memoryview = _mac(keys.signing_mac, nonce, sealed, payload)
         else:
-            encryptor = Cipher(keys.signing_aead, modes.GCM(nonce)).encryptor()
-            encryptor.authenticate_additional_data(sealed)
-            body = encryptor.update(payload) + encryptor.finalize()
-            seal = encryptor.tag
+            encrypted = memoryview(keys.signing_aead.encrypt(nonce, payload, sealed))
+            body, seal = encrypted[:-_SEAL_BYTES], encrypted[-_SEAL_BYTES:]
         buffer[_SEAL_OFFSET : _SEAL_OFFSET + _SEAL_BYTES] = seal
         return end, body
 
@@ -414,13 +413,15 @@ class RecordCodec:
         if self.scheme is Scheme.MAC:
             mac_key = self.keys.mac_key(header.key_id)
             assert mac_key is not None
-            tag = _gmac(mac_key, header.nonce, header.sealed, body)
+            tag = _mac(mac_key, header.nonce, header.sealed, body)
             if not hmac.compare_digest(tag, header.seal):
                 return RecordFault.AUTH
             return memoryview(body)
         aead_key = self.keys.aead_key(header.key_id)
         assert aead_key is not None
-        decryptor = Cipher(aead_key, modes.GCM(header.nonce, header.seal)).decryptor()
+        decryptor = Cipher(
+            algorithms.AES(aead_key), modes.GCM(header.nonce, header.seal)
+        ).decryptor()
         decryptor.authenticate_additional_data(header.sealed)
         plain = bytearray(len(body) + 15)
         written = decryptor.update_into(body, plain)

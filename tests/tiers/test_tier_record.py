@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import struct
 from pathlib import Path
 
 import pytest
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
@@ -187,6 +189,33 @@ def test_a_keyed_record_replayed_elsewhere_is_a_miss(codec: RecordCodec) -> None
     # sequence, padding, key id, nonce, seal, payload: none checked before the seal
     for position in (33, 42, 45, 50, HEADER_FIXED_BYTES - 1, -1):
         assert codec.decode(KEY, flip(record, position)) is RecordFault.AUTH, position
+
+
+def gcm_tag(associated: list[bytes], plaintext: bytes, nonce: bytes) -> bytes:
+    """The AES-256-GCM tag under the MAC key derived from ``SECRET``, built independently."""
+    mac_key = hashlib.blake2b(b"kvtier record mac", key=SECRET, digest_size=32).digest()
+    encryptor = Cipher(algorithms.AES(mac_key), modes.GCM(nonce)).encryptor()
+    for data in associated:
+        encryptor.authenticate_additional_data(data)
+    encryptor.update(plaintext)
+    encryptor.finalize()
+    return encryptor.tag
+
+
+def test_the_mac_is_the_gcm_tag_of_the_header_with_the_payload_as_associated_data() -> None:
+    """Format version 3's MAC; version 2's (header and payload both associated data) is
+    another tag, and a version 2 record is a version fault."""
+    record = MAC.encode(KEY, PAYLOAD)
+    header = MAC.parse(record)
+    assert isinstance(header, RecordHeader)
+    assert header.seal == gcm_tag([PAYLOAD], header.sealed, header.nonce)
+    version_2_seal = gcm_tag([header.sealed, PAYLOAD], b"", header.nonce)
+    assert version_2_seal != header.seal
+    resealed = bytearray(record)
+    resealed[HEADER_FIXED_BYTES - 16 : HEADER_FIXED_BYTES] = version_2_seal
+    assert MAC.decode(KEY, bytes(resealed)) is RecordFault.AUTH
+    struct.pack_into("<H", resealed, 4, 2)
+    assert MAC.decode(KEY, bytes(resealed)) is RecordFault.VERSION
 
 
 def test_rotation_the_first_key_seals_and_every_key_verifies() -> None:
