@@ -7,7 +7,10 @@ The comparisons, each pair of arms run in turn ``--repeats`` times
   I/O threads included) against plain sequential ``os.pwrite``/``os.pread`` of
   the same payload bytes to a preallocated file in the same directory. Both
   go through the page cache, so on a machine with memory to spare this
-  measures the software path rather than the drive.
+  measures the software path rather than the drive. A third arm, ``limit``,
+  is the most one core can do for a tier: the same bare writes and reads,
+  each record sealed right before its write and checked right after its read
+  with the tier's own record code, on one thread.
 - ``disk_o_direct``: the same with ``o_direct: true``, against plain
   sequential ``O_DIRECT`` writes and reads through page-aligned buffers;
   skipped, with the reason, where the filesystem of ``--dir`` refuses O_DIRECT.
@@ -30,14 +33,17 @@ The comparisons, each pair of arms run in turn ``--repeats`` times
 - ``sealing``: what a key costs. For ``disk`` and ``redis``, the tier sealing
   records with a MAC (``mac``: a key) and with AES-256-GCM (``aead``:
   ``encrypt: true``), each against the same tier sealing them with checksums
-  only (no key), the two arms alternating as above; and ``hashes``, the
+  only (no key), the two arms alternating as above (the disk rows also against
+  the ``limit`` arm with that scheme's seal); and ``hashes``, the
   single-thread speed of each MAC considered (GMAC, keyed BLAKE3, HMAC-SHA256,
   keyed BLAKE2b), of AES-256-GCM and of the XXH3 checksum over one record.
 
 ``ratio`` is tier / bare GB/s for each direction, per repeat (the tier's run
 against the bare run next to it), as its median, min and max; 1.0 is as fast
-as the bare I/O. ``cpu_ratio`` compares this process's CPU seconds per byte the same way
-(bare / tier), which a busy machine disturbs less than wall-clock time.
+as the bare I/O; ``limit_ratio`` is the same against the ``limit`` arm.
+``cpu_ratio`` (and ``limit_cpu_ratio``) compares this process's CPU seconds per
+byte the same way (bare / tier), which a busy machine disturbs less than
+wall-clock time.
 Prints one JSON object. Usage::
 
     python benchmarks/tier_bench.py
@@ -58,7 +64,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -69,7 +75,6 @@ import botocore.config
 import numpy as np
 import redis
 import xxhash
-from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvtier.keys import KeyNamespace
@@ -79,6 +84,7 @@ from kvtier.testing.s3_server import MotoS3Server, aws_test_environment
 from kvtier.tiers.base import StorageTier, TierSpec
 from kvtier.tiers.configs import MooncakeTierConfig
 from kvtier.tiers.disk import DiskTier, DiskTierConfig, aligned_buffer, build_disk_tier
+from kvtier.tiers.record import RecordCodec, tier_codec
 from kvtier.tiers.redis import RedisTier, RedisTierConfig
 from kvtier.tiers.s3 import S3Tier, S3TierConfig
 
@@ -99,6 +105,14 @@ def timed(action: Callable[[], None]) -> tuple[float, float]:
 
 def gbps(total_bytes: int, seconds: float) -> float:
     return round(total_bytes / seconds / 1e9, 3)
+
+
+def same_bytes(got: object, expected: bytes) -> bool:
+    """Whether ``got`` is a buffer holding ``expected`` (not a miss or a fault); compared as
+    arrays, since comparing a memoryview with bytes goes item by item (about 1 ns a byte)."""
+    return isinstance(got, (bytes, memoryview)) and np.array_equal(
+        np.frombuffer(got, np.uint8), np.frombuffer(expected, np.uint8)
+    )
 
 
 class Arm(NamedTuple):
@@ -156,8 +170,8 @@ class TierArm:
 
     def check(self) -> None:
         """Every record came back intact; then they are deleted."""
-        if any(
-            got is None or got != record for got, record in zip(self.got, self.records, strict=True)
+        if not all(
+            same_bytes(got, record) for got, record in zip(self.got, self.records, strict=True)
         ):
             raise RuntimeError(f"{self.tier!r} returned a wrong or missing record")
         self.got = []
@@ -176,16 +190,24 @@ def spread(values: list[float]) -> dict[str, float]:
     }
 
 
-def measure(tier: Arm, bare: Arm, bare_name: str, repeats: int, total: int) -> dict[str, Any]:
-    """Run the two arms in turn ``repeats`` times; medians, and each run's ratio to its peer.
+def measure(
+    tier: Arm,
+    bare: tuple[str, Arm],
+    repeats: int,
+    total: int,
+    limit: tuple[str, Arm] | None = None,
+) -> dict[str, Any]:
+    """Run the arms in turn ``repeats`` times; medians, and each run's ratio to its peers.
 
-    Runs alternate in ABBA order (tier then bare, then bare then tier) so a
-    drift in the machine's load weighs on both arms alike. The ratio of a
-    repeat compares the tier's run with the bare run next to it in time.
-    Each arm first runs once untimed, so that no repeat pays for pages
-    touched for the first time (a new file's, a new server's).
+    Runs alternate in ABBA order (tier, bare, limit, then limit, bare, tier)
+    so a drift in the machine's load weighs on every arm alike. The ratio of
+    a repeat compares the tier's run with the bare (``put_ratio``) and the
+    limit (``put_limit_ratio``) run of the same repeat. Each arm first runs
+    once untimed, so that no repeat pays for pages touched for the first time
+    (a new file's, a new server's).
     """
-    arms = {"tier": tier, bare_name: bare}
+    bare_name = bare[0]
+    arms = dict([("tier", tier), bare] + ([limit] if limit is not None else []))
     for arm in arms.values():
         arm.put()
         arm.get()
@@ -213,20 +235,33 @@ def measure(tier: Arm, bare: Arm, bare_name: str, repeats: int, total: int) -> d
         }
         for name in arms
     }
-    for direction in ("put", "get"):
-        result[f"{direction}_ratio"] = spread(
-            [
-                bare_s / tier_s
-                for bare_s, tier_s in zip(
-                    seconds[bare_name][direction], seconds["tier"][direction], strict=True
+
+    def ratios(peer: str) -> dict[str, list[float]]:
+        return {
+            direction: [
+                peer_s / tier_s
+                for peer_s, tier_s in zip(
+                    seconds[peer][direction], seconds["tier"][direction], strict=True
                 )
             ]
-        )
+            for direction in ("put", "get")
+        }
+
+    for direction, values in ratios(bare_name).items():
+        result[f"{direction}_ratio"] = spread(values)
         result[f"{direction}_cpu_ratio"] = round(
             statistics.median(cpu[bare_name][direction])
             / statistics.median(cpu["tier"][direction]),
             3,
         )
+    if limit is not None:
+        for direction, values in ratios(limit[0]).items():
+            result[f"{direction}_limit_ratio"] = spread(values)
+            result[f"{direction}_limit_cpu_ratio"] = round(
+                statistics.median(cpu[limit[0]][direction])
+                / statistics.median(cpu["tier"][direction]),
+                3,
+            )
     return result
 
 
@@ -278,13 +313,55 @@ def bare_file_arm(path: Path, records: list[bytes], *, o_direct: bool) -> tuple[
             read.append(buffer)
 
     def check() -> None:
-        if read != records:
+        if not all(same_bytes(got, record) for got, record in zip(read, records, strict=True)):
             raise RuntimeError(f"plain pread of {path} returned other bytes")
         read.clear()
 
     if o_direct:
         return Arm(put_aligned, get_aligned, check), fd
     return Arm(put, get, check), fd
+
+
+@contextlib.contextmanager
+def limit_file_arm(path: Path, records: list[bytes], codec: RecordCodec) -> Iterator[Arm]:
+    """The most a disk tier sealing with ``codec`` can move on one thread: the bare arm's
+    sequential ``os.pwrite``/``os.pread`` of each record's body to a preallocated file, with
+    the record sealed by ``codec`` right before its write and checked right after its read.
+
+    Headers are kept in memory, not written: the limit is the bare write of the same
+    bytes plus the seal's pass over them (XXH3, the MAC, or encryption).
+    """
+    record_bytes = len(records[0])
+    names = [f"limit/block-{i}".encode() for i in range(len(records))]
+    keys = spec(record_bytes).keys.keys(names)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    headers: list[bytes] = []
+    read: list[Any] = []
+
+    def put() -> None:
+        headers.clear()
+        for i, key in enumerate(keys):
+            header, body = codec.header(key, records[i])
+            headers.append(header)
+            os.pwrite(fd, body, i * record_bytes)
+
+    def get() -> None:
+        read[:] = [
+            codec.unseal(key, codec.parse(header), os.pread(fd, record_bytes, i * record_bytes))
+            for i, (key, header) in enumerate(zip(keys, headers, strict=True))
+        ]
+
+    def check() -> None:
+        if not all(same_bytes(got, record) for got, record in zip(read, records, strict=True)):
+            raise RuntimeError(f"the limit arm read other bytes back from {path}")
+        read.clear()
+
+    try:
+        os.posix_fallocate(fd, 0, len(records) * record_bytes)
+        yield Arm(put, get, check)
+    finally:
+        os.close(fd)
+        path.unlink()
 
 
 def bench_disk(
@@ -305,7 +382,15 @@ def bench_disk(
     try:
         bare, fd = bare_file_arm(bare_file, records, o_direct=o_direct)
         tier_arm = TierArm(tier, records, args.batch).arm()
-        result = measure(tier_arm, bare, "pwrite_pread", args.repeats, count * record_bytes)
+        total = count * record_bytes
+        if o_direct:
+            result = measure(tier_arm, ("pwrite_pread", bare), args.repeats, total)
+        else:
+            codec = RecordCodec(spec(record_bytes).keys.layout_fingerprint, record_bytes)
+            with limit_file_arm(directory / "limit.bin", records, codec) as limit:
+                result = measure(
+                    tier_arm, ("pwrite_pread", bare), args.repeats, total, ("limit", limit)
+                )
     finally:
         tier.close()
         if fd >= 0:
@@ -376,8 +461,7 @@ def bench_redis(args: argparse.Namespace, record_bytes: int, url: str) -> dict[s
     try:
         result = measure(
             tier_arm,
-            Arm(bare_put, bare_get, bare_check),
-            "pipeline",
+            ("pipeline", Arm(bare_put, bare_get, bare_check)),
             args.repeats,
             count * record_bytes,
         )
@@ -401,21 +485,26 @@ def sealing_rows(
     record_bytes: int,
     total_mib: int,
     build: Callable[[str, dict[str, Any], int], StorageTier],
+    limit: Callable[[str, dict[str, Any], list[bytes]], contextlib.AbstractContextManager[Arm]]
+    | None = None,
 ) -> dict[str, Any]:
-    """The tier ``build(name, fields, count)`` makes, with each scheme against checksums."""
+    """The tier ``build(name, fields, count)`` makes, with each scheme against checksums and,
+    given ``limit``, against the arm ``limit(name, fields, records)`` makes."""
     count = max(total_mib * 2**20 // record_bytes, 1)
     records = payloads(count, record_bytes)
     tiers = {"checksum": build("checksum", {}, count)}
+    measured: dict[str, Any] = {}
     try:
         for name, fields in SCHEMES.items():
             tiers[name] = build(name, fields, count)
         arms = {name: TierArm(tier, records, args.batch).arm() for name, tier in tiers.items()}
-        measured = {
-            name: measure(
-                arms[name], arms["checksum"], "checksum", args.repeats, count * record_bytes
-            )
-            for name in SCHEMES
-        }
+        for name, fields in SCHEMES.items():
+            peers = arms[name], ("checksum", arms["checksum"]), args.repeats, count * record_bytes
+            if limit is None:
+                measured[name] = measure(*peers)
+                continue
+            with limit(name, fields, records) as limit_arm:
+                measured[name] = measure(*peers, ("limit", limit_arm))
     finally:
         for tier in tiers.values():
             tier.close()
@@ -432,17 +521,28 @@ def bench_sealing(
         return {} if name == "checksum" else {"key_file": key_file, **fields}
 
     def disk_row(size: int) -> dict[str, Any]:
-        def build(name: str, fields: dict[str, Any], count: int) -> StorageTier:
-            config = DiskTierConfig(
+        def config(name: str, fields: dict[str, Any], count: int) -> DiskTierConfig:
+            return DiskTierConfig(
                 path=directory / f"sealing-{name}",
                 capacity_bytes=4096 + count * DiskTier.slot_bytes_for(size),
                 queue_depth=count,
                 **keyed(name, fields),
                 **io_threads(args),
             )
-            return build_disk_tier(config, spec(size))
 
-        return sealing_rows(args, size, args.total_mib, build)
+        def build(name: str, fields: dict[str, Any], count: int) -> StorageTier:
+            return build_disk_tier(config(name, fields, count), spec(size))
+
+        def limit(
+            name: str, fields: dict[str, Any], records: list[bytes]
+        ) -> contextlib.AbstractContextManager[Arm]:
+            fingerprint = spec(size).keys.layout_fingerprint
+            codec = tier_codec(
+                config(name, fields, len(records)), fingerprint, size, tier="disk", shared=False
+            )
+            return limit_file_arm(directory / f"limit-{name}.bin", records, codec)
+
+        return sealing_rows(args, size, args.total_mib, build, limit)
 
     def redis_row(url: str, size: int) -> dict[str, Any]:
         def build(name: str, fields: dict[str, Any], count: int) -> StorageTier:
@@ -474,16 +574,12 @@ def hash_speeds(record_bytes: int, total_mib: int, runs: int = 5) -> dict[str, A
     key = os.urandom(32)
     aead = AESGCM(key)
     nonce = os.urandom(12)
-
-    def gmac() -> bytes:
-        encryptor = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
-        encryptor.authenticate_additional_data(record)
-        encryptor.finalize()
-        return encryptor.tag
+    header = os.urandom(128)
 
     ways: dict[str, Callable[[], object]] = {
         "xxh3": lambda: xxhash.xxh3_64_intdigest(record),
-        "gmac": gmac,
+        # as the records' MAC makes it: a header encrypted, the payload associated
+        "gmac": lambda: aead.encrypt(nonce, header, record)[-16:],
         "blake3": lambda: blake3.blake3(record, key=key).digest(16),
         "hmac_sha256": lambda: hmac.digest(key, record, "sha256"),
         "blake2b": lambda: hashlib.blake2b(record, key=key, digest_size=16).digest(),
@@ -559,8 +655,7 @@ def bench_mooncake(
     try:
         result = measure(
             tier_arm,
-            Arm(bare_put, bare_get, bare_check),
-            "client",
+            ("client", Arm(bare_put, bare_get, bare_check)),
             args.repeats,
             count * record_bytes,
         )
@@ -626,8 +721,7 @@ def bench_s3(args: argparse.Namespace, record_bytes: int, config: S3TierConfig) 
     try:
         result = measure(
             tier_arm,
-            Arm(bare_put, bare_get, bare_check),
-            "boto3",
+            ("boto3", Arm(bare_put, bare_get, bare_check)),
             args.repeats,
             count * record_bytes,
         )

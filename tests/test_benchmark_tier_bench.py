@@ -66,6 +66,9 @@ def test_every_field_the_tier_benchmark_prints_is_documented(tmp_path: Path) -> 
         assert report["mooncake"][0]["records"] == 64
     for row in report["disk"]:
         assert 0 < row["put_ratio"]["min"] <= row["put_ratio"]["median"] <= row["put_ratio"]["max"]
+        limit = row["put_limit_ratio"]
+        assert 0 < limit["min"] <= limit["median"] <= limit["max"]
+        assert row["limit"]["put_gbps"] > 0 and row["get_limit_cpu_ratio"] > 0
     sealing = report["sealing"]
     assert set(sealing["hashes"][0]) == {
         "record_bytes",
@@ -81,6 +84,7 @@ def test_every_field_the_tier_benchmark_prints_is_documented(tmp_path: Path) -> 
         for scheme in ("mac", "aead"):
             assert row[scheme]["tier"]["put_gbps"] > 0 and row[scheme]["checksum"]["get_gbps"] > 0
             assert 0 < row[scheme]["get_ratio"]["min"] <= row[scheme]["get_ratio"]["max"]
+            assert ("limit" in row[scheme]) is (tier == "disk"), "the limit arm is the disk's"
     section = speed_section()
     missing = sorted(name for name in field_names(report) if f"`{name}`" not in section)
     assert not missing, f"docs/tiers.md's Speed section does not describe {missing}"
