@@ -20,6 +20,11 @@ the block's hash and layer (:func:`kvtier.testing.engine.block_values`), so a
 block loaded from the tier is checked byte for byte against what it must hold
 (:attr:`VllmSteps.mismatches`). It runs on CPU tensors with any vLLM release
 kvtier supports; only ``config.json`` of a model is needed (no weights).
+
+The same engine runs with another connector (``connector``), or none, and
+without writing or checking blocks (:attr:`StepsSpec.write_blocks`), so a
+benchmark times vLLM's own scheduler beside kvtier's halves
+(:attr:`VllmSteps.step_s`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ LAYOUT_STRIDES = {
     "BHLNC": ("head", "layers"),
 }
 """How vLLM packs one dense buffer in each ``KVCacheLayout``."""
+
+
+KVTIER_CONNECTOR = ("KVTierConnector", "kvtier.integrations.vllm")
+"""kvtier's connector: vLLM's ``kv_connector`` and ``kv_connector_module_path``."""
 
 
 def kv_cache_tensor_strides(
@@ -108,12 +117,22 @@ class StepsSpec:
     """Publish KV-cache events (to a publisher :attr:`VllmSteps.events` records)."""
     model: TinyLlamaSpec = field(default_factory=TinyLlamaSpec)
     """The model whose KV-cache shape (layers, KV heads, head size) the tensors take."""
+    write_blocks: bool = True
+    """The "forward" writes the blocks requests complete and checks loaded blocks; ``False``:
+    it touches no tensor (the KV tensors are then left uninitialised)."""
 
 
 class VllmSteps:
     """A model-free vLLM engine with kvtier: real scheduler, real connector, CPU tensors."""
 
-    def __init__(self, model_dir: str | Path, kvtier: Mapping[str, Any], spec: StepsSpec) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        kvtier: Mapping[str, Any],
+        spec: StepsSpec,
+        *,
+        connector: tuple[str, str] | None = KVTIER_CONNECTOR,
+    ) -> None:
         """Build the configs, the scheduler (and its connector), the KV tensors and the worker.
 
         Args:
@@ -121,6 +140,8 @@ class VllmSteps:
                 (:func:`write_model_config`).
             kvtier: kvtier's config (``kv_connector_extra_config``).
             spec: The engine's shape.
+            connector: The KV connector's class name and module path (default: kvtier's);
+                ``None``: vLLM runs without a connector and there is no worker half.
         """
         from vllm.config import (
             CacheConfig,
@@ -131,6 +152,7 @@ class VllmSteps:
             SchedulerConfig,
             VllmConfig,
         )
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256
@@ -146,7 +168,6 @@ class VllmSteps:
         from vllm.v1.kv_cache_layout import KVCacheLayout
         from vllm.v1.structured_output import StructuredOutputManager
 
-        from kvtier.integrations.vllm.connector import KVTierConnector
         from kvtier.integrations.vllm.worker import manager_block_views
 
         self.spec = spec
@@ -167,11 +188,13 @@ class VllmSteps:
             ),
             device_config=DeviceConfig("cpu"),
             kv_transfer_config=KVTransferConfig(
-                kv_connector="KVTierConnector",
-                kv_connector_module_path="kvtier.integrations.vllm",
+                kv_connector=connector[0],
+                kv_connector_module_path=connector[1],
                 kv_role="kv_both",
                 kv_connector_extra_config=dict(kvtier),
-            ),
+            )
+            if connector is not None
+            else None,
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null")
             if spec.kv_events
             else None,
@@ -200,7 +223,8 @@ class VllmSteps:
             kv_cache_groups=[KVCacheGroupSpec(self.layer_names, attention)],
         )
         self.vllm_config.cache_config.num_gpu_blocks = spec.num_blocks
-        raw = torch.zeros(tensor.size, dtype=torch.int8)
+        allocate = torch.zeros if spec.write_blocks else torch.empty
+        raw = allocate(tensor.size, dtype=torch.int8)
         views = create_kv_cache_views(
             raw,
             attention,
@@ -222,10 +246,12 @@ class VllmSteps:
             block_size=spec.block_tokens,
             log_stats=True,
         )
-        self.worker = KVTierConnector(
-            self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
-        )
-        self.worker.register_kv_caches(self.kv_caches)
+        self.worker: Any = None
+        if connector is not None:
+            self.worker = KVConnectorFactory.create_connector(
+                self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
+            )
+            self.worker.register_kv_caches(self.kv_caches)
 
         self.events: list[Any] = []
         if spec.kv_events:
@@ -241,6 +267,9 @@ class VllmSteps:
         self.mismatches: list[str] = []
         self._next_id = 0
         self._loads: dict[str, list[int]] = {}
+        self.step_s: dict[str, float] = {}
+        """The last step's seconds in ``schedule`` (vLLM's ``schedule()``), ``worker`` (the
+        worker connector's calls) and ``update`` (vLLM's ``update_from_output()``)."""
 
     @property
     def connector(self) -> Any:
@@ -274,36 +303,83 @@ class VllmSteps:
 
     def step(self) -> Any:
         """One engine step; returns the ``SchedulerOutput``."""
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import ModelRunnerOutput
 
+        started = time.perf_counter()
         output = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         self.preemptions += len(output.preempted_req_ids or ())
+        if self.worker is None:
+            kv_output, worker_s = None, 0.0
+            sampled = self._forward(output)
+        else:
+            kv_output, sampled, worker_s = self._worker_step(output)
+        req_ids = list(sampled)
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={request_id: i for i, request_id in enumerate(req_ids)},
+            sampled_token_ids=[sampled[request_id] for request_id in req_ids],
+            kv_connector_output=kv_output,
+        )
+        updating = time.perf_counter()
+        client_outputs = self.scheduler.update_from_output(output, runner_output)
+        self.step_s = {
+            "schedule": scheduled - started,
+            "worker": worker_s,
+            "update": time.perf_counter() - updating,
+        }
+        for client_output in client_outputs.values():
+            for request_output in client_output.outputs:
+                self.outputs[request_output.request_id].extend(request_output.new_token_ids)
+                if request_output.finish_reason is not None:
+                    self.finished.add(request_output.request_id)
+            stats = client_output.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.connector_stats.append(dict(stats.kv_connector_stats))
+        return output
+
+    def _worker_step(self, output: Any) -> tuple[Any, dict[str, list[int]], float]:
+        """The worker connector's calls around the "forward": its ``KVConnectorOutput``, the
+        sampled tokens and the seconds the calls took."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        from kvtier.integrations.vllm.connector import KVTierMetadata
+
         worker = self.worker
         metadata = output.kv_connector_metadata
+        checking = self.spec.write_blocks and isinstance(metadata, KVTierMetadata)
+        started = time.perf_counter()
         worker.handle_preemptions(metadata)
         worker.bind_connector_metadata(metadata)
-        for transfer in metadata.plan.loads:
-            self._loads.setdefault(transfer.request_id, []).extend(transfer.device_blocks)
         if output.has_sync_kv_loads:  # as vLLM's model runner: before the forward
             worker.start_load_kv(None)
-        # what same-step loads wrote, before the forward writes the last token's block again
-        loaded_now = {
-            block: [self.block_views[name][block].clone() for name in self.layer_names]
-            for request_id in metadata.plan.same_step
-            for block in self._loads.get(request_id, ())
-        }
+        worker_s = time.perf_counter() - started
+        loaded_now: dict[int, list[torch.Tensor]] = {}
+        if checking:
+            for transfer in metadata.plan.loads:
+                self._loads.setdefault(transfer.request_id, []).extend(transfer.device_blocks)
+            # what same-step loads wrote, before the forward writes the last token's block again
+            loaded_now = {
+                block: [self.block_views[name][block].clone() for name in self.layer_names]
+                for request_id in metadata.plan.same_step
+                for block in self._loads.get(request_id, ())
+            }
         sampled = self._forward(output)
+        started = time.perf_counter()
         worker.wait_for_save()
         results = worker.get_transfer_results(output.finished_req_ids)
         invalid = worker.get_block_ids_with_load_errors()
+        worker_s += time.perf_counter() - started
         self.failed_blocks += len(invalid)
-        for request_id in metadata.plan.same_step:
-            self._check_loaded(request_id, invalid, loaded_now)
-        for request_id in results.finished_recving or ():
-            if request_id in (results.failed_recving or ()):
-                self._loads.pop(request_id, None)
-            else:
-                self._check_loaded(request_id, invalid)
+        if checking:
+            for request_id in metadata.plan.same_step:
+                self._check_loaded(request_id, invalid, loaded_now)
+            for request_id in results.finished_recving or ():
+                if request_id in (results.failed_recving or ()):
+                    self._loads.pop(request_id, None)
+                else:
+                    self._check_loaded(request_id, invalid)
+        started = time.perf_counter()
         kv_output = KVConnectorOutput(
             finished_sending=results.finished_sending or None,
             finished_recving=results.finished_recving or None,
@@ -313,22 +389,7 @@ class VllmSteps:
             kv_connector_worker_meta=worker.build_connector_worker_meta(),
         )
         worker.clear_connector_metadata()
-        req_ids = list(sampled)
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={request_id: i for i, request_id in enumerate(req_ids)},
-            sampled_token_ids=[sampled[request_id] for request_id in req_ids],
-            kv_connector_output=kv_output,
-        )
-        for client_outputs in self.scheduler.update_from_output(output, runner_output).values():
-            for request_output in client_outputs.outputs:
-                self.outputs[request_output.request_id].extend(request_output.new_token_ids)
-                if request_output.finish_reason is not None:
-                    self.finished.add(request_output.request_id)
-            stats = client_outputs.scheduler_stats
-            if stats is not None and stats.kv_connector_stats:
-                self.connector_stats.append(dict(stats.kv_connector_stats))
-        return output
+        return kv_output, sampled, worker_s + time.perf_counter() - started
 
     def run(self, max_steps: int = 500) -> None:
         """Step until the scheduler has no request and no copy is in flight.
@@ -337,7 +398,8 @@ class VllmSteps:
             AssertionError: If that takes more than ``max_steps`` steps.
         """
         for _ in range(max_steps):
-            if not self.scheduler.requests and not self.connector.has_pending_push_work():
+            pending = self.connector is not None and self.connector.has_pending_push_work()
+            if not self.scheduler.requests and not pending:
                 return
             self.step()
             time.sleep(0)
@@ -359,7 +421,8 @@ class VllmSteps:
 
     def close(self) -> None:
         """Shut the worker connector down (bounded wait for copies)."""
-        self.worker.shutdown()
+        if self.worker is not None:
+            self.worker.shutdown()
 
     def _forward(self, output: Any) -> dict[str, list[int]]:
         """Write the blocks each scheduled request completes; sample for finished prefills."""
@@ -367,11 +430,13 @@ class VllmSteps:
         size = self.spec.block_tokens
         for request_id, count in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[request_id]
-            start = request.num_computed_tokens - count
-            (block_ids,) = self.scheduler.kv_cache_manager.get_blocks(request_id).get_block_ids()
-            end = start + count
-            for position in range(start // size, min(end // size, len(request.block_hashes))):
-                self._write(block_ids[position], request.block_hashes[position])
+            end = request.num_computed_tokens
+            if self.spec.write_blocks:
+                start = end - count
+                manager = self.scheduler.kv_cache_manager
+                (block_ids,) = manager.get_blocks(request_id).get_block_ids()
+                for position in range(start // size, min(end // size, len(request.block_hashes))):
+                    self._write(block_ids[position], request.block_hashes[position])
             done = end >= request.num_tokens
             sampled[request_id] = [_next_token(request.all_token_ids)] if done else []
         return sampled
