@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.config.model import DEFAULT_PIN_MAX_S, DEFAULT_PIN_SHARE, DEFAULT_REPORT_DEADLINE_S
@@ -471,3 +471,8 @@ class OffloadManager:
     def num_requests(self) -> int:
         """Requests the manager tracks (running, or finished and held)."""
         return len(self.requests.requests)
+
+    @property
+    def tracked_requests(self) -> Collection[str]:
+        """The ids of the requests the manager tracks, as a live view."""
+        return self.requests.requests.keys()

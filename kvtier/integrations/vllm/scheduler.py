@@ -45,9 +45,10 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, cast
 
+import numpy as np
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_STORAGE,
@@ -334,7 +335,8 @@ class KVTierScheduler:
                 resumed=True,
             )
         cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
+        for i in self._cached_with_news(scheduler_output):
+            req_id = cached.req_ids[i]
             manager.scheduled(
                 req_id,
                 num_computed_tokens=cached.num_computed_tokens[i] + scheduled.get(req_id, 0),
@@ -353,6 +355,36 @@ class KVTierScheduler:
             pool = self._bound_pool()
             pool.touch([pool.blocks[ref.block_id] for ref in protect])
         return plan
+
+    def _cached_with_news(self, scheduler_output: SchedulerOutput) -> Sequence[int]:
+        """Positions of the running requests this step may give the manager news of.
+
+        Those that resume, get new device blocks, fill a block or are not
+        tracked (after a reset). Any other running request only moved within
+        a block, which the manager would note and drop (its block hashes come
+        in before the tokens that fill the block are computed), so a step
+        costs as many Python calls as requests changed in it, not as many as
+        run. With speculative decoding a request's count may fall back across
+        a block (rejected drafts), so every request is then passed on.
+        """
+        cached = scheduler_output.scheduled_cached_reqs
+        count = len(cached.req_ids)
+        if not count or scheduler_output.scheduled_spec_decode_tokens:
+            return range(count)
+        before = np.fromiter(cached.num_computed_tokens, np.int64, count)
+        scheduled = scheduler_output.num_scheduled_tokens
+        after = before + np.fromiter(
+            map(scheduled.get, cached.req_ids, itertools.repeat(0)), np.int64, count
+        )
+        news = after // self.block_tokens != before // self.block_tokens
+        news |= np.fromiter(map(bool, cached.new_block_ids), np.bool_, count)
+        if cached.resumed_req_ids:
+            news |= np.fromiter(
+                map(cached.resumed_req_ids.__contains__, cached.req_ids), np.bool_, count
+            )
+        tracked = self.manager.tracked_requests
+        news |= ~np.fromiter(map(tracked.__contains__, cached.req_ids), np.bool_, count)
+        return np.flatnonzero(news).tolist()
 
     def _bound_pool(self) -> BlockPool:
         if self._block_pool is None:
