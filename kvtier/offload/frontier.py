@@ -6,8 +6,9 @@ Reading the frontier every step would cost as much as the frontier is long, so
 :class:`FrontierMemory` skips it while its :meth:`~EvictionFrontier.signature`
 stays the same and the tier took every block offered last time (the same
 blocks are there, all held), and skips blocks whose contents the tier already
-held when they were last offered. Both memories are dropped as soon as any key
-leaves the tier.
+held when they were last offered. A key that leaves the tier drops only the
+blocks it named from that memory, so a step in which the tier evicts costs
+the blocks it evicted, not the frontier's length.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterable
 from typing import Protocol
 
+from kvtier.index.base import BlockKey
 from kvtier.offload.ledger import BatchLedger
 from kvtier.offload.messages import LazyCandidate
 from kvtier.offload.setup import ManagerSetup
@@ -47,20 +49,20 @@ class FrontierMemory:
     def __init__(self, setup: ManagerSetup, ledger: BatchLedger) -> None:
         self.setup = setup
         self.ledger = ledger
-        # device block id -> the contents the tier already held when it was last offered
+        # device block id -> the contents the tier already held when it was last offered, and
+        # the key they are held under; and per such key, the device blocks it was held for
         self._held: dict[int, Hashable] = {}
-        self._departures = -1
+        self._held_keys: dict[int, BlockKey] = {}
+        self._blocks_of: dict[BlockKey, set[int]] = {}
         # the frontier's signature at the last read, or None when that read offered a block
         # the tier did not take
         self._seen: Hashable | None = None
 
     def offer(self, frontier: EvictionFrontier) -> list[tuple[Hashable, LazyCandidate]]:
         """The frontier's blocks worth offering now, with the contents each was named by."""
-        departures = self.ledger.departures
-        if departures != self._departures:
-            self._held.clear()
-            self._departures = departures
-            self._seen = None
+        departed = self.ledger.take_departed()
+        if departed:
+            self._forget(departed)
         signature = frontier.signature()
         if signature == self._seen:
             return []
@@ -76,7 +78,19 @@ class FrontierMemory:
         """After planning: remember the offered blocks the tier holds or writes now."""
         namespace, present = self.setup.namespace, self.ledger.present
         for contents, candidate in offered:
-            if present(namespace.key(candidate.block_hash, candidate.group)):
-                self._held[candidate.block_id] = contents
+            key = namespace.key(candidate.block_hash, candidate.group)
+            if present(key):
+                block_id = candidate.block_id
+                self._held[block_id] = contents
+                self._held_keys[block_id] = key
+                self._blocks_of.setdefault(key, set()).add(block_id)
             else:
                 self._seen = None  # offer it again next time
+
+    def _forget(self, departed: Iterable[BlockKey]) -> None:
+        """The tier no longer holds these keys: offer their blocks again at the next read."""
+        for key in departed:
+            for block_id in self._blocks_of.pop(key, ()):
+                if self._held_keys.get(block_id) == key:
+                    del self._held[block_id], self._held_keys[block_id]
+                    self._seen = None

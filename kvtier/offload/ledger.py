@@ -101,18 +101,29 @@ class BatchLedger:
         self.unavailable: dict[str, tuple[DeviceBlock, ...]] = {}
         self._bytes_per_block = setup.record_bytes * setup.world_size
         self.events: list[IndexEvent] = []
-        self.departures = 0
-        """Keys that stopped being held or written so far (evicted, discarded, or their store
-        or promotion given up)."""
+        self._departed: list[BlockKey] = []
+        # Only lazy mode's frontier memory reads departures; eager mode keeps none.
+        self._keep_departed = setup.store_mode == "lazy"
 
     def count_index_events(self, events: list[IndexEvent]) -> None:
         """Count the index's evictions (keys that left the tier); with ``record_events``,
         keep the events for :meth:`take_events`."""
-        evicted = sum(1 for event in events if event.kind is EventKind.EVICTED)
-        self.counters.add("evicted_blocks", evicted)
-        self.departures += evicted
+        evicted = [event.key for event in events if event.kind is EventKind.EVICTED]
+        self.counters.add("evicted_blocks", len(evicted))
+        self.note_departed(evicted)
         if self.setup.record_events:
             self.events.extend(events)
+
+    def note_departed(self, keys: Sequence[BlockKey]) -> None:
+        """These keys stopped being held or written (evicted, discarded, or their store or
+        promotion given up)."""
+        if self._keep_departed:
+            self._departed.extend(keys)
+
+    def take_departed(self) -> list[BlockKey]:
+        """Return and forget the keys that departed since the last call (lazy mode only)."""
+        departed, self._departed = self._departed, []
+        return departed
 
     def take_events(self) -> list[IndexEvent]:
         """Return and forget the events kept since the last call."""
@@ -326,7 +337,7 @@ class BatchLedger:
         for key in batch.keys:
             del self.writing[key]
         self.setup.index.abort(batch.keys)
-        self.departures += len(batch.keys)
+        self.note_departed(batch.keys)
 
     def expire(self, collected: Collected) -> None:
         """Fail the batches some worker did not report within ``report_deadline_s``."""

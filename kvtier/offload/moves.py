@@ -284,7 +284,7 @@ class LowerTierMoves:
                 self._reused.update(found)
         if promotion.found < len(promotion.keys):
             index.abort(promotion.keys[promotion.found :])
-            self.ledger.departures += len(promotion.keys) - promotion.found
+            self.ledger.note_departed(promotion.keys[promotion.found :])
         self.counters.add("promoted_blocks", promotion.found)
         self._answer(promotion)
         logger.debug(

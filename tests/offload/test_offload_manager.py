@@ -290,6 +290,42 @@ def test_lazy_mode_stores_frontier_candidates_not_yet_in_the_tier() -> None:
         m.build_plan([LazyCandidate(HASHES[3], 3, 9)])
 
 
+class FixedFrontier:
+    """An eviction frontier that never changes, and counts the candidates it makes."""
+
+    def __init__(self, blocks: dict[int, bytes]) -> None:
+        self.held = blocks
+        self.candidates = 0
+
+    def signature(self) -> str:
+        return "unchanged"
+
+    def blocks(self) -> list[tuple[int, bytes]]:
+        return list(self.held.items())
+
+    def candidate(self, block_id: int, contents: object) -> LazyCandidate:
+        self.candidates += 1
+        assert isinstance(contents, bytes)
+        return LazyCandidate(contents, 0, block_id)
+
+
+def test_a_key_leaving_the_tier_offers_again_only_the_frontier_blocks_it_named() -> None:
+    m = manager(num_slots=4, store_mode="lazy")
+    frontier = FixedFrontier({10 + i: HASHES[i] for i in range(4)})
+    first = m.build_plan(frontier=frontier)
+    assert first.stores[0].device_blocks == (10, 11, 12, 13)
+    m.process(done(first))
+    assert m.build_plan(frontier=frontier).empty  # the same frontier, all held: not read
+    assert frontier.candidates == 4
+    # A fifth block takes the least recently used slot: block 10's contents leave the tier.
+    evicting = m.build_plan([LazyCandidate(HASHES[9], 0, 20)], frontier=frontier)
+    assert evicting.stores[0].device_blocks == (20,)
+    m.process(done(evicting))
+    again = m.build_plan(frontier=frontier)
+    assert frontier.candidates == 5
+    assert again.stores[0].device_blocks == (10,)
+
+
 def test_lazy_stores_take_slots_in_the_prompts_order_when_all_fit() -> None:
     # The engine frees a request's blocks last first, so the frontier offers its
     # prompt backwards; with room for every candidate the slots count up along
