@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,6 +117,9 @@ class StepsSpec:
     """Publish KV-cache events (to a publisher :attr:`VllmSteps.events` records)."""
     model: TinyLlamaSpec = field(default_factory=TinyLlamaSpec)
     """The model whose KV-cache shape (layers, KV heads, head size) the tensors take."""
+    clock: Callable[[], float] = time.perf_counter
+    """The seconds :attr:`VllmSteps.step_s` reads: wall time, or e.g. ``time.thread_time``
+    (the stepping thread's CPU time, which other processes on a busy machine do not inflate)."""
     write_blocks: bool = True
     """The "forward" writes the blocks requests complete and checks loaded blocks; ``False``:
     it touches no tensor (the KV tensors are then left uninitialised)."""
@@ -305,9 +308,10 @@ class VllmSteps:
         """One engine step; returns the ``SchedulerOutput``."""
         from vllm.v1.outputs import ModelRunnerOutput
 
-        started = time.perf_counter()
+        clock = self.spec.clock
+        started = clock()
         output = self.scheduler.schedule()
-        scheduled = time.perf_counter()
+        scheduled = clock()
         self.preemptions += len(output.preempted_req_ids or ())
         if self.worker is None:
             kv_output, worker_s = None, 0.0
@@ -321,12 +325,12 @@ class VllmSteps:
             sampled_token_ids=[sampled[request_id] for request_id in req_ids],
             kv_connector_output=kv_output,
         )
-        updating = time.perf_counter()
+        updating = clock()
         client_outputs = self.scheduler.update_from_output(output, runner_output)
         self.step_s = {
             "schedule": scheduled - started,
             "worker": worker_s,
-            "update": time.perf_counter() - updating,
+            "update": clock() - updating,
         }
         for client_output in client_outputs.values():
             for request_output in client_output.outputs:
@@ -348,12 +352,13 @@ class VllmSteps:
         worker = self.worker
         metadata = output.kv_connector_metadata
         checking = self.spec.write_blocks and isinstance(metadata, KVTierMetadata)
-        started = time.perf_counter()
+        clock = self.spec.clock
+        started = clock()
         worker.handle_preemptions(metadata)
         worker.bind_connector_metadata(metadata)
         if output.has_sync_kv_loads:  # as vLLM's model runner: before the forward
             worker.start_load_kv(None)
-        worker_s = time.perf_counter() - started
+        worker_s = clock() - started
         loaded_now: dict[int, list[torch.Tensor]] = {}
         if checking:
             for transfer in metadata.plan.loads:
@@ -365,11 +370,11 @@ class VllmSteps:
                 for block in self._loads.get(request_id, ())
             }
         sampled = self._forward(output)
-        started = time.perf_counter()
+        started = clock()
         worker.wait_for_save()
         results = worker.get_transfer_results(output.finished_req_ids)
         invalid = worker.get_block_ids_with_load_errors()
-        worker_s += time.perf_counter() - started
+        worker_s += clock() - started
         self.failed_blocks += len(invalid)
         if checking:
             for request_id in metadata.plan.same_step:
@@ -379,7 +384,7 @@ class VllmSteps:
                     self._loads.pop(request_id, None)
                 else:
                     self._check_loaded(request_id, invalid)
-        started = time.perf_counter()
+        started = clock()
         kv_output = KVConnectorOutput(
             finished_sending=results.finished_sending or None,
             finished_recving=results.finished_recving or None,
@@ -389,7 +394,7 @@ class VllmSteps:
             kv_connector_worker_meta=worker.build_connector_worker_meta(),
         )
         worker.clear_connector_metadata()
-        return kv_output, sampled, worker_s + time.perf_counter() - started
+        return kv_output, sampled, worker_s + clock() - started
 
     def run(self, max_steps: int = 500) -> None:
         """Step until the scheduler has no request and no copy is in flight.
