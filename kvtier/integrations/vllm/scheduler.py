@@ -48,7 +48,6 @@ from collections import deque
 from collections.abc import Hashable, Iterator, Sequence
 from typing import TYPE_CHECKING, cast
 
-import numpy as np
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
     MEDIUM_STORAGE,
@@ -363,28 +362,28 @@ class KVTierScheduler:
         tracked (after a reset). Any other running request only moved within
         a block, which the manager would note and drop (its block hashes come
         in before the tokens that fill the block are computed), so a step
-        costs as many Python calls as requests changed in it, not as many as
-        run. With speculative decoding a request's count may fall back across
-        a block (rejected drafts), so every request is then passed on.
+        makes as many manager calls as requests changed in it, and one check
+        per running request (a comprehension: numpy's conversions of vLLM's
+        lists cost more at every size measured). With speculative decoding a
+        request's count may fall back across a block (rejected drafts), so
+        every request is then passed on.
         """
         cached = scheduler_output.scheduled_cached_reqs
-        count = len(cached.req_ids)
-        if not count or scheduler_output.scheduled_spec_decode_tokens:
-            return range(count)
-        before = np.fromiter(cached.num_computed_tokens, np.int64, count)
-        scheduled = scheduler_output.num_scheduled_tokens
-        after = before + np.fromiter(
-            map(scheduled.get, cached.req_ids, itertools.repeat(0)), np.int64, count
-        )
-        news = after // self.block_tokens != before // self.block_tokens
-        news |= np.fromiter(map(bool, cached.new_block_ids), np.bool_, count)
-        if cached.resumed_req_ids:
-            news |= np.fromiter(
-                map(cached.resumed_req_ids.__contains__, cached.req_ids), np.bool_, count
+        if scheduler_output.scheduled_spec_decode_tokens:
+            return range(len(cached.req_ids))
+        scheduled = scheduler_output.num_scheduled_tokens.get
+        resumed, tracked = cached.resumed_req_ids, self.manager.tracked_requests
+        size = self.block_tokens
+        return [
+            i
+            for i, (req_id, before, new_blocks) in enumerate(
+                zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids, strict=True)
             )
-        tracked = self.manager.tracked_requests
-        news |= ~np.fromiter(map(tracked.__contains__, cached.req_ids), np.bool_, count)
-        return np.flatnonzero(news).tolist()
+            if new_blocks
+            or (before + scheduled(req_id, 0)) // size != before // size
+            or req_id in resumed
+            or req_id not in tracked
+        ]
 
     def _bound_pool(self) -> BlockPool:
         if self._block_pool is None:
