@@ -228,7 +228,10 @@ def run_case(
     arrival_rate = 0.0 if args.decode_only else budget / (4 * case.context)
     arrivals = math.ceil(arrival_rate * args.steps) + 1
     hit = int(case.context * case.prefix_hit)
-    blocks_per_request = -(-(case.context + BLOCK_TOKENS + args.steps) // BLOCK_TOKENS)
+    # Tokens a request may generate: while the others prefill (at most this many steps),
+    # then while measured. Requests never reach it: the benchmark finishes them.
+    decode_room = -(-case.running * case.context // budget) + args.steps + BLOCK_TOKENS
+    blocks_per_request = -(-(case.context + decode_room) // BLOCK_TOKENS)
     # The running set and the arrivals' blocks past their repeated halves: the running set
     # then evicts the past prompts' first halves from vLLM's cache.
     device_blocks = (
@@ -242,7 +245,7 @@ def run_case(
         block_tokens=BLOCK_TOKENS,
         max_num_batched_tokens=budget,
         max_num_seqs=case.running + arrivals + 1,
-        max_model_len=case.context + BLOCK_TOKENS + args.steps + 2,
+        max_model_len=case.context + decode_room,
         model=model,
         write_blocks=False,
         clock=CLOCKS[args.clock],
@@ -258,7 +261,7 @@ def run_case(
                 engine.add(prompt, 1)
             engine.steps.run(max_steps=10 * len(past) * case.context // budget + 100)
             engine.ids.clear()
-        max_tokens = args.steps + case.context  # never reached: the benchmark finishes requests
+        max_tokens = decode_room
         stagger = 1 if args.decode_only else BLOCK_TOKENS
         prompts = [
             [rng.randrange(TOKENS) for _ in range(case.context - rng.randrange(stagger))]
@@ -276,6 +279,8 @@ def run_case(
             warmup += 1
         for engine in engines:
             set_token_budget(engine, budget)
+            running = len(engine.steps.scheduler.running)
+            assert running == case.running, f"{engine.arm}: {running} requests run"
         for engine in engines:
             engine.measured_from = len(engine.steps.connector_stats)
         due = 0.0
@@ -293,7 +298,9 @@ def run_case(
             order = engines[step % 3 :] + engines[: step % 3]
             for engine in order:
                 engine.step(record=True)
-        return case_report(case, engines, warmup=warmup, arrivals=arrived)
+        report = case_report(case, engines, warmup=warmup, arrivals=arrived)
+        report["decode_only"] = args.decode_only
+        return report
     finally:
         for engine in engines:
             engine.steps.close()
@@ -415,10 +422,15 @@ def plot(report: dict[str, Any], path: str) -> None:
 
     runs = report["runs"]
     figure, (by_running, by_changed) = plt.subplots(1, 2, figsize=(11, 4.2))
-    lines = sorted({(run["context_tokens"], run["store_mode"]) for run in runs})
-    for context, mode in lines:
+    lines = sorted({(run["decode_only"], run["context_tokens"], run["store_mode"]) for run in runs})
+    for decode_only, context, mode in lines:
         chosen = sorted(
-            (run for run in runs if (run["context_tokens"], run["store_mode"]) == (context, mode)),
+            (
+                run
+                for run in runs
+                if (run["decode_only"], run["context_tokens"], run["store_mode"])
+                == (decode_only, context, mode)
+            ),
             key=lambda run: run["running"],
         )
         sizes = sorted({run["running"] for run in chosen})
@@ -436,7 +448,7 @@ def plot(report: dict[str, Any], path: str) -> None:
             )
             for n in sizes
         ]
-        label = f"{context // 1024}K {mode}"
+        label = f"{context // 1024}K, {'decode only' if decode_only else 'arrivals'}, {mode}"
         (line,) = by_running.plot(sizes, medians, marker="o", label=f"kvtier, {label}")
         by_running.plot(sizes, base, linestyle=":", color=line.get_color())
         for run in chosen:
@@ -575,7 +587,6 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
         "vllm": vllm.__version__,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "policy": args.policy,
-        "decode_only": args.decode_only,
         "clock": args.clock,
         "block_tokens": BLOCK_TOKENS,
         "load_average_start": started,
