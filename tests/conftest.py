@@ -1,6 +1,6 @@
 """What every test folder shares: where the checkout is, loading a script of it, the benchmarks'
-modules, small tmpfs mounts (a full or read-only disk), an in-process vLLM engine's environment,
-and a directory of its own for vLLM's sockets."""
+modules and the fields their JSON holds, small tmpfs mounts (a full or read-only disk), an
+in-process vLLM engine's environment, and a directory of its own for vLLM's sockets."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -30,6 +31,15 @@ def load_script(path: Path, name: str | None = None) -> ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def field_names(value: Any) -> set[str]:
+    """Every key of every object in a JSON value, at any depth (a benchmark's documented fields)."""
+    if isinstance(value, dict):
+        return set(value).union(*(field_names(item) for item in value.values()))
+    if isinstance(value, list):
+        return set().union(*(field_names(item) for item in value))
+    return set()
 
 
 def mount_tmpfs(target: Path, size_bytes: int, *, read_only: bool = False) -> bool:

@@ -7,20 +7,10 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 from kvtier.testing.mooncake_server import mooncake_binaries
 from kvtier.testing.redis_server import redis_server_binary
-from tests.conftest import REPO_ROOT
-
-
-def field_names(value: Any) -> set[str]:
-    """Every key of every object in a JSON value, at any depth."""
-    if isinstance(value, dict):
-        return set(value).union(*(field_names(item) for item in value.values()))
-    if isinstance(value, list):
-        return set().union(*(field_names(item) for item in value))
-    return set()
+from tests.conftest import REPO_ROOT, field_names
 
 
 def speed_section() -> str:
