@@ -30,7 +30,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,11 @@ def both_servers(model: str, work: Path) -> Iterator[dict[str, Server]]:
     finally:
         for server in started.values():
             server.stop()
+
+
+ServerPair = Callable[[str, Path], contextlib.AbstractContextManager[dict[str, Server]]]
+"""Gives a pair's running servers, by arm, for a model and a working directory (the tests pass
+servers they share with other tests; :func:`both_servers` otherwise)."""
 
 
 def counters(server: Server) -> dict[str, float]:
@@ -267,19 +272,21 @@ def run_pairs(
     datasets: Sequence[str],
     num_prompts: int,
     concurrency: int,
+    servers: ServerPair = both_servers,
 ) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Alternated pairs: fresh servers per pair, the arm measured first swapped each pair."""
+    """Alternated pairs: a pair of servers from ``servers`` (fresh ones) each, the arm measured
+    first swapped each pair."""
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         dataset: {arm: [] for arm in ARMS} for dataset in datasets
     }
     for pair in range(pairs):
         order = ARMS if pair % 2 == 0 else ARMS[::-1]
-        with both_servers(model, work) as servers:
+        with servers(model, work) as running:
             for dataset in datasets:
                 for arm in order:
                     print(f"pair {pair + 1}/{pairs}: {dataset} on {arm}", file=sys.stderr)
                     runs[dataset][arm].append(
-                        measure(servers[arm], dataset, num_prompts, concurrency)
+                        measure(running[arm], dataset, num_prompts, concurrency)
                     )
     return runs
 
@@ -304,13 +311,13 @@ def arguments() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, servers: ServerPair = both_servers) -> int:
     args = arguments().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvtier-serve-bench-") as scratch:
         work = Path(scratch)
         model = str(write_tiny_llama(work / "tiny-llama", TinyLlamaSpec()))
         runs = run_pairs(
-            model, work, args.pairs, args.datasets, args.num_prompts, args.max_concurrency
+            model, work, args.pairs, args.datasets, args.num_prompts, args.max_concurrency, servers
         )
     result = {
         "command": "python benchmarks/serve_bench.py " + " ".join(argv or sys.argv[1:]),

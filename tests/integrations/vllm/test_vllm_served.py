@@ -1,108 +1,56 @@
 """Served end to end: ``kvtier serve`` and plain vLLM's OpenAI server, answering over HTTP.
 
-Two servers start side by side on 127.0.0.1 (random free ports), the same
-random-weight Llama behind both: plain vLLM, and vLLM with kvtier started the
-way an operator starts it. vLLM's own KV cache is too small for the prompts'
-shared prefixes, so their second use is a kvtier hit. The replies must be
-equal, kvtier's hit counters on ``/metrics`` non-zero, and kvtier's start-up
-lines in vLLM's log format. A request's ``kv_transfer_params`` control it, and
-an invalid kvtier entry is answered 400 with its one-line error. The servers
-are stopped however the test ends.
+Two servers run side by side on 127.0.0.1 (random free ports), the same random-weight Llama
+behind both: plain vLLM, and vLLM with kvtier started the way an operator starts it, as the
+serving benchmark starts them. Two servers take a minute or more to start, so the module starts
+one pair and every test here uses it. vLLM's own KV cache is too small for the prompts' shared
+prefixes, so their second use is a kvtier hit. The replies must be equal, kvtier's hit counters
+on ``/metrics`` must have moved, and kvtier's start-up lines must be in vLLM's log format. A
+request's ``kv_transfer_params`` control it, and an invalid kvtier entry is answered 400 with its
+one-line error. The serving benchmark, short (vLLM's benchmark client on those servers, a few
+prompts of each dataset), must complete every request on both arms with the same greedy texts;
+not speed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
-import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
-from kvtier.integrations.serve import VLLM_SERVER_MODULE
-from kvtier.testing.redis_server import free_port
 from kvtier.testing.served import Server
+from tests.integrations.vllm.conftest import BLOCK
 
 pytest.importorskip("vllm")
 
 pytestmark = pytest.mark.vllm
 
-BLOCK = 32
-START_TIMEOUT_S = 600.0
-"""A minute or two on an idle two-core machine; far longer when other work shares it."""
 REQUEST_TIMEOUT_S = 60.0
-
-SERVER_ENVIRONMENT = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    # Same rounding whatever shares a step (see conftest.ENGINE_ENVIRONMENT).
-    "VLLM_CPU_ATTN_SPLIT_KV": "0",
-    "VLLM_LOGGING_COLOR": "0",
-}
-
-VLLM_ARGS = [
-    "--skip-tokenizer-init",
-    "--dtype",
-    "float32",
-    "--block-size",
-    str(BLOCK),
-    "--max-model-len",
-    "512",
-    "--enforce-eager",
-    "--seed",
-    "0",
-    # 16 usable blocks (vLLM keeps one back) of 512 tokens: two of the prompts below at a time,
-    # so each prefix is evicted before it is used again.
-    "--num-gpu-blocks-override",
-    "17",
-    # One process less per server: the worker runs in the engine-core process.
-    "--distributed-executor-backend",
-    "uni",
-]
+PREFIXES = 6
+"""Six prefixes of six blocks: their first uses fill more than the servers' 32 device blocks."""
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Server]]:
-    """(plain vLLM, vLLM with kvtier), started together so their start-ups overlap."""
+def servers(
+    benchmarks_on_path: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Server]]:
+    """Plain vLLM and kvtier serve by arm (``"vanilla"``, ``"kvtier"``), as the serving benchmark
+    starts them; stopped however the tests end."""
+    import serve_bench
+
     work = tmp_path_factory.mktemp("served")
-    model = str(write_tiny_llama(work / "model", TinyLlamaSpec()))
-    config = work / "kvtier.yaml"
-    config.write_text("cpu_bytes: 64MiB\n")
-    started: list[Server] = []
-    try:
-        port = free_port()
-        started.append(
-            Server.start(
-                [sys.executable, "-m", VLLM_SERVER_MODULE, "--model", model, "--port", str(port)]
-                + ["--host", "127.0.0.1", *VLLM_ARGS],
-                work / "plain.log",
-                port,
-                model,
-                SERVER_ENVIRONMENT,
-            )
-        )
-        port = free_port()
-        started.append(
-            Server.start(
-                [sys.executable, "-m", "kvtier", "serve", "--kvtier-config", str(config), model]
-                + ["--host", "127.0.0.1", "--port", str(port), *VLLM_ARGS],
-                work / "kvtier.log",
-                port,
-                model,
-                SERVER_ENVIRONMENT,
-            )
-        )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for server in started:
-            server.wait_ready(deadline)
-        yield started[0], started[1]
-    finally:
-        for server in started:
-            server.stop()
+    model = str(write_tiny_llama(work / "tiny-llama", TinyLlamaSpec()))
+    with serve_bench.both_servers(model, work) as started:
+        yield started
 
 
 def _completion_request(
@@ -143,34 +91,46 @@ def _kvtier_metrics(server: Server) -> dict[str, float]:
 
 
 def _prompts() -> list[list[int]]:
-    """Three prefixes of six blocks, each used twice with other tails, the second round later."""
+    """Six prefixes of six blocks, each used twice with other tails, the second round later."""
     rng = random.Random(7)
-    prefixes = [[rng.randrange(1000) for _ in range(6 * BLOCK)] for _ in range(3)]
-    tails = [[rng.randrange(1000) for _ in range(rng.randrange(1, BLOCK))] for _ in range(6)]
+    prefixes = [[rng.randrange(1000) for _ in range(6 * BLOCK)] for _ in range(PREFIXES)]
+    tails = [
+        [rng.randrange(1000) for _ in range(rng.randrange(1, BLOCK))] for _ in range(2 * PREFIXES)
+    ]
     return [prefix + tails[i] for i, prefix in enumerate(prefixes)] + [
-        prefix + tails[3 + i] for i, prefix in enumerate(prefixes)
+        prefix + tails[PREFIXES + i] for i, prefix in enumerate(prefixes)
     ]
 
 
-def test_served_replies_match_plain_vllm_and_kvtier_hits(servers: tuple[Server, Server]) -> None:
-    plain, kvtier = servers
+def _moved(before: dict[str, float], after: dict[str, float], metric: str) -> float:
+    return after.get(metric, 0.0) - before.get(metric, 0.0)
+
+
+def test_served_replies_match_plain_vllm_and_kvtier_hits(
+    servers: dict[str, Server],
+) -> None:
+    plain, kvtier = servers["vanilla"], servers["kvtier"]
+    # The servers also serve the other tests' requests: these prompts' hits are what the
+    # counters move by.
+    before = _kvtier_metrics(kvtier)
     for prompt in _prompts():
         assert _complete(kvtier, prompt) == _complete(plain, prompt)
     deadline = time.monotonic() + REQUEST_TIMEOUT_S
     metrics = _kvtier_metrics(kvtier)
-    while metrics.get("vllm:kvtier_loaded_blocks_total", 0) == 0 and time.monotonic() < deadline:
+    loaded = "vllm:kvtier_loaded_blocks_total"
+    while _moved(before, metrics, loaded) == 0 and time.monotonic() < deadline:
         time.sleep(0.5)
         metrics = _kvtier_metrics(kvtier)
-    assert metrics["vllm:kvtier_hit_tokens_total"] > 0, metrics
-    assert metrics["vllm:kvtier_loaded_blocks_total"] > 0, metrics
+    assert _moved(before, metrics, "vllm:kvtier_hit_tokens_total") > 0, (before, metrics)
+    assert _moved(before, metrics, loaded) > 0, (before, metrics)
     assert metrics.get("vllm:kvtier_load_failures_total", 0) == 0, metrics
     assert _kvtier_metrics(plain) == {}
 
 
 def test_kv_transfer_params_control_a_request_and_an_invalid_one_is_a_400(
-    servers: tuple[Server, Server],
+    servers: dict[str, Server],
 ) -> None:
-    plain, kvtier = servers
+    plain, kvtier = servers["vanilla"], servers["kvtier"]
     prompt = _prompts()[0][:-1] + [11]
     control = {"kvtier": {"load": False, "store_max_tokens": BLOCK, "priority": "low"}}
     assert _complete(kvtier, prompt, kv_transfer_params=control) == _complete(plain, prompt)
@@ -187,11 +147,30 @@ def test_kv_transfer_params_control_a_request_and_an_invalid_one_is_a_400(
     assert _complete(kvtier, prompt) == _complete(plain, prompt), "the server still serves"
 
 
-def test_kvtier_start_up_lines_are_in_vllm_log_format(servers: tuple[Server, Server]) -> None:
-    log = servers[1].log.read_text(errors="replace")
+def test_kvtier_start_up_lines_are_in_vllm_log_format(servers: dict[str, Server]) -> None:
+    log = servers["kvtier"].log.read_text(errors="replace")
     prefix = r"\((EngineCore|Worker)[^)]* pid=\d+\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[[^]]+\] "
     for role in ("scheduler", "worker"):
-        summary = re.search(prefix + f"kvtier {role}: eager store mode, host tier 64.0MiB", log)
+        summary = re.search(prefix + f"kvtier {role}: eager store mode, host tier 256.0MiB", log)
         assert summary is not None, f"no {role} start-up line in vLLM's format:\n{log[-4000:]}"
-        assert "cpu_bytes=64.0MiB (file " in log[summary.end() :].splitlines()[0]
+        assert "cpu_bytes=256.0MiB (file " in log[summary.end() :].splitlines()[0]
     assert re.search(prefix + "kvtier sets kv_load_failure_policy to 'recompute'", log)
+
+
+def test_the_short_serving_benchmark_completes_every_prompt_with_the_same_greedy_text(
+    servers: dict[str, Server], tmp_path: Path
+) -> None:
+    import serve_bench
+
+    output = tmp_path / "serve.json"
+    argv = ["--pairs", "1", "--num-prompts", "4", "--output", str(output)]
+    assert serve_bench.main(argv, lambda model, work: contextlib.nullcontext(servers)) == 0
+    datasets = json.loads(output.read_text())["datasets"]
+    assert sorted(datasets) == sorted(serve_bench.DATASETS)
+    for name, dataset in datasets.items():
+        for arm in serve_bench.ARMS:
+            (run,) = dataset["arms"][arm]
+            assert (run["completed"], run["failed"]) == (4, 0), (name, arm, run)
+        assert dataset["same_greedy_text"], name
+        (ratio,) = dataset["kvtier_over_vanilla"]["output_throughput"]["pairs"]
+        assert ratio > 0
