@@ -20,7 +20,19 @@ VLLM033_DEPS := numpy packaging psutil pyzmq urllib3 regex 'transformers>=5.16.1
 
 .PHONY: test demo install lint pytest pytest-vllm033 docs plugin-check wheel-check clean
 
-test: lint plugin-check wheel-check pytest pytest-vllm033 docs
+# The wheel check and the vLLM 0.33 environment (its install, then its tests) run beside the main
+# pytest: the installs wait on downloads and the disk more than on the cores. Their output goes
+# to $(SIDE_LOG), printed when the main pytest is done; any part failing fails the build.
+SIDE_LOG := .test-side.log
+
+test: lint plugin-check
+	@$(MAKE) --no-print-directory wheel-check pytest-vllm033 >$(SIDE_LOG) 2>&1 & side=$$!; \
+	$(MAKE) --no-print-directory pytest; main=$$?; \
+	wait $$side; status=$$?; \
+	echo "== wheel-check and pytest-vllm033 ($(SIDE_LOG)), exit status $$status"; \
+	cat $(SIDE_LOG); \
+	[ $$main = 0 ] && [ $$status = 0 ]
+	$(MAKE) --no-print-directory docs
 
 demo: $(STAMP)
 	$(BIN)/python -m kvtier.integrations.vllm.demo
@@ -54,6 +66,9 @@ plugin-check: $(STAMP)
 	$(BIN)/kvtier plugins | grep -E '^eviction policy +fifo +kvtier-example '
 
 # pytest's own exit status is kept: 5 ("no tests collected") fails the build like any other.
+# Two pytest-xdist workers. Each module's tests stay on one worker with its module fixtures (vLLM
+# engines, servers), and modules go out in the order pytest collects them (xdist's default, most
+# tests first, leaves the slow few-test modules to the end).
 # The redis tier's tests run real redis-server processes, the mooncake tier's a real
 # mooncake_master, which needs the RDMA and NUMA libraries; as root, install them when missing.
 pytest: $(STAMP)
@@ -62,7 +77,8 @@ pytest: $(STAMP)
 	@dpkg -s libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
 		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 		libibverbs1 librdmacm1 libnuma1 >/dev/null; }
-	$(BIN)/python -m pytest tests plugins/kvtier-example/tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder \
+		tests plugins/kvtier-example/tests
 
 # vLLM keeps model-class facts in a cache keyed by file hash; a cache of its own per release
 # spares both environments re-inspecting the model every run.
@@ -77,4 +93,4 @@ docs: $(STAMP)
 	$(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) $(VENV033) .venv-wheel site
+	rm -rf $(VENV) $(VENV033) .venv-wheel site $(SIDE_LOG)
