@@ -43,7 +43,7 @@ from kvtier.integrations.serve import (
     vanilla_reserved_cpus,
 )
 from kvtier.testing.redis_server import free_port
-from kvtier.testing.served import Server
+from kvtier.testing.served import PortTaken, Server
 
 ARMS = ("vanilla", "kvtier")
 BLOCK = 32
@@ -132,14 +132,20 @@ def start(arm: str, model: str, work: Path) -> Server:
 
 @contextlib.contextmanager
 def both_servers(model: str, work: Path) -> Iterator[dict[str, Server]]:
-    """Both arms' servers, started together so their start-ups overlap; stopped on exit."""
+    """Both arms' servers, started together so their start-ups overlap; stopped on exit. A server
+    whose port another process took first starts again on another port."""
     started: dict[str, Server] = {}
     try:
         for arm in ARMS:
             started[arm] = start(arm, model, work)
         deadline = time.monotonic() + START_TIMEOUT_S
-        for server in started.values():
-            server.wait_ready(deadline)
+        for arm in ARMS:
+            while True:
+                try:
+                    started[arm].wait_ready(deadline)
+                    break
+                except PortTaken:
+                    started[arm] = start(arm, model, work)
         yield started
     finally:
         for server in started.values():

@@ -20,6 +20,11 @@ STOP_TIMEOUT_S = 20.0
 """Seconds a server has to exit after SIGTERM, and again after SIGKILL."""
 
 
+class PortTaken(RuntimeError):
+    """The server exited because another process listened on its port first: a free port is
+    only free when it is picked, and a vLLM server binds it a minute or more later."""
+
+
 @dataclass
 class Server:
     """A server process (leader of its own process group), its port, log and model."""
@@ -55,11 +60,13 @@ class Server:
         """Return once ``/health`` answers 200.
 
         Raises:
+            PortTaken: The process exited because its port was taken; start it on another.
             RuntimeError: The process exited, or ``deadline`` (``time.monotonic``) passed.
         """
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(
+                exited = PortTaken if "Address already in use" in self.log_tail() else RuntimeError
+                raise exited(
                     f"server exited with {self.process.returncode}; its log {self.log} ends:\n"
                     f"{self.log_tail()}"
                 )
