@@ -1,5 +1,5 @@
 """The cost guard on real vLLM (CPU): reads of a deliberately slow lower tier are skipped once
-measured, and tokens stay those of vanilla vLLM."""
+measured, and tokens stay those of vanilla vLLM; reads of a fast one all go ahead."""
 
 from __future__ import annotations
 
@@ -25,6 +25,10 @@ PROMPTS = [
 """Prompts of four full blocks: the host tier holds two of them, so serving them all demotes
 most to the lower tier, and serving them again finds those there."""
 DEVICE = {"num_device_blocks": 64, "max_model_len": 512, "max_num_seqs": 4}
+WIDER = TinyLlamaSpec(
+    num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1024
+)
+"""The lower-tier benchmark's model: its prefill of a block costs more than reading it back."""
 READ_DELAY_S = 0.3
 """Each read of the slow tier: far above the tiny model's prefill of a few blocks."""
 
@@ -67,3 +71,31 @@ def test_reads_of_a_slow_tier_are_skipped_with_identical_tokens(
     assert tier["guard_skipped_records"] > 0
     assert stats.promoted_blocks == 0
 
+
+@pytest.fixture(scope="module")
+def wider_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from kvtier.integrations.checkpoints import write_tiny_llama
+
+    return str(write_tiny_llama(tmp_path_factory.mktemp("wider-llama"), WIDER))
+
+
+def test_reads_of_a_fast_tier_all_go_ahead(
+    wider_model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.integrations.vllm.offline import shutdown
+    from kvtier.testing.tiers import memory_tier_registry
+
+    monkeypatch.setattr(kvtier.plugins, "_default_registry", memory_tier_registry())
+    record_bytes = WIDER.kv_bytes_per_token() * BLOCK
+    fast = {"type": "memory", "read_delay_s": 0}
+    llm = start_engine(wider_model_dir, {"cpu_bytes": 9 * record_bytes, "tiers": [fast]}, **DEVICE)
+    try:
+        serve_one_by_one(llm, PROMPTS)
+        serve_one_by_one(llm, PROMPTS)
+        stats = manager_of(llm).stats()
+    finally:
+        shutdown(llm)
+    tier = stats.tiers["memory"]
+    assert tier.get("guard_skipped_records", 0) == 0
+    assert stats.guard_skipped_tokens == 0
+    assert stats.promoted_blocks >= 4 * MIN_SAMPLES
