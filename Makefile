@@ -18,15 +18,18 @@ VLLM033_DEPS := numpy packaging psutil pyzmq urllib3 regex 'transformers>=5.16.1
 	aiohttp requests oss-harmony openai pillow pybase64 cachetools msgspec cloudpickle uvloop \
 	py-cpuinfo prometheus_client 'xgrammar==0.2.8' fastapi partial-json-parser llguidance einops
 
-.PHONY: test demo install lint pytest pytest-vllm033 docs plugin-check wheel-check clean
+.PHONY: test demo install lint pytest pytest-vllm033 docs plugin-check wheel-check system-deps clean
 
-# The wheel check and the vLLM 0.33 environment (its install, then its tests) run beside the main
-# pytest: the installs wait on downloads and the disk more than on the cores. Their output goes
-# to $(SIDE_LOG), printed when the main pytest is done; any part failing fails the build.
+# The wheel check and the vLLM 0.33 environment (its install, then its tests) run beside the rest
+# from the start: the installs wait on downloads and the disk more than on the cores, and finish
+# before the main pytest needs both cores. Their output goes to $(SIDE_LOG), printed when the main
+# pytest is done; any part failing fails the build. The Debian packages install beside the main
+# environment.
 SIDE_LOG := .test-side.log
 
-test: lint plugin-check
+test:
 	@$(MAKE) --no-print-directory wheel-check pytest-vllm033 >$(SIDE_LOG) 2>&1 & side=$$!; \
+	$(MAKE) --no-print-directory -j2 system-deps lint plugin-check && \
 	$(MAKE) --no-print-directory pytest; main=$$?; \
 	wait $$side; status=$$?; \
 	echo "== wheel-check and pytest-vllm033 ($(SIDE_LOG)), exit status $$status"; \
@@ -69,16 +72,19 @@ plugin-check: $(STAMP)
 # Two pytest-xdist workers. Each module's tests stay on one worker with its module fixtures (vLLM
 # engines, servers), and modules go out in the order pytest collects them (xdist's default, most
 # tests first, leaves the slow few-test modules to the end).
-# The redis tier's tests run real redis-server processes, the mooncake tier's a real
-# mooncake_master, which needs the RDMA and NUMA libraries; as root, install them when missing.
-pytest: $(STAMP)
-	@command -v redis-server >/dev/null || [ "$$(id -u)" != 0 ] || \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
-	@dpkg -s libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
-		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-		libibverbs1 librdmacm1 libnuma1 >/dev/null; }
+pytest: $(STAMP) system-deps
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder \
 		tests plugins/kvtier-example/tests
+
+# The redis tier's tests run real redis-server processes, the mooncake tier's a real
+# mooncake_master, which needs the RDMA and NUMA libraries; as root, install what is missing.
+system-deps:
+	@missing=; command -v redis-server >/dev/null || missing=redis-server; \
+	dpkg -s libibverbs1 librdmacm1 libnuma1 >/dev/null 2>&1 || \
+		missing="$$missing libibverbs1 librdmacm1 libnuma1"; \
+	[ -z "$$missing" ] || [ "$$(id -u)" != 0 ] || \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+		$$missing >/dev/null; }
 
 # vLLM keeps model-class facts in a cache keyed by file hash; a cache of its own per release
 # spares both environments re-inspecting the model every run.
