@@ -39,7 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -372,18 +372,23 @@ def case_report(
     }
 
 
+def busy_steps(runs: Sequence[dict[str, Any]]) -> Iterator[tuple[int, float]]:
+    """(requests changed, kvtier's seconds) of every busy step that changed a request."""
+    for run in runs:
+        per_step = run["per_step"]
+        for changed, quiet, seconds in zip(
+            per_step["changed"], per_step["quiet"], per_step["kvtier_s"], strict=True
+        ):
+            if not quiet and changed > 0:
+                yield changed, seconds
+
+
 def growth_exponent(runs: Sequence[dict[str, Any]]) -> float | None:
     """Least-squares slope of log(kvtier's seconds) on log(changed requests), busy steps."""
     points = [
         (math.log(changed), math.log(seconds))
-        for run in runs
-        for changed, quiet, seconds in zip(
-            run["per_step"]["changed"],
-            run["per_step"]["quiet"],
-            run["per_step"]["kvtier_s"],
-            strict=True,
-        )
-        if not quiet and changed > 0 and seconds > 0
+        for changed, seconds in busy_steps(runs)
+        if seconds > 0
     ]
     if len({x for x, _ in points}) < 2:
         return None
@@ -475,17 +480,7 @@ def plot(report: dict[str, Any], path: str) -> None:
     changed = [c for run in runs for c in run["per_step"]["changed"] if c > 0]
     if changed:
         low, high = min(changed), max(changed)
-        scale = statistics.median(
-            s * 1e6 / c
-            for run in runs
-            for c, q, s in zip(
-                run["per_step"]["changed"],
-                run["per_step"]["quiet"],
-                run["per_step"]["kvtier_s"],
-                strict=True,
-            )
-            if not q and c > 0
-        )
+        scale = statistics.median(s * 1e6 / c for c, s in busy_steps(runs))
         by_changed.plot([low, high], [low * scale, high * scale], color="black", label="linear")
         by_changed.legend(fontsize=7)
     figure.tight_layout()
