@@ -272,9 +272,7 @@ class Planner:
             if out_of_space:
                 self.requests.due.add(state.request_id)  # retried next step
                 continue
-            ready = setup.ready_blocks(state.block_hashes, state.computed_tokens)
-            if state.store_limit is not None:
-                ready = min(ready, state.store_limit)
+            ready = self.requests.storable_blocks(state)
             for group in range(setup.num_groups):
                 group_ids = state.block_ids[group]
                 start, stop = state.store_cursor[group], min(ready, len(group_ids))

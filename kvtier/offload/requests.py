@@ -154,14 +154,18 @@ class RequestTable:
         state.load_end = 0
         state.admitted = False
 
+    def storable_blocks(self, state: RequestState) -> int:
+        """How many leading blocks of the request are computed, full, and within its store
+        limit."""
+        ready = self.setup.ready_blocks(state.block_hashes, state.computed_tokens)
+        return ready if state.store_limit is None else min(ready, state.store_limit)
+
     def has_unstored_blocks(self, state: RequestState) -> bool:
         """Eager mode: whether some computed full block of the request is not stored yet."""
         setup = self.setup
         if setup.store_mode != "eager":
             return False
-        ready = setup.ready_blocks(state.block_hashes, state.computed_tokens)
-        if state.store_limit is not None:
-            ready = min(ready, state.store_limit)
+        ready = self.storable_blocks(state)
         return any(
             state.store_cursor[group] < min(ready, len(state.block_ids[group]))
             for group in range(setup.num_groups)
