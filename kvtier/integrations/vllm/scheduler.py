@@ -45,7 +45,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, cast
 
 from vllm.distributed.kv_events import (
@@ -65,6 +65,7 @@ from vllm.v1.request import RequestStatus
 
 from kvtier.config import KVTierConfig
 from kvtier.index.base import EventKind
+from kvtier.integrations.vllm.running import RunningScan
 from kvtier.integrations.vllm.stats import OFFLOAD_HISTOGRAMS, KVTierStats
 from kvtier.keys import KeyNamespace
 from kvtier.offload import (
@@ -222,6 +223,7 @@ class KVTierScheduler:
         )
         self.guard = LazyStoreGuard(self.manager)
         self.tokens = RequestTokens(block_tokens, keep_forgotten=self.record_events)
+        self._running = RunningScan(block_tokens)
         self._block_pool: BlockPool | None = None
         self._lookup_base: dict[str, int] = {}
         self._controls: dict[str, RequestControl | None] = {}
@@ -334,7 +336,7 @@ class KVTierScheduler:
                 resumed=True,
             )
         cached = scheduler_output.scheduled_cached_reqs
-        for i in self._cached_with_news(scheduler_output):
+        for i in self._running.positions(scheduler_output, manager.tracked_requests):
             req_id = cached.req_ids[i]
             manager.scheduled(
                 req_id,
@@ -354,36 +356,6 @@ class KVTierScheduler:
             pool = self._bound_pool()
             pool.touch([pool.blocks[ref.block_id] for ref in protect])
         return plan
-
-    def _cached_with_news(self, scheduler_output: SchedulerOutput) -> Sequence[int]:
-        """Positions of the running requests this step may give the manager news of.
-
-        Those that resume, get new device blocks, fill a block or are not
-        tracked (after a reset). Any other running request only moved within
-        a block, which the manager would note and drop (its block hashes come
-        in before the tokens that fill the block are computed), so a step
-        makes as many manager calls as requests changed in it, and one check
-        per running request (a comprehension: numpy's conversions of vLLM's
-        lists cost more at every size measured). With speculative decoding a
-        request's count may fall back across a block (rejected drafts), so
-        every request is then passed on.
-        """
-        cached = scheduler_output.scheduled_cached_reqs
-        if scheduler_output.scheduled_spec_decode_tokens:
-            return range(len(cached.req_ids))
-        scheduled = scheduler_output.num_scheduled_tokens.get
-        resumed, tracked = cached.resumed_req_ids, self.manager.tracked_requests
-        size = self.block_tokens
-        return [
-            i
-            for i, (req_id, before, new_blocks) in enumerate(
-                zip(cached.req_ids, cached.num_computed_tokens, cached.new_block_ids, strict=True)
-            )
-            if new_blocks
-            or (before + scheduled(req_id, 0)) // size != before // size
-            or req_id in resumed
-            or req_id not in tracked
-        ]
 
     def _bound_pool(self) -> BlockPool:
         if self._block_pool is None:
