@@ -71,7 +71,7 @@ from kvtier.offload.failures import FailureCause, FailureLog
 from kvtier.offload.messages import Demotion, Promotion, Transfer, TransferPlan, WorkerReport
 from kvtier.offload.stats import FLUSH_COUNTERS
 from kvtier.tiers.base import PutResult
-from kvtier.tiers.chain import Fetch, TierBlock, TierChain
+from kvtier.tiers.chain import Fetch, TierChain
 from kvtier.tiers.host import HostTier
 
 if TYPE_CHECKING:
@@ -489,28 +489,20 @@ class OffloadWorker:
 
     def take_report(self) -> WorkerReport | None:
         """This worker's completions since the last call, or ``None`` if there are none."""
-        tier_counts: dict[str, dict[str, int]] = {}
-        stored: dict[TierBlock, int] = {}
-        removed: dict[TierBlock, int] = {}
-        read_times: dict[str, tuple[tuple[int, float], ...]] = {}
+        completed = bool(
+            self._done or self._failed or self._abandoned_report or self._settled or self._promoted
+        )
         chain = self.chain
-        if chain is not None:
+        if chain is None:
+            if not completed:
+                return None  # most steps
+            tier_counts, stored, removed, read_times = {}, {}, {}, {}
+        else:
             tier_counts = chain.take_counts()
             stored, removed = chain.take_blocks()
-            if chain.read_times:
-                read_times = chain.take_read_times()
-        if not (
-            self._done
-            or self._failed
-            or self._abandoned_report
-            or self._settled
-            or self._promoted
-            or tier_counts
-            or stored
-            or removed
-            or read_times
-        ):
-            return None
+            read_times = chain.take_read_times() if chain.read_times else {}
+            if not (completed or tier_counts or stored or removed or read_times):
+                return None
         report = WorkerReport(
             self._done,
             self._failed,
