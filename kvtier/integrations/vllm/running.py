@@ -20,10 +20,11 @@ fill or start a block in it.
 Whether a step is uniform is checked, not assumed, with a few whole-list
 operations that run in C (a few nanoseconds a request, not a Python visit
 each): the request ids equal the last step's, their computed tokens sum to
-what the last step's scheduled tokens predict (vLLM may only move a count
-back after a step, by rejected drafts or failed loads, so an equal sum means
-every count is as predicted), every request is scheduled exactly one token,
-and every request vLLM gives new blocks is in a visited bucket. Any other
+what the last step's scheduled tokens predict (after a step vLLM only ever
+moves a count back, for rejected drafts, failed loads or a replay, so an
+equal sum means every count is as predicted), every request is scheduled
+exactly one token, and every request vLLM gives new blocks is in a visited
+bucket. Any other
 step visits every request, as before, and the phases are rebuilt at the next
 uniform step.
 """
