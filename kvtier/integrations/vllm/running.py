@@ -118,8 +118,12 @@ class RunningScan:
     ) -> Sequence[int]:
         """Look at every request; remember the step for the next one's check.
 
-        With speculative decoding a request's count may fall back across a
-        block (rejected drafts), so every request is then passed on.
+        A request that only moved within a block is left out: the manager
+        would note and drop it (its block hashes come in before the tokens
+        that fill the block are computed). One comprehension, because numpy's
+        conversions of vLLM's lists cost more at every size measured. With
+        speculative decoding a request's count may fall back across a block
+        (rejected drafts), so every request is then passed on.
         """
         self._phases = None
         req_ids = cached.req_ids
