@@ -79,6 +79,9 @@ _SUMMED = struct.Struct("<Q")
 _SEAL_BYTES = 16
 _NONCE_BYTES = 12
 _KEY_ID_BYTES = 4
+_NO_KEY_ID = bytes(_KEY_ID_BYTES)
+_NO_NONCE = bytes(_NONCE_BYTES)
+_NO_SEAL = bytes(_SEAL_BYTES)
 HEADER_FIXED_BYTES = _FIXED.size
 """Bytes of the header before the key."""
 MAX_KEY_BYTES = 1024
@@ -311,8 +314,8 @@ class RecordCodec:
         payload = self._payload(payload)
         end = HEADER_FIXED_BYTES + len(key)
         keys = self.keys
-        key_id = bytes(_KEY_ID_BYTES) if keys is None else keys.signing_id
-        nonce = bytes(_NONCE_BYTES) if keys is None else os.urandom(_NONCE_BYTES)
+        key_id = _NO_KEY_ID if keys is None else keys.signing_id
+        nonce = _NO_NONCE if keys is None else os.urandom(_NONCE_BYTES)
         _FIXED.pack_into(
             buffer,
             0,
@@ -325,13 +328,13 @@ class RecordCodec:
             self.scheme,
             key_id,
             nonce,
-            bytes(_SEAL_BYTES),
+            _NO_SEAL,
         )
         buffer[HEADER_FIXED_BYTES:end] = key
         view = memoryview(buffer)
         body: memoryview | bytes = payload
         if keys is None:
-            _SUMMED.pack_into(buffer, _SEAL_OFFSET, payload_checksum(payload))
+            _SUMMED.pack_into(buffer, _SEAL_OFFSET, xxhash.xxh3_64_intdigest(payload))
             _SUMMED.pack_into(buffer, _CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(view[:end]))
             return end, body
         sealed = b"".join((view[:_SEAL_OFFSET], key))
