@@ -193,7 +193,7 @@ class QueuedTier(StorageTier):
                 f"{self.name} tier: a put pairs keys with records, got {len(keys)} keys "
                 f"and {len(records)} records"
             )
-        views = tuple(self._payload_view(record) for record in records)
+        views = tuple(map(self._payload_view, records))
         return self._submit(_Op.PUT, keys, views, None)
 
     def get(
