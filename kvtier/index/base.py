@@ -20,7 +20,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, NamedTuple
 
 BlockKey = bytes
 
@@ -33,9 +33,11 @@ class EventKind(enum.Enum):
     EVICTED = "evicted"
 
 
-@dataclass(frozen=True)
-class IndexEvent:
-    """A key became readable (``STORED``) or left the tier (``EVICTED``)."""
+class IndexEvent(NamedTuple):
+    """A key became readable (``STORED``) or left the tier (``EVICTED``).
+
+    A named tuple: the index makes one per block stored and per block evicted.
+    """
 
     kind: EventKind
     key: BlockKey

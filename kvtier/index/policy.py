@@ -79,6 +79,16 @@ class EvictionPolicy(ABC):
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
         """``key`` became readable."""
 
+    def inserted_all(
+        self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]
+    ) -> None:
+        """Each of ``keys`` (prefix parent ``parents[i]``) became readable, in this order.
+
+        Calls :meth:`inserted` per key; a policy may do the same work in one pass.
+        """
+        for key, parent in zip(keys, parents, strict=True):
+            self.inserted(key, parent)
+
     @abstractmethod
     def accessed(self, key: BlockKey) -> None:
         """``key`` was hit."""
@@ -135,6 +145,7 @@ class PolicyIndex(BlockIndex, PrioritizedEviction):
         self._low: dict[BlockKey, None] = {}
         """Keys of priority ``low``, in the order they got it."""
         self._high: set[BlockKey] = set()
+        self._policy_hears_offers = type(policy).offered is not EvictionPolicy.offered
 
     def _evictable(self, key: BlockKey) -> bool:
         slot = self._readable.get(key)
@@ -152,9 +163,8 @@ class PolicyIndex(BlockIndex, PrioritizedEviction):
         self._events.append(IndexEvent(EventKind.EVICTED, key))
         return slot
 
-    def _take_slot(self) -> int | None:
-        if self._free:
-            return self._free.pop()
+    def _evict_for_slot(self) -> int | None:
+        """The slot of a key evicted for a store, or ``None`` if no key may be evicted."""
         victim = self._victim()
         if victim is None:
             return None
@@ -246,42 +256,56 @@ class PolicyIndex(BlockIndex, PrioritizedEviction):
     def reserve(
         self, keys: Sequence[BlockKey], parent: BlockKey | None = None, *, lazy: bool = False
     ) -> list[int | None]:
-        slots: list[int | None] = []
+        readable, writing, discarded = self._readable, self._writing, self._discarded
+        free = self._free
         policy = self.policy
+        # Most policies ignore offers: skip the call per key for them.
+        offered = policy.offered if self._policy_hears_offers else None
+        admit = policy.admit
+        slots: list[int | None] = []
+        granted: list[int] = []
+        granted_slots: list[int] = []
         for position, key in enumerate(keys):
-            present = key in self._readable or key in self._writing or key in self._discarded
-            policy.offered(key, parent, present=present, lazy=lazy)
-            if present or not policy.admit(key, parent):
+            present = key in readable or key in writing or key in discarded
+            if offered is not None:
+                offered(key, parent, present=present, lazy=lazy)
+            if present or not admit(key, parent):
                 slots.append(None)
             else:
-                slot = self._take_slot()
+                slot = free.pop() if free else self._evict_for_slot()
                 if slot is None:
                     slots.extend([None] * (len(keys) - position))
                     break
-                self._writing[key] = (slot, parent)
+                writing[key] = (slot, parent)
                 slots.append(slot)
+                granted.append(position)
+                granted_slots.append(slot)
             parent = key
-        granted = [position for position, slot in enumerate(slots) if slot is not None]
         if len(granted) > 1:
             # Slots freed by evictions come back in the victims' order (a prefix-aware
             # policy frees a chain last block first); any free slot will do for any key,
             # so the chain gets them counting up, and a copy of it is a few long runs.
-            ascending = sorted(slots[position] for position in granted)
+            ascending = sorted(granted_slots)
             for position, slot in zip(granted, ascending, strict=True):
-                slots[position] = slot
-                key = keys[position]
-                self._writing[key] = (slot, self._writing[key][1])
+                if slots[position] != slot:
+                    slots[position] = slot
+                    key = keys[position]
+                    writing[key] = (slot, writing[key][1])
         return slots
 
     def commit(self, keys: Sequence[BlockKey]) -> None:
+        writing, readable = self._writing, self._readable
         for key in keys:
-            if key not in self._writing:
+            if key not in writing:
                 raise KeyError(f"block {key.hex()} has no reserved slot to commit")
+        parents = []
         for key in keys:
-            slot, parent = self._writing.pop(key)
-            self._readable[key] = slot
-            self.policy.inserted(key, parent)
-            self._events.append(IndexEvent(EventKind.STORED, key))
+            slot, parent = writing.pop(key)
+            readable[key] = slot
+            parents.append(parent)
+        self.policy.inserted_all(keys, parents)
+        stored = EventKind.STORED
+        self._events.extend([IndexEvent(stored, key) for key in keys])
 
     def abort(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:

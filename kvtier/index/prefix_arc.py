@@ -328,20 +328,26 @@ class PrefixARCPolicy(EvictionPolicy):
                 self._rank_chain()
         else:
             self._rank_chain()
-            t1, stored = self._t1, self._stored
+            t1, stored, reused = self._t1, self._stored, self._reused
             root = self._records.get(chain[first])
             held = root is not None and root.where == HELD
             origin = TAIL_BUCKETS if first and held and root.parent is not None else 0
-            low = self._low_value_classes()
+            prior, bar = self._low_value_bar()
             demoted = []
+            tested, low = -1, False
             # Leaf first, as ranked: a stored block still in t1 (not hit, not gone) gets a class.
             for distance, key in enumerate(reversed(chain[first:])):
                 record = t1.get(key)
                 if record is not None:
                     cls = origin + (distance if distance < TAIL_BUCKETS else TAIL_BUCKETS - 1)
+                    if cls != tested:
+                        # Classes only grow along the walk: each is tested on its counts from
+                        # before this chain, the first time it is met.
+                        tested = cls
+                        low = (reused[cls] + prior) / (stored[cls] + PRIOR_WEIGHT) < bar
                     record.cls = cls
                     stored[cls] += 1.0
-                    if low[cls]:
+                    if low:
                         demoted.append(key)
             # Root first, so that the chain's deepest low-value block ends up first in line.
             for key in reversed(demoted):
@@ -371,15 +377,14 @@ class PrefixARCPolicy(EvictionPolicy):
 
     # Reuse learning.
 
-    def _low_value_classes(self) -> list[bool]:
-        """Per class, whether its reuse rate is under ``low_value_ratio`` of the overall rate."""
-        stored, reused = self._stored, self._reused
-        overall = (sum(reused) + 1.0) / (sum(stored) + 2.0)
-        bar = self.low_value_ratio * overall
-        return [
-            (reused[cls] + PRIOR_WEIGHT * overall) / (stored[cls] + PRIOR_WEIGHT) < bar
-            for cls in range(NUM_CLASSES)
-        ]
+    def _low_value_bar(self) -> tuple[float, float]:
+        """The prior pseudo-reuses of a class, and the bar under which its reuse rate is low.
+
+        A class is of low value when ``(reused + prior) / (stored + PRIOR_WEIGHT) < bar``: its
+        reuse rate, pulled towards the overall rate, is under ``low_value_ratio`` of it.
+        """
+        overall = (sum(self._reused) + 1.0) / (sum(self._stored) + 2.0)
+        return PRIOR_WEIGHT * overall, self.low_value_ratio * overall
 
     def _count_towards_decay(self, stored_blocks: int) -> None:
         """Halve the class counts every few tiers' worth of stores, so they follow the workload."""
@@ -492,41 +497,51 @@ class PrefixARCPolicy(EvictionPolicy):
         return not self.second_sight or self._admit_on_second_sight(key, parent)
 
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
-        records = self._records
-        remembered = records.get(key)
-        record = records[key] = _Record(key, parent)
-        if remembered is not None:
-            where = remembered.where
-            remembered.where = FORGOTTEN
-            if where == IN_B1:
-                self._b1_len -= 1
-            elif where == IN_B2:
-                self._b2_len -= 1
-            else:
-                self._history_len -= 1
-            self._forgotten += 1
-            if self._forgotten > self._b1_len + self._b2_len + self._history_len:
-                self._sweep_memory()
-        chain = self._chain
-        # A parent this tier does not hold may sit in a faster tier (a lazy store writes a
-        # chain leaf first, as the engine evicts it): only a parent evicted from here orphans.
-        if parent is not None:
-            self._add_child(parent, record)
-        if chain and parent != chain[-1]:
-            self._end_chain()
-        if self._first_new is None:
-            self._first_new = len(chain)
-        chain.append(key)
-        if remembered is None:
-            # A new block joins the recency list when its chain is ranked (leaf first).
-            return
-        cls = remembered.cls
-        if cls is not None:
-            self._reused[cls] += 1.0
-        self._clock += 1
-        record.stamp = self._clock
-        self._t2[key] = record
-        self._returned = True
+        self.inserted_all((key,), (parent,))
+
+    def inserted_all(
+        self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]
+    ) -> None:
+        records, chain, t2 = self._records, self._chain, self._t2
+        for key, parent in zip(keys, parents, strict=True):
+            remembered = records.get(key)
+            record = records[key] = _Record(key, parent)
+            if remembered is not None:
+                self._forget(remembered)
+            # A parent this tier does not hold may sit in a faster tier (a lazy store writes a
+            # chain leaf first, as the engine evicts it): only a parent evicted from here
+            # orphans.
+            if parent is not None:
+                self._add_child(parent, record)
+            if chain and parent != chain[-1]:
+                self._end_chain()
+            if self._first_new is None:
+                self._first_new = len(chain)
+            chain.append(key)
+            if remembered is None:
+                # A new block joins the recency list when its chain is ranked (leaf first).
+                continue
+            cls = remembered.cls
+            if cls is not None:
+                self._reused[cls] += 1.0
+            self._clock += 1
+            record.stamp = self._clock
+            t2[key] = record
+            self._returned = True
+
+    def _forget(self, remembered: _Record) -> None:
+        """Drop an evicted key's record from the memory of evicted keys: it is stored again."""
+        where = remembered.where
+        remembered.where = FORGOTTEN
+        if where == IN_B1:
+            self._b1_len -= 1
+        elif where == IN_B2:
+            self._b2_len -= 1
+        else:
+            self._history_len -= 1
+        self._forgotten += 1
+        if self._forgotten > self._b1_len + self._b2_len + self._history_len:
+            self._sweep_memory()
 
     def accessed(self, key: BlockKey) -> None:
         self.accessed_all((key,))

@@ -36,8 +36,18 @@ class Progress:
     """Requests whose loads all completed (successfully or not) on every worker."""
     failed_loads: Mapping[str, tuple[DeviceBlock, ...]] = field(default_factory=dict)
     """Per request, device blocks whose load failed: recompute them."""
-    stored_blocks: tuple[DeviceBlock, ...] = ()
-    """Device blocks whose stores completed (or failed) everywhere: no longer protected."""
+    stores_over: tuple[Transfer, ...] = ()
+    """Store batches that completed (or failed) everywhere: their device blocks are no longer
+    protected."""
+
+    @property
+    def stored_blocks(self) -> tuple[DeviceBlock, ...]:
+        """The device blocks of :attr:`stores_over`, batch by batch."""
+        return tuple(
+            DeviceBlock(transfer.group, block)
+            for transfer in self.stores_over
+            for block in transfer.device_blocks
+        )
 
 
 @dataclass
@@ -71,7 +81,7 @@ class Collected:
 
     loaded: list[str] = field(default_factory=list)
     failed_loads: dict[str, list[DeviceBlock]] = field(default_factory=dict)
-    stored: list[DeviceBlock] = field(default_factory=list)
+    stores_over: list[Transfer] = field(default_factory=list)
     committed: list[tuple[tuple[BlockKey, ...], tuple[int, ...]]] = field(default_factory=list)
     """Stores made readable: their keys and host slots."""
 
@@ -80,7 +90,7 @@ class Collected:
             released_requests=released,
             loaded_requests=tuple(self.loaded),
             failed_loads={rid: tuple(blocks) for rid, blocks in self.failed_loads.items()},
-            stored_blocks=tuple(self.stored),
+            stores_over=tuple(self.stores_over),
         )
 
 
@@ -286,7 +296,7 @@ class BatchLedger:
                     setup.world_size - batch.done,
                     setup.world_size,
                 )
-            collected.stored.extend(DeviceBlock(transfer.group, b) for b in transfer.device_blocks)
+            collected.stores_over.append(transfer)
         else:
             if ok:
                 counters.add("loaded_blocks", len(transfer))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from kvtier.copy.base import Direction
 from kvtier.tiers.chain import TierBlock
@@ -253,9 +253,8 @@ class WorkerReport:
         return {*self.done, *self.failed, *self.abandoned, *self.settled}
 
 
-@dataclass(frozen=True)
-class DeviceBlock:
-    """One engine block: its kv-cache group and block id."""
+class DeviceBlock(NamedTuple):
+    """One engine block: its kv-cache group and block id (a named tuple: made per block)."""
 
     group: int
     block_id: int

@@ -370,7 +370,7 @@ class KVTierScheduler:
         progress = self.manager.process(report)
         if progress.released_requests:
             self.tokens.forget(progress.released_requests)
-        if not progress.stored_blocks:
+        if not progress.stores_over:
             return
         released = self.guard.release(progress)
         if released:
