@@ -17,8 +17,10 @@ diagram in the eviction-policies page of the docs):
    :meth:`~EvictionPolicy.admit`; and if it is admitted and no slot is free,
    :meth:`~EvictionPolicy.victim` then :meth:`~EvictionPolicy.removed` for the
    key evicted to make room, before the next key of the chain is offered.
-4. When the copy ends: :meth:`~EvictionPolicy.inserted` (committed: readable
-   from now on) or :meth:`~EvictionPolicy.aborted` (never readable).
+4. When the copy ends: :meth:`~EvictionPolicy.inserted_all` for the keys a
+   commit made readable, in order (the base implementation calls
+   :meth:`~EvictionPolicy.inserted` per key), or :meth:`~EvictionPolicy.aborted`
+   (never readable).
 5. :meth:`~EvictionPolicy.request_finished` when the engine is done with it.
 
 ``removed`` also follows a discard (a load of the key failed) and a clear.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from itertools import repeat
 
 from kvtier.index.base import (
     BlockIndex,
@@ -304,8 +307,7 @@ class PolicyIndex(BlockIndex, PrioritizedEviction):
             readable[key] = slot
             parents.append(parent)
         self.policy.inserted_all(keys, parents)
-        stored = EventKind.STORED
-        self._events.extend([IndexEvent(stored, key) for key in keys])
+        self._events.extend(map(IndexEvent._make, zip(repeat(EventKind.STORED), keys)))
 
     def abort(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from typing import Literal
 
 import pytest
 from pydantic import ValidationError
 
 from kvtier.index.arc import ARCPolicy, ARCShadow
-from kvtier.index.base import BlockKey, EventKind
+from kvtier.index.base import BlockKey, EventKind, IndexEvent
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import EvictionPolicy, PolicyIndex
 from kvtier.index.prefix_arc import PrefixARCConfig, PrefixARCPolicy
@@ -357,3 +358,56 @@ def test_a_priority_leaves_with_its_key() -> None:
     index.discard([b"a"])
     store(index, [b"w", b"c"])
     assert evicted(index)[-1] == b"b", "neither the aborted nor the discarded key is ranked"
+
+
+def batched_and_per_key(name: str, seed: int) -> tuple[list[object], list[object]]:
+    """One random trace through two indexes of policy ``name``: one commits each batch of
+    several requests' chains at once, the other key by key. Everything observable, per index."""
+    registry = default_registry()
+    config = registry.get(BLOCK_INDEX, name).config_model()
+    rng = random.Random(seed)
+    num_slots = rng.choice([8, 32, 96])
+    indexes = [registry.build(BLOCK_INDEX, config, num_slots) for _ in range(2)]
+    seen: list[list[object]] = [[], []]
+    prompts = [new_keys(f"{seed}.{p}.", rng.randint(1, 24)) for p in range(40)]
+    for _ in range(150):
+        chains = []
+        for _ in range(rng.randint(1, 6)):
+            prompt = rng.choice(prompts)
+            start = rng.randrange(len(prompt))
+            stop = rng.randint(start + 1, len(prompt))
+            chains.append((prompt[start:stop], prompt[start - 1] if start else None))
+        lazy = rng.random() < 0.3
+        looked = rng.choice(prompts)
+        for index, observed in zip(indexes, seen, strict=True):
+            batch = []
+            for keys, parent in chains:
+                slots = index.reserve(keys, parent, lazy=lazy)
+                observed.append(slots)
+                batch.extend(key for key, slot in zip(keys, slots, strict=True) if slot is not None)
+            if index is indexes[0]:
+                index.commit(batch)
+            else:
+                for key in batch:
+                    index.commit([key])
+            hits = index.lookup(looked)
+            if hits:
+                hit(index, looked[:hits])
+            observed.extend([hits, index.take_events(), index.stats()])
+    for index, observed in zip(indexes, seen, strict=True):
+        observed.append(index.policy.state())
+    return seen[0], seen[1]
+
+
+@pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "prefix_arc"])
+@pytest.mark.parametrize("seed", range(4))
+def test_a_commit_of_a_batch_is_the_commits_of_its_keys_in_order(name: str, seed: int) -> None:
+    batched, per_key = batched_and_per_key(name, seed)
+    assert any(  # the trace evicts, so the policy's ranking decides something
+        event.kind is EventKind.EVICTED
+        for entry in batched
+        if isinstance(entry, list)
+        for event in entry
+        if isinstance(event, IndexEvent)
+    )
+    assert batched == per_key
