@@ -289,8 +289,8 @@ class PolicyIndex(BlockIndex, PrioritizedEviction):
             # policy frees a chain last block first); any free slot will do for any key,
             # so the chain gets them counting up, and a copy of it is a few long runs.
             ascending = sorted(granted_slots)
-            for position, slot in zip(granted, ascending, strict=True):
-                if slots[position] != slot:
+            if ascending != granted_slots:
+                for position, slot in zip(granted, ascending, strict=True):
                     slots[position] = slot
                     key = keys[position]
                     writing[key] = (slot, writing[key][1])

@@ -166,8 +166,7 @@ class BatchLedger:
         self, transfer: Transfer, keys: tuple[BlockKey, ...], requests: set[str], now: float
     ) -> None:
         self.batches[transfer.batch_id] = Batch(transfer, keys, tuple(sorted(requests)), now)
-        for key in keys:
-            self.writing[key] = transfer.batch_id
+        self.writing.update(dict.fromkeys(keys, transfer.batch_id))
         for request_id in requests:
             self.requests.requests[request_id].batches.add(transfer.batch_id)
 
