@@ -348,11 +348,12 @@ class PrefixARCPolicy(EvictionPolicy):
                     record.cls = cls
                     stored[cls] += 1.0
                     if low:
-                        demoted.append(key)
+                        demoted.append(record)
             # Root first, so that the chain's deepest low-value block ends up first in line.
-            for key in reversed(demoted):
-                t1.move_to_end(key, last=False)
-                t1[key].stamp = 0
+            move_to_end = t1.move_to_end
+            for record in reversed(demoted):
+                move_to_end(record.key, last=False)
+                record.stamp = 0
             self._count_towards_decay(len(chain) - first)
         chain.clear()
         self._ranked = self._placed = 0
