@@ -90,7 +90,10 @@ def test_with_report_blocks_the_chain_names_what_landed_and_what_the_tiers_remov
     shared, failing = MemoryTier(make_spec()), MemoryTier(make_spec(), fail=fail)
     shared.shared = True
     chain = TierChain([("disk", disk), ("redis", shared), ("fails", failing)], report_blocks=True)
-    chain.store(1, hashes[:2], payloads(2), (0, 1, 2))
+    # The first two land before the next four evict them: a disk slot being written is not
+    # a victim, so four more puts while the first two are in flight would find two slots.
+    for future in chain.store(1, hashes[:2], payloads(2), (0, 1, 2)):
+        future.result(timeout=10)
     chain.store(1, hashes[2:], payloads(4, seed=1), (0, 1, 2))  # lands everywhere but in "fails"
     chain.close()
     stored, removed = chain.take_blocks()
