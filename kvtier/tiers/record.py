@@ -334,7 +334,7 @@ class RecordCodec:
         view = memoryview(buffer)
         body: memoryview | bytes = payload
         if keys is None:
-            _SUMMED.pack_into(buffer, _SEAL_OFFSET, xxhash.xxh3_64_intdigest(payload))
+            _SUMMED.pack_into(buffer, _SEAL_OFFSET, payload_checksum(payload))
             _SUMMED.pack_into(buffer, _CHECKSUM_OFFSET, xxhash.xxh3_64_intdigest(view[:end]))
             return end, body
         sealed = b"".join((view[:_SEAL_OFFSET], key))
