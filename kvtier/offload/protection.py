@@ -39,8 +39,8 @@ class LazyStoreGuard:
 
     def release(self, progress: Progress) -> list[DeviceBlock]:
         """The protected blocks whose stores ``progress`` reports over: drop one reference each."""
-        if self.manager.store_mode != "lazy":
-            return []
+        if not self._references:
+            return []  # nothing protected (eager mode, or no lazy store in flight)
         released = []
         for block in progress.stored_blocks:
             count = self._references.get(block)
