@@ -6,9 +6,8 @@ ciphertext), sealed with the tier's keys when it has any. Each tier object
 (one per rank) has its own store client; a batch is one client call:
 
 - put: ``batch_put_from_multi_buffers``, header and body sent from where
-  they are (the body is never joined to its header; the headers of a batch
-  are sealed into one buffer of the I/O thread), with the config's replica
-  count and soft pin;
+  they are (the body is never joined to its header), with the config's
+  replica count and soft pin;
 - get: ``batch_get_into``, each record read into a buffer of its own whose
   payload view is returned;
 - contains: ``batch_is_exist``; delete: ``batch_remove`` with ``force`` (the
@@ -32,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -42,7 +40,7 @@ from kvtier.tiers.backoff import Backoff
 from kvtier.tiers.base import Cause, TierError, TierSpec
 from kvtier.tiers.configs import MooncakeTierConfig
 from kvtier.tiers.queued import QueuedTier
-from kvtier.tiers.record import HEADER_FIXED_BYTES, MAX_KEY_BYTES, RecordFault, tier_codec
+from kvtier.tiers.record import RecordFault, tier_codec
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +59,6 @@ OBJECT_NOT_FOUND = -704
 OBJECT_ALREADY_EXISTS = -705
 TRANSFER_FAIL = -800
 RPC_FAIL = -900
-
-
-_HEADER_STRIDE = HEADER_FIXED_BYTES + MAX_KEY_BYTES
-"""Bytes between two headers in an I/O thread's header buffer: room for the longest."""
 
 
 def _cause_of(code: int) -> Cause:
@@ -134,7 +128,6 @@ class MooncakeTier(QueuedTier):
             config.reconnect_backoff_s,
             config.reconnect_max_backoff_s,
         )
-        self._thread_headers = threading.local()
         self._client: MooncakeDistributedStore | None = None
         problem = _master_answers(config.master_address)
         if problem is None:
@@ -193,17 +186,6 @@ class MooncakeTier(QueuedTier):
         self._backoff.answered()
         return codes
 
-    def _header_buffer(self, records: int) -> tuple[memoryview, int]:
-        """This I/O thread's buffer for the headers of ``records`` records, one every
-        :data:`_HEADER_STRIDE` bytes, and its address: one buffer a thread, where a
-        buffer and an address a header cost more Python work per record than the seal."""
-        held: tuple[memoryview, int] | None = getattr(self._thread_headers, "buffer", None)
-        if held is None or len(held[0]) < records * _HEADER_STRIDE:
-            buffer = memoryview(bytearray(records * _HEADER_STRIDE))
-            held = buffer, _address(buffer)[0]
-            self._thread_headers.buffer = held
-        return held
-
     def _read(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
         assert self._client is not None
         client = self._client
@@ -233,17 +215,13 @@ class MooncakeTier(QueuedTier):
     def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
         assert self._client is not None
         client = self._client
-        headers, headers_at = self._header_buffer(len(keys))
-        pointers: list[list[int]] = []
-        sizes: list[list[int]] = []
-        bodies: list[np.ndarray] = []  # keep each body's address valid until the call returns
-        for position, (key, record) in enumerate(zip(keys, records, strict=True)):
-            start = position * _HEADER_STRIDE
-            end, body = self._codec.seal_into(headers[start : start + _HEADER_STRIDE], key, record)
-            body_at, body_array = _address(body)
-            bodies.append(body_array)
-            pointers.append([headers_at + start, body_at])
-            sizes.append([end, len(body)])
+        sealed = [
+            self._codec.header(key, record) for key, record in zip(keys, records, strict=True)
+        ]
+        # The arrays keep each buffer's address valid until the call returns.
+        held = [(_address(header), _address(body)) for header, body in sealed]
+        pointers = [[header[0], body[0]] for header, body in held]
+        sizes = [[len(header), len(body)] for header, body in sealed]
         names = [self._name(key) for key in keys]
         codes = self._batch(
             keys,
