@@ -47,6 +47,7 @@ class MemoryTier(QueuedTier):
         get_deadline_s: float | None = None,
         store: dict[BlockKey, bytes] | None = None,
         fail: Callable[[str, Sequence[BlockKey]], None] | None = None,
+        put_batch_bytes: int | None = None,
     ) -> None:
         """Build a tier over ``store`` (a new dict if ``None``; share one to share a store).
 
@@ -60,6 +61,7 @@ class MemoryTier(QueuedTier):
             io_threads=io_threads,
             queue_depth=queue_depth,
             get_deadline_s=get_deadline_s,
+            put_batch_bytes=put_batch_bytes,
         )
         self.gate = threading.Event()
         self.gate.set()

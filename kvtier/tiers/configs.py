@@ -357,6 +357,14 @@ class MooncakeTierConfig(RecordKeyConfig):
             "their headers. Accepts sizes such as '64MiB'."
         ),
     )
+    put_batch_bytes: ByteBudget = Field(
+        16 << 20,
+        description=(
+            "Record bytes of waiting puts the tier sends in one client call: puts queued "
+            "behind each other are joined up to this (a put is never split), as the store's "
+            "cost per call is high. 0 sends each put on its own. Accepts sizes such as '16MiB'."
+        ),
+    )
     replicas: int = Field(
         1,
         ge=1,

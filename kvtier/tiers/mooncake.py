@@ -106,6 +106,7 @@ class MooncakeTier(QueuedTier):
             io_threads=config.io_threads,
             queue_depth=config.queue_depth,
             get_deadline_s=config.get_deadline_s,
+            put_batch_bytes=config.put_batch_bytes,
         )
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 

@@ -11,6 +11,10 @@ parts, in the order a request meets them:
    (misses, drops or ``False``) and counted.
 2. A pool of I/O threads takes reads first and runs the subclass's batch
    primitive (``_read``, ``_write``, ``_exists``, ``_remove``) for each request.
+   A tier built with ``put_batch_bytes`` hands ``_write`` the puts waiting
+   next to each other at the head of the write queue in one call, up to that
+   many record bytes (a request is never split; one that repeats a key of the
+   call waits for the next), for stores whose per-call cost is high.
 3. A deadline thread answers reads still pending at their deadline as misses;
    the late result of the I/O thread is dropped.
 4. :meth:`~QueuedTier.close` lets the threads finish the queued requests, then
@@ -87,6 +91,7 @@ class QueuedTier(StorageTier):
         io_threads: int,
         queue_depth: int,
         get_deadline_s: float | None,
+        put_batch_bytes: int | None = None,
     ) -> None:
         """Set up the queues and counters; no thread runs until :meth:`_start`.
 
@@ -97,6 +102,8 @@ class QueuedTier(StorageTier):
             io_threads: I/O threads.
             queue_depth: Requests of each kind (reads, writes) that may wait.
             get_deadline_s: Default deadline of gets and contains, ``None`` for none.
+            put_batch_bytes: Record bytes of queued puts one ``_write`` call may take
+                together; ``None`` (or less than a request) runs each put on its own.
         """
         if io_threads < 1 or queue_depth < 1:
             raise ValueError(
@@ -116,6 +123,7 @@ class QueuedTier(StorageTier):
         self._io_threads = io_threads
         self._queue_depth = queue_depth
         self._default_deadline_s = get_deadline_s
+        self._put_batch_records = (put_batch_bytes or 0) // spec.record_bytes
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._reads: deque[_Request] = deque()
@@ -324,33 +332,67 @@ class QueuedTier(StorageTier):
         future.set_result(result)
         return True
 
-    def _next_request(self) -> _Request | None:
+    def _next_requests(self) -> list[_Request] | None:
+        """The next request, with the puts queued behind a put that its ``_write`` takes too."""
         with self._work:
             while not self._reads and not self._writes:
                 if self._closed:
                     return None
                 self._work.wait()
-            return self._reads.popleft() if self._reads else self._writes.popleft()
+            if self._reads:
+                return [self._reads.popleft()]
+            writes = self._writes
+            request = writes.popleft()
+            taken = [request]
+            room = self._put_batch_records - len(request.keys)
+            if request.op is _Op.PUT and writes and room > 0:
+                keys = set(request.keys)
+                while writes and writes[0].op is _Op.PUT and len(writes[0].keys) <= room:
+                    following = writes[0].keys
+                    if not keys.isdisjoint(following):
+                        break
+                    keys.update(following)
+                    room -= len(following)
+                    taken.append(writes.popleft())
+            return taken
 
     def _serve(self) -> None:
         while True:
-            request = self._next_request()
-            if request is None:
+            requests = self._next_requests()
+            if requests is None:
                 return
+            if len(requests) > 1:
+                self._serve_puts(requests)
+                continue
+            request = requests[0]
             if request.answered:
                 continue  # answered at its deadline while it waited
             try:
                 result = self._run(request)
             except Exception:  # a bug in a tier must not kill its I/O thread
-                logger.exception(
-                    "%s tier: %s of %d key(s) failed",
-                    self.name,
-                    request.op.value,
-                    len(request.keys),
-                )
-                self._count_error(Cause.INTERNAL, len(request.keys))
+                self._failed(request.op, len(request.keys))
                 result = self._unanswered(request)
             self._answer(request, result)
+
+    def _serve_puts(self, requests: list[_Request]) -> None:
+        """Store the records of several put requests in one ``_write`` call; answer each."""
+        keys = [key for request in requests for key in request.keys]
+        records = [record for request in requests for record in request.records]
+        try:
+            stored = self._write(keys, records)
+        except Exception:  # a bug in a tier must not kill its I/O thread
+            self._failed(_Op.PUT, len(keys))
+            stored = [False] * len(keys)
+        start = 0
+        for request in requests:
+            end = start + len(request.keys)
+            self._answer(request, PutResult(request.keys, tuple(stored[start:end])))
+            start = end
+
+    def _failed(self, op: _Op, keys: int) -> None:
+        """Log the exception being handled and count the request's keys as internal errors."""
+        logger.exception("%s tier: %s of %d key(s) failed", self.name, op.value, keys)
+        self._count_error(Cause.INTERNAL, keys)
 
     def _run(self, request: _Request) -> Any:
         keys = request.keys

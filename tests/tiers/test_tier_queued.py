@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 
 import pytest
 
@@ -21,7 +22,7 @@ from kvtier.testing.contracts_tier import (
     store,
 )
 from kvtier.testing.tiers import MemoryTier
-from kvtier.tiers.base import Cause, GetResult, TierSpec
+from kvtier.tiers.base import Cause, GetResult, PutResult, TierSpec
 
 RECORD = 256
 
@@ -58,6 +59,26 @@ class TestMemoryTierContract(StorageTierContract):
         def build(spec: TierSpec) -> MemoryTier:
             built.append(MemoryTier(spec, store=shared, io_threads=2, queue_depth=64))
             return built[-1]
+
+        yield build
+        for tier in built:
+            tier.close()
+
+
+class TestJoinedPutsContract(StorageTierContract):
+    """The contract holds with queued puts joined into one batch."""
+
+    @pytest.fixture
+    def make_tier(self) -> Iterator[TierFactory]:
+        shared: dict[BlockKey, bytes] = {}
+        built: list[MemoryTier] = []
+
+        def build(spec: TierSpec) -> MemoryTier:
+            tier = MemoryTier(
+                spec, store=shared, io_threads=2, queue_depth=64, put_batch_bytes=1 << 20
+            )
+            built.append(tier)
+            return tier
 
         yield build
         for tier in built:
@@ -247,3 +268,104 @@ def test_a_corrupted_record_is_a_counted_miss(tiers: list[MemoryTier]) -> None:
     result = done(tier.get(keys))
     assert isinstance(result, GetResult) and result.records == (None, None)
     assert tier.stats().errors == {"checksum": 1, "length": 1}
+
+
+def held_puts(
+    tier: MemoryTier, keys: Sequence[BlockKey], records: Sequence[bytes], sizes: Sequence[int]
+) -> list[Future[PutResult]]:
+    """Hold the I/O thread at the gate on a first put of one record, then queue puts of
+    ``sizes`` records each from the rest of ``keys``; the gate stays closed."""
+    tier.gate.clear()
+    futures = [tier.put(keys[:1], records[:1])]
+    wait_for(lambda: not tier._writes)
+    start = 1
+    for size in sizes:
+        futures.append(tier.put(keys[start : start + size], records[start : start + size]))
+        start += size
+    return futures
+
+
+def test_queued_puts_are_written_in_one_batch_up_to_the_limit(tiers: list[MemoryTier]) -> None:
+    tier = memory_tier(tiers, queue_depth=8, put_batch_bytes=5 * RECORD)
+    keys = tier.keys.keys(block_hashes("join", 9))
+    records = payloads(9, RECORD)
+    futures = held_puts(tier, keys, records, [2, 2, 2, 2])
+    tier.gate.set()
+    assert [done(future).stored for future in futures] == [(True,), *[(True, True)] * 4]
+    assert [future.result().keys for future in futures[1:]] == [
+        tuple(keys[start : start + 2]) for start in (1, 3, 5, 7)
+    ]
+    # The first put alone (it was taken before the others came), then two of two records
+    # (a third would pass five records), then the last.
+    assert [batch for _, batch in tier.batches] == [
+        tuple(keys[:1]),
+        tuple(keys[1:5]),
+        tuple(keys[5:9]),
+    ]
+    assert fetch(tier, keys) == records
+    assert tier.stats().stores == 9
+
+
+def test_a_put_is_never_split_nor_joined_past_the_limit(tiers: list[MemoryTier]) -> None:
+    tier = memory_tier(tiers, queue_depth=8, put_batch_bytes=2 * RECORD)
+    keys = tier.keys.keys(block_hashes("whole", 6))
+    records = payloads(6, RECORD)
+    futures = held_puts(tier, keys, records, [3, 1, 1])
+    tier.gate.set()
+    assert all(all(done(future).stored) for future in futures)
+    assert [len(batch) for _, batch in tier.batches] == [1, 3, 2]
+
+
+def test_a_put_repeating_a_key_of_the_batch_waits_for_the_next(tiers: list[MemoryTier]) -> None:
+    tier = memory_tier(tiers, queue_depth=8, put_batch_bytes=8 * RECORD)
+    keys = tier.keys.keys(block_hashes("again", 4))
+    records = payloads(4, RECORD)
+    tier.gate.clear()
+    first = tier.put(keys[:1], records[:1])
+    wait_for(lambda: not tier._writes)
+    joined = [tier.put(keys[1:3], records[1:3]), tier.put(keys[3:], records[3:])]
+    repeated = tier.put(keys[2:3], records[2:3])
+    tier.gate.set()
+    assert [done(future).stored for future in [first, *joined, repeated]] == [
+        (True,),
+        (True, True),
+        (True,),
+        (True,),
+    ]
+    assert [batch for _, batch in tier.batches][1:] == [tuple(keys[1:4]), tuple(keys[2:3])]
+
+
+def test_a_delete_between_puts_keeps_its_place(tiers: list[MemoryTier]) -> None:
+    tier = memory_tier(tiers, queue_depth=8, put_batch_bytes=8 * RECORD)
+    keys = tier.keys.keys(block_hashes("between", 3))
+    records = payloads(3, RECORD)
+    tier.gate.clear()
+    first = tier.put(keys[:1], records[:1])
+    wait_for(lambda: not tier._writes)
+    put = tier.put(keys[1:2], records[1:2])
+    delete = tier.delete(keys[1:2])
+    last = tier.put(keys[2:], records[2:])
+    tier.gate.set()
+    done(first), done(put), done(last)
+    assert done(delete).deleted == (True,)
+    assert [op for op, _ in tier.batches] == ["write", "write", "remove", "write"]
+    assert fetch(tier, keys) == [records[0], None, records[2]]
+
+
+def test_a_failing_joined_batch_drops_every_put_in_it(
+    tiers: list[MemoryTier], caplog: pytest.LogCaptureFixture
+) -> None:
+    def fail(op: str, keys: Sequence[BlockKey]) -> None:
+        if op == "write" and len(keys) == 4:
+            raise ZeroDivisionError("a bug in the tier")
+
+    tier = memory_tier(tiers, queue_depth=8, put_batch_bytes=8 * RECORD, fail=fail)
+    keys = tier.keys.keys(block_hashes("joined-bug", 6))
+    records = payloads(6, RECORD)
+    futures = held_puts(tier, keys[:5], records[:5], [2, 2])
+    tier.gate.set()
+    assert [done(future).stored for future in futures] == [(True,), (False, False), (False, False)]
+    assert "put of 4 key(s) failed" in caplog.text
+    stats = tier.stats()
+    assert (stats.errors, stats.drops) == ({Cause.INTERNAL.value: 4}, 4)
+    assert store(tier, keys[5:], records[5:]) == (True,)
