@@ -3,7 +3,8 @@
 The master listens on 127.0.0.1 on free ports, serves the transfer engines'
 metadata itself (``--enable_http_metadata_server``, so no etcd), and the
 client process lends the store one segment of memory, so records outlive
-the tiers that wrote them. :meth:`MooncakeStore.stop` stops both (tests call
+the tiers that wrote them. :meth:`MooncakeStore.clear` empties the store and
+restarts it if its memory is gone. :meth:`MooncakeStore.stop` stops both (tests call
 it from a fixture's teardown); :meth:`~MooncakeStore.kill_master` and
 :meth:`~MooncakeStore.start_master` take the master away and bring it back on
 the same ports, for fault tests. :func:`mooncake_binaries` returns ``None``
@@ -19,12 +20,15 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 from typing import IO, Any
 
 from kvtier.testing.redis_server import free_port
 
 START_TIMEOUT_S = 20.0
+CLEAR_TIMEOUT_S = 5.0
+"""How long an emptied store may take to report all its memory free."""
 SEGMENT_BYTES = 256 << 20
 """Memory the store's client process lends by default."""
 
@@ -155,12 +159,50 @@ class MooncakeStore:
         return client
 
     def clear(self) -> None:
-        """Remove every object from the store."""
+        """Remove every object from the store and check that all its memory is free again.
+
+        A store that lost its memory (the lending client exited, or the master unmounted it)
+        or kept some allocated after the removal is restarted on the same ports with a
+        warning that says what was found, so one broken store fails no later test that uses
+        it; a restarted store that is still broken raises.
+        """
         client = self.client()
         try:
             client.remove_all(force=True)
         finally:
             client.close()
+        problem = self._problem()
+        if problem is None:
+            return
+        warnings.warn(
+            f"the Mooncake store on port {self.rpc_port} was restarted: {problem}; "
+            f"its logs are in {self.directory}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        self.stop()
+        self.start()
+        problem = self._problem()
+        if problem is not None:
+            raise RuntimeError(f"the restarted Mooncake store on port {self.rpc_port}: {problem}")
+
+    def _problem(self) -> str | None:
+        """What keeps an emptied store from lending all its memory, or ``None``."""
+        deadline = time.monotonic() + CLEAR_TIMEOUT_S
+        while True:
+            if self.holder is None or self.holder.poll() is not None:
+                code = None if self.holder is None else self.holder.returncode
+                return f"mooncake_client exited with {code}"
+            capacity = self.metric("master_total_capacity_bytes")
+            allocated = self.metric("master_allocated_bytes")
+            if capacity >= self.segment_bytes and allocated == 0:
+                return None
+            if time.monotonic() > deadline:
+                return (
+                    f"{allocated} bytes allocated of {capacity} (it lends {self.segment_bytes}) "
+                    "after removing every object"
+                )
+            time.sleep(0.05)
 
     def metric(self, name: str) -> int:
         """One of the master's counters or gauges (0 while it does not answer)."""

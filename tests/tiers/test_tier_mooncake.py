@@ -320,3 +320,20 @@ def test_a_master_killed_and_restarted_mid_run(
     assert fetch(tier, before) == [None] * 4
     recovered = tier.stats()
     assert recovered.stores >= 8
+
+
+def test_a_store_that_lost_its_memory_is_restarted_when_cleared(
+    own_store: MooncakeStore, tiers: Callable[..., MooncakeTier]
+) -> None:
+    """The tests share one store; one whose lender died would fail every later test with
+    "insufficient space", so clearing it restarts it, with a warning that says why."""
+    assert own_store.holder is not None
+    own_store.holder.kill()
+    own_store.holder.wait(timeout=10)
+    with pytest.warns(RuntimeWarning, match="mooncake_client exited with -9"):
+        own_store.clear()
+    tier = tiers(**own_store.tier_settings())
+    keys = tier.keys.keys(block_hashes("restarted", 2))
+    records = payloads(2, RECORD, seed=6)
+    assert store(tier, keys, records) == (True,) * 2
+    assert fetch(tier, keys) == records
