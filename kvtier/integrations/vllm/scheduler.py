@@ -367,6 +367,8 @@ class KVTierScheduler:
 
     def update_connector_output(self, report: WorkerReport | None) -> None:
         """Count the workers' merged report; let vLLM reuse blocks whose lazy stores are over."""
+        if report is None and self.manager.quiet:
+            return  # most decode steps
         progress = self.manager.process(report)
         if progress.released_requests:
             self.tokens.forget(progress.released_requests)
@@ -454,6 +456,8 @@ class KVTierScheduler:
         if self._steps:
             planned_at, tokens = self._steps.popleft()
             manager.step_timed(tokens, time.monotonic() - planned_at)
+        if manager.quiet:
+            return None  # most steps
         grown = manager.take_stats()
         if grown is None and not manager.has_observations:
             return None  # most steps
