@@ -491,7 +491,7 @@ class OffloadWorker:
         requests of ``loaded`` with a failed block are named instead (the
         engine recomputes them from their first loaded block).
         """
-        if self.quiet or not (self._failed_load_blocks or self._failed_load_requests):
+        if not (self._failed_load_blocks or self._failed_load_requests):
             return _NO_LOAD_FAILURES
         blocks = self.take_failed_load_blocks()
         failed = self._failed_load_requests.intersection(loaded)

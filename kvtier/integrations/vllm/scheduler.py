@@ -224,6 +224,7 @@ class KVTierScheduler:
         self.guard = LazyStoreGuard(self.manager)
         self.tokens = RequestTokens(block_tokens, keep_forgotten=self.record_events)
         self._running = RunningScan(block_tokens)
+        self._tracked = self.manager.tracked_requests  # a live view: read once, not every step
         self._block_pool: BlockPool | None = None
         self._lookup_base: dict[str, int] = {}
         self._controls: dict[str, RequestControl | None] = {}
@@ -336,7 +337,7 @@ class KVTierScheduler:
                 resumed=True,
             )
         cached = scheduler_output.scheduled_cached_reqs
-        for i in self._running.positions(scheduler_output, manager.tracked_requests):
+        for i in self._running.positions(scheduler_output, self._tracked):
             req_id = cached.req_ids[i]
             manager.scheduled(
                 req_id,
