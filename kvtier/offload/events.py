@@ -93,6 +93,11 @@ class LowerTierEvents:
         self.forgotten = 0
         """Pending blocks forgotten to keep within ``max_pending``."""
 
+    @property
+    def has_events(self) -> bool:
+        """Whether :meth:`take` would return any event."""
+        return bool(self._events)
+
     def count(self, report: WorkerReport) -> None:
         """Add one (merged) report's lower-tier stores and removals."""
         for block, workers in report.tier_stored.items():

@@ -53,6 +53,11 @@ class FailureLog:
         """Failures so far, by cause (causes that never failed are absent)."""
         return dict(self._counts)
 
+    @property
+    def has_new(self) -> bool:
+        """Whether :meth:`take_new` would return any failure."""
+        return self.total != self._taken_total
+
     def take_new(self) -> dict[FailureCause, int]:
         """Failures since the last call, by cause (empty when there were none)."""
         if self.total == self._taken_total:

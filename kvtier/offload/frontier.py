@@ -74,6 +74,12 @@ class FrontierMemory:
             if held.get(block_id) != contents
         ]
 
+    def unchanged(self, frontier: EvictionFrontier) -> bool:
+        """Whether :meth:`offer` would read nothing now, as far as the frontier tells (its
+        signature is the one last read, and the tier took every block that read offered);
+        keys that left the tier since are the caller's to rule out."""
+        return frontier.signature() == self._seen
+
     def taken(self, offered: Iterable[tuple[Hashable, LazyCandidate]]) -> None:
         """After planning: remember the offered blocks the tier holds or writes now."""
         namespace, present = self.setup.namespace, self.ledger.present

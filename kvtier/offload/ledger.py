@@ -130,6 +130,11 @@ class BatchLedger:
         if self._keep_departed:
             self._departed.extend(keys)
 
+    @property
+    def has_departed(self) -> bool:
+        """Whether keys departed since the last :meth:`take_departed`."""
+        return bool(self._departed)
+
     def take_departed(self) -> list[BlockKey]:
         """Return and forget the keys that departed since the last call (lazy mode only)."""
         departed, self._departed = self._departed, []

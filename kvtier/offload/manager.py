@@ -42,6 +42,14 @@ guard on, once per engine step that computed tokens: :meth:`step_timed`.
 
 The manager only delegates: :mod:`kvtier.offload` says which module owns which
 piece of the state (and how lower-tier moves and quarantined slots work).
+
+Most steps of a serving engine change nothing in the tier. :attr:`OffloadManager.quiet`
+says so in one attribute: :meth:`~OffloadManager.take_stats` sets it when it finds
+nothing in flight, pending, evicted, observed or to announce, and every call that may
+change that clears it. While it is set, :meth:`~OffloadManager.build_plan` (but for
+lazy mode's frontier signature), ``process(None)``, :meth:`~OffloadManager.take_stats`
+and :meth:`~OffloadManager.take_events` answer from it alone, without visiting the
+modules (which a step of the engine's own work has pushed out of the CPU's caches).
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ from kvtier.offload.costguard import CostGuard
 from kvtier.offload.events import LowerTierEvents, TierEvent
 from kvtier.offload.frontier import EvictionFrontier
 from kvtier.offload.ledger import BatchLedger, Progress
-from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
+from kvtier.offload.messages import NO_PLAN, LazyCandidate, TransferPlan, WorkerReport
 from kvtier.offload.moves import LowerTierMoves
 from kvtier.offload.pins import TimedPins
 from kvtier.offload.planner import Planner
@@ -142,6 +150,9 @@ class OffloadManager:
             setup, self.requests, self.ledger, self.moves, self.counters, self.pins
         )
         self.tier_events = LowerTierEvents(world_size)
+        self.quiet = False
+        """Nothing is in flight, pending, evicted, observed or to announce (see the module's
+        docstring): set by :meth:`take_stats`, cleared by every call that may change it."""
 
     @classmethod
     def from_config(
@@ -206,6 +217,7 @@ class OffloadManager:
             num_tokens: Tokens of the request so far.
             control: What the request asked of kvtier; ``load=False`` gets no hit.
         """
+        self.quiet = False
         if request_id in self.requests.load_failed or (control is not None and not control.load):
             return 0
         first, wanted, hits = self.requests.hits(block_hashes, num_computed_tokens, num_tokens)
@@ -252,6 +264,7 @@ class OffloadManager:
             ValueError: ``same_step`` with several kv-cache groups, or ``block_ids``
                 that do not cover the accepted blocks.
         """
+        self.quiet = False
         self.moves.forget(request_id)
         self.guard.forget(request_id)
         self.planner.allocated(
@@ -301,6 +314,7 @@ class OffloadManager:
             # Most decode steps: no block filled and no hash or block came.
             state.computed_tokens = num_computed_tokens
             return
+        self.quiet = False
         self.requests.scheduled(
             request_id, num_computed_tokens, new_block_ids, block_hashes, resumed
         )
@@ -311,6 +325,7 @@ class OffloadManager:
         The next plan makes every worker wait for in-flight copies before the blocks
         are reused; queued loads are dropped and store progress restarts.
         """
+        self.quiet = False
         for request_id in request_ids:
             self.planner.flush = True
             self.moves.forget(request_id)
@@ -336,6 +351,7 @@ class OffloadManager:
             engine_frees_blocks: The engine frees them itself once its loads end (vLLM,
                 for a request waiting for its load): no plan announces a hold.
         """
+        self.quiet = False
         self.moves.forget(request_id)
         self.guard.forget(request_id)
         return self.requests.finish(request_id, num_computed_tokens, engine_frees_blocks)
@@ -356,6 +372,13 @@ class OffloadManager:
             frontier: In lazy mode, the engine's eviction frontier, whose blocks
                 join ``lazy_candidates`` (see :class:`~kvtier.offload.EvictionFrontier`).
         """
+        if (
+            self.quiet
+            and not lazy_candidates
+            and (frontier is None or self.planner.frontier.unchanged(frontier))
+        ):
+            return NO_PLAN  # most decode steps
+        self.quiet = False
         return self.planner.plan(lazy_candidates, frontier, idle)
 
     def process(self, report: WorkerReport | Iterable[WorkerReport | None] | None) -> Progress:
@@ -369,9 +392,12 @@ class OffloadManager:
         Args:
             report: One merged report, several (one per worker), or ``None``.
         """
+        if report is None and self.quiet:
+            return _NO_PROGRESS  # most decode steps
+        self.quiet = False
         pins = self.pins
         if report is None and self.settled:
-            # Nothing reported, in flight or waiting to be announced: most decode steps.
+            # Nothing reported, in flight or waiting to be announced.
             self.moves.drain()
             if pins.active:
                 pins.expire(self.setup.clock())
@@ -394,11 +420,14 @@ class OffloadManager:
     def step_timed(self, computed_tokens: int, seconds: float) -> None:
         """The engine ran a step that computed ``computed_tokens`` tokens (prefill and
         decode) in ``seconds``, from scheduling to its output: the cost guard's measure of
-        the engine's prefill speed. Ignored with the guard off."""
+        the engine's prefill speed. Ignored with the guard off. Leaves :attr:`quiet` as it
+        is: the speed counts only when a lookup asks the guard."""
         self.guard.step_timed(computed_tokens, seconds)
 
     def take_events(self) -> list[IndexEvent]:
         """Return and forget the tier's stored/evicted events (kept only with ``record_events``)."""
+        if self.quiet:
+            return []
         self.moves.drain()
         return self.ledger.take_events()
 
@@ -416,6 +445,7 @@ class OffloadManager:
         (a reset never stops storing). Idempotent. Returns whether every slot is free
         now (copies in flight free theirs as they end).
         """
+        self.quiet = False
         self.requests.reset()
         self.pins.reset()
         empty = self.ledger.reset()
@@ -430,10 +460,32 @@ class OffloadManager:
 
     def take_stats(self) -> OffloadStats | None:
         """What changed since the last call (:meth:`stats` ``.since()`` the last one's), or
-        ``None`` when nothing did: counters as what they gained, gauges as they are now."""
+        ``None`` when nothing did: counters as what they gained, gauges as they are now.
+
+        Sets :attr:`quiet` when nothing is left to do or to announce."""
+        if self.quiet:
+            return None  # most steps
         self.moves.drain()
-        ledger = self.ledger
-        return self.counters.take_changes((ledger.num_planned, len(ledger.quarantine)), self.stats)
+        ledger, moves, requests = self.ledger, self.moves, self.requests
+        changes = self.counters.take_changes(
+            (ledger.num_planned, len(ledger.quarantine)), self.stats
+        )
+        self.quiet = not (
+            ledger.batches
+            or ledger.quarantine
+            or ledger.unavailable
+            or ledger.events
+            or ledger.has_departed
+            or moves.promotions
+            or moves.has_work
+            or requests.due
+            or requests.released
+            or self.planner.flush
+            or self.pins.active
+            or self.counters.observed
+            or self.tier_events.has_events
+        )
+        return changes
 
     @property
     def has_observations(self) -> bool:

@@ -151,6 +151,10 @@ class TransferPlan:
         )
 
 
+NO_PLAN = TransferPlan()
+"""The plan of a step that asks nothing of the workers (shared: plans are never changed)."""
+
+
 @dataclass(frozen=True)
 class WorkerReport:
     """Batches that finished on workers since their last report, by outcome.

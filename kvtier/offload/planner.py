@@ -25,7 +25,7 @@ from kvtier.copy.base import Direction
 from kvtier.index.base import BlockKey, PrioritizedEviction
 from kvtier.offload.frontier import EvictionFrontier, FrontierMemory
 from kvtier.offload.ledger import BatchLedger
-from kvtier.offload.messages import DeviceBlock, LazyCandidate, Transfer, TransferPlan
+from kvtier.offload.messages import NO_PLAN, DeviceBlock, LazyCandidate, Transfer, TransferPlan
 from kvtier.offload.moves import LowerTierMoves
 from kvtier.offload.pins import TimedPins
 from kvtier.offload.requests import PendingLoad, RequestState, RequestTable
@@ -36,9 +36,6 @@ if TYPE_CHECKING:
     from kvtier.offload.control import RequestControl
 
 logger = logging.getLogger(__name__)
-
-_NO_PLAN = TransferPlan()
-"""The plan of a step that asks nothing of the workers (shared: plans are never changed)."""
 
 _GroupStores = list[tuple[list[int], list[int], list[BlockKey], set[str]]]
 """Per group: device blocks, host slots, keys and requests of the stores being planned."""
@@ -82,7 +79,7 @@ class Planner:
         if not (requests.due or self.flush or lazy_candidates or moves.has_work) and not (
             idle and moves.promotions
         ):
-            return _NO_PLAN  # most decode steps
+            return NO_PLAN  # most decode steps
         now = self.setup.clock()
         due = requests.take_due()
         loads, unavailable, same_step = self.plan_loads(due, now)

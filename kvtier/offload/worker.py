@@ -26,6 +26,12 @@ order each step:
 7. :meth:`OffloadWorker.take_report` — the :class:`WorkerReport` for the
    scheduler-side :class:`~kvtier.offload.OffloadManager`.
 
+Most steps of a serving engine ask nothing of the workers. :attr:`OffloadWorker.quiet`
+says so in one attribute: :meth:`~OffloadWorker.take_report` sets it when nothing is in
+flight, waiting or left to report (and there are no lower tiers, whose threads count on
+their own), and a plan that asks for anything clears it. While it is set, the calls after
+an empty plan's :meth:`~OffloadWorker.bind` answer from it alone.
+
 No wait is unbounded. A copy still running ``copy_deadline_s`` after its
 submission is abandoned: the worker stops waiting for it, a load becomes a
 recompute (its device blocks are reported failed) and the batch is reported
@@ -217,6 +223,9 @@ class OffloadWorker:
         # (blocks, seconds from submission until seen done) of each load that completed
         self._load_times: list[tuple[int, float]] = []
         self._closed = False
+        self.quiet = False
+        """Nothing is in flight, waiting or left to report, and there are no lower tiers:
+        set by :meth:`take_report`, cleared by a plan that asks for anything."""
 
     @classmethod
     def from_config(
@@ -292,6 +301,7 @@ class OffloadWorker:
             self._plan = plan
             self._flush_pending = False
             return
+        self.quiet = False
         for transfer in (*plan.stores, *plan.loads):
             self._check(transfer)
         for message in (*plan.promotions, *plan.demotions, *plan.write_throughs):
@@ -358,6 +368,9 @@ class OffloadWorker:
             loads completed on this worker (failed blocks are in
             :meth:`take_failed_load_blocks`).
         """
+        if self.quiet:
+            self._plan = None
+            return set(), set()  # most decode steps
         if self._flush_pending:
             self.flush()
         plan, self._plan = self._plan, None
@@ -488,14 +501,19 @@ class OffloadWorker:
         return LoadFailures(requests=frozenset(failed))
 
     def take_report(self) -> WorkerReport | None:
-        """This worker's completions since the last call, or ``None`` if there are none."""
+        """This worker's completions since the last call, or ``None`` if there are none.
+
+        Sets :attr:`quiet` when nothing is left to do or to report."""
+        if self.quiet:
+            return None  # most steps
         completed = bool(
             self._done or self._failed or self._abandoned_report or self._settled or self._promoted
         )
         chain = self.chain
         if chain is None:
             if not completed:
-                return None  # most steps
+                self.quiet = self._idle()
+                return None
             tier_counts, stored, removed, read_times = {}, {}, {}, {}
         else:
             tier_counts = chain.take_counts()
@@ -517,7 +535,28 @@ class OffloadWorker:
         )
         self._done, self._failed, self._abandoned_report, self._settled = {}, {}, {}, {}
         self._promoted, self._load_times = {}, []
+        self.quiet = chain is None and self._idle()
         return report
+
+    def _idle(self) -> bool:
+        """Whether nothing is bound, in flight, waiting or left to report (the reported
+        completions aside), and the worker is open."""
+        return not (
+            self._plan is not None
+            or self._flush_pending
+            or self._inflight
+            or self._abandoned
+            or self._fetches
+            or self._same_step
+            or self._same_step_batches
+            or self._loads_by_request
+            or self._holds
+            or self._failed_load_blocks
+            or self._failed_load_requests
+            or self._load_times
+            or self._failures.has_new
+            or self._closed
+        )
 
     @property
     def num_inflight(self) -> int:
@@ -531,6 +570,8 @@ class OffloadWorker:
 
     def take_stats(self) -> dict[FailureCause, int]:
         """This worker's failures since the last call, by cause (empty when there were none)."""
+        if self.quiet:
+            return {}
         return self._failures.take_new()
 
     @property
@@ -552,6 +593,7 @@ class OffloadWorker:
         """
         if self._closed:
             return
+        self.quiet = False
         self._flush_pending = False
         self._wait(until=self._clock() + self.close_timeout_s)
         for batch_id in list(self._inflight):

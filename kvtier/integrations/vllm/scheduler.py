@@ -224,6 +224,7 @@ class KVTierScheduler:
         self.guard = LazyStoreGuard(self.manager)
         self.tokens = RequestTokens(block_tokens, keep_forgotten=self.record_events)
         self._running = RunningScan(block_tokens)
+        self._tracked = self.manager.tracked_requests  # a live view: read once, not every step
         self._block_pool: BlockPool | None = None
         self._lookup_base: dict[str, int] = {}
         self._controls: dict[str, RequestControl | None] = {}
@@ -336,7 +337,7 @@ class KVTierScheduler:
                 resumed=True,
             )
         cached = scheduler_output.scheduled_cached_reqs
-        for i in self._running.positions(scheduler_output, manager.tracked_requests):
+        for i in self._running.positions(scheduler_output, self._tracked):
             req_id = cached.req_ids[i]
             manager.scheduled(
                 req_id,
@@ -367,6 +368,8 @@ class KVTierScheduler:
 
     def update_connector_output(self, report: WorkerReport | None) -> None:
         """Count the workers' merged report; let vLLM reuse blocks whose lazy stores are over."""
+        if report is None and self.manager.quiet:
+            return  # most decode steps
         progress = self.manager.process(report)
         if progress.released_requests:
             self.tokens.forget(progress.released_requests)
@@ -454,6 +457,8 @@ class KVTierScheduler:
         if self._steps:
             planned_at, tokens = self._steps.popleft()
             manager.step_timed(tokens, time.monotonic() - planned_at)
+        if manager.quiet:
+            return None  # most steps
         grown = manager.take_stats()
         if grown is None and not manager.has_observations:
             return None  # most steps

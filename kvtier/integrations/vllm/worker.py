@@ -155,10 +155,13 @@ class KVTierWorker:
         those of them that must be recomputed (several kv-cache groups only;
         with one, failed blocks go to :meth:`get_block_ids_with_load_errors`).
         """
-        if self.offload is None:
+        offload = self.offload
+        if offload is None:
             return set(), set(), set()
-        released, loaded = self.offload.get_finished()
-        failures = self.offload.take_load_failures(loaded)
+        released, loaded = offload.get_finished()
+        if offload.quiet:
+            return released, loaded, set()  # most decode steps
+        failures = offload.take_load_failures(loaded)
         if failures.blocks:
             self._failed_blocks |= failures.blocks
         return released, loaded, set(failures.requests)
