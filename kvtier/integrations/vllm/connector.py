@@ -250,7 +250,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             return
         meta = connector_output.kv_connector_worker_meta
         self.scheduler.update_connector_output(
-            meta.report if isinstance(meta, KVTierWorkerMetadata) else None
+            meta.report if isinstance(meta, KVTierWorkerMetadata) else None,
+            connector_output.finished_recving,
         )
 
     def request_finished(

@@ -45,7 +45,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING, cast
 
 from vllm.distributed.kv_events import (
@@ -61,7 +61,6 @@ from vllm.v1.core.kv_cache_utils import (
     get_group_id,
     maybe_convert_block_hash,
 )
-from vllm.v1.request import RequestStatus
 
 from kvtier.config import KVTierConfig
 from kvtier.index.base import EventKind
@@ -240,6 +239,8 @@ class KVTierScheduler:
         self._same_step_budget = config.same_step_load_bytes if num_groups == 1 else 0
         self._same_step_left = self._same_step_budget
         self._same_step: set[str] = set()
+        self._awaited: set[str] = set()
+        """Requests loading asynchronously whose load vLLM has not yet heard has ended."""
         # Steps being timed for the cost guard, oldest first: (planned at, scheduled tokens);
         # bounded for callers that never ask for stats.
         self._steps: deque[tuple[float, int]] | None = (
@@ -308,6 +309,8 @@ class KVTierScheduler:
         base = self._lookup_base.pop(request.request_id, request.num_computed_tokens)
         same_step = request.request_id in self._same_step
         self._same_step.discard(request.request_id)
+        if num_external_tokens and not same_step:
+            self._awaited.add(request.request_id)
         self.manager.allocated(
             request.request_id,
             request.block_hashes,
@@ -366,8 +369,15 @@ class KVTierScheduler:
             )
         return self._block_pool
 
-    def update_connector_output(self, report: WorkerReport | None) -> None:
-        """Count the workers' merged report; let vLLM reuse blocks whose lazy stores are over."""
+    def update_connector_output(
+        self, report: WorkerReport | None, loaded: Iterable[str] | None = None
+    ) -> None:
+        """Count the workers' merged report; let vLLM reuse blocks whose lazy stores are over.
+
+        ``loaded`` names the requests whose loads vLLM now knows have ended on every worker.
+        """
+        if loaded:
+            self._awaited.difference_update(loaded)
         if report is None and self.manager.quiet:
             return  # most decode steps
         progress = self.manager.process(report)
@@ -386,8 +396,10 @@ class KVTierScheduler:
         self._lookup_base.pop(request_id, None)
         if self._controls:
             self._controls.pop(request_id, None)
-        # A request waiting for its load is freed by vLLM itself once the load reports in.
-        waiting = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        # vLLM frees the blocks of a request finished while it waits for its load at the first
+        # report naming it, and fails on a second one: its load's end is the only report.
+        waiting = request_id in self._awaited
+        self._awaited.discard(request_id)
         hold = self.manager.finished(
             request_id, request.num_computed_tokens, engine_frees_blocks=waiting
         )

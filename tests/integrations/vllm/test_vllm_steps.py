@@ -128,6 +128,50 @@ def test_a_request_waits_for_its_load_before_it_runs(
     assert engine.connector.manager.stats().same_step_loaded_blocks == 0
 
 
+@pytest.mark.parametrize("store_mode", ["eager", "lazy"])
+@pytest.mark.parametrize("failing", [False, True], ids=["load_completes", "load_fails"])
+def test_a_request_aborted_while_its_load_runs_is_freed_once(
+    engine_factory: Callable[..., VllmSteps],
+    monkeypatch: pytest.MonkeyPatch,
+    store_mode: str,
+    failing: bool,
+) -> None:
+    """vLLM frees an aborted request's blocks at the first report naming it (load ended,
+    or blocks released), and asserts that no second report names it."""
+    from vllm.v1.request import RequestStatus
+
+    slow = flaky_copy_registry(
+        fail=lambda batch: failing and batch.direction is Direction.LOAD, delay_polls=3
+    )
+    monkeypatch.setattr(kvtier.plugins, "_default_registry", slow)
+    engine = engine_factory(
+        {
+            "cpu_bytes": 4 * MIB,
+            "copy": {"type": "flaky"},
+            "store_mode": store_mode,
+            "same_step_load_bytes": 0,
+        },
+        num_blocks=40,
+    )
+    (prompt,) = prompts(12, 1, 70, 71)
+    engine.generate([prompt])
+    if store_mode == "lazy":  # lazy mode stores blocks as vLLM evicts them: push them out
+        engine.generate(prompts(13, 6, 150, 200))
+    reset_device_cache(engine)
+    request_id = engine.add(prompt)
+    engine.step()
+    assert engine.scheduler.requests[request_id].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    engine.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
+    assert request_id in engine.scheduler.requests, "vLLM keeps its blocks until the load ends"
+    engine.run()
+    assert request_id not in engine.scheduler.requests
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == engine.spec.num_blocks - 1, "a block was not freed"
+    manager = engine.connector.manager
+    assert manager.num_requests == 0 and manager.num_inflight_batches == 0
+    assert manager.index.stats().pinned == 0
+
+
 @pytest.mark.parametrize(
     ("length", "computed"),
     [(70, 70 - 4 * BLOCK), (64, 1)],
