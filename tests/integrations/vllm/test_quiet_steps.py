@@ -74,7 +74,7 @@ def observable(engine: VllmSteps, output: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("store_mode", ["eager", "lazy"])
-@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("seed", [0, 1, 3])  # 3 aborts requests while their loads run
 def test_marks_skip_nothing_the_full_paths_do(
     model_dir: Path,
     engines: list[VllmSteps],
