@@ -29,6 +29,8 @@ from kvtier.testing.redis_server import free_port
 START_TIMEOUT_S = 20.0
 CLEAR_TIMEOUT_S = 5.0
 """How long an emptied store may take to report all its memory free."""
+PROBE_KEY = "kvtier-test-probe"
+PROBE_BYTES = 4096
 SEGMENT_BYTES = 256 << 20
 """Memory the store's client process lends by default."""
 
@@ -159,19 +161,14 @@ class MooncakeStore:
         return client
 
     def clear(self) -> None:
-        """Remove every object from the store and check that all its memory is free again.
+        """Remove every object from the store and check that all its memory is usable again.
 
-        A store that lost its memory (the lending client exited, or the master unmounted it)
-        or kept some allocated after the removal is restarted on the same ports with a
-        warning that says what was found, so one broken store fails no later test that uses
-        it; a restarted store that is still broken raises.
+        A store that lost its memory (the lending client exited, or the master unmounted it),
+        refuses a small put, or keeps memory allocated after the removal is restarted on the
+        same ports with a warning that says what was found, so one broken store fails no
+        later test that uses it; a restarted store that is still broken raises.
         """
-        client = self.client()
-        try:
-            client.remove_all(force=True)
-        finally:
-            client.close()
-        problem = self._problem()
+        problem = self._empty()
         if problem is None:
             return
         warnings.warn(
@@ -182,17 +179,28 @@ class MooncakeStore:
         )
         self.stop()
         self.start()
-        problem = self._problem()
+        problem = self._empty()
         if problem is not None:
             raise RuntimeError(f"the restarted Mooncake store on port {self.rpc_port}: {problem}")
 
-    def _problem(self) -> str | None:
-        """What keeps an emptied store from lending all its memory, or ``None``."""
+    def _empty(self) -> str | None:
+        """Put a small probe, remove every object; what is wrong with the store, or ``None``."""
+        try:
+            client = self.client()
+        except RuntimeError as exc:
+            return str(exc)
+        try:
+            probe = client.put(PROBE_KEY, bytes(PROBE_BYTES))
+            client.remove_all(force=True)
+        finally:
+            client.close()
         deadline = time.monotonic() + CLEAR_TIMEOUT_S
         while True:
             if self.holder is None or self.holder.poll() is not None:
                 code = None if self.holder is None else self.holder.returncode
                 return f"mooncake_client exited with {code}"
+            if probe != 0:
+                return f"a put of {PROBE_BYTES} bytes failed with {probe}"
             capacity = self.metric("master_total_capacity_bytes")
             allocated = self.metric("master_allocated_bytes")
             if capacity >= self.segment_bytes and allocated == 0:
