@@ -184,14 +184,17 @@ class MooncakeStore:
             raise RuntimeError(f"the restarted Mooncake store on port {self.rpc_port}: {problem}")
 
     def _empty(self) -> str | None:
-        """Put a small probe, remove every object; what is wrong with the store, or ``None``."""
+        """Remove every object, then put and remove a small probe; what is wrong with the
+        store, or ``None``."""
         try:
             client = self.client()
         except RuntimeError as exc:
             return str(exc)
         try:
-            probe = client.put(PROBE_KEY, bytes(PROBE_BYTES))
             client.remove_all(force=True)
+            probe = client.put(PROBE_KEY, bytes(PROBE_BYTES))
+            if probe == 0:
+                client.remove(PROBE_KEY)
         finally:
             client.close()
         deadline = time.monotonic() + CLEAR_TIMEOUT_S
