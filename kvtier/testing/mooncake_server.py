@@ -59,13 +59,16 @@ class MooncakeStore:
         self.folder = folder
         self.directory = directory
         self.segment_bytes = segment_bytes
+        self._pick_ports()
+        self.master: subprocess.Popen[bytes] | None = None
+        self.holder: subprocess.Popen[bytes] | None = None
+        self._logs: list[IO[bytes]] = []
+
+    def _pick_ports(self) -> None:
         self.rpc_port = free_port()
         self.metadata_port = free_port()
         self.metrics_port = free_port()
         self.client_port = free_port()
-        self.master: subprocess.Popen[bytes] | None = None
-        self.holder: subprocess.Popen[bytes] | None = None
-        self._logs: list[IO[bytes]] = []
 
     @property
     def master_address(self) -> str:
@@ -105,8 +108,8 @@ class MooncakeStore:
                     f"-global_segment_size={self.segment_bytes}",
                     "-protocol=tcp",
                 ],
-                stdout=subprocess.DEVNULL,
-                stderr=self._log("client.log"),
+                stdout=self._log("client.log"),
+                stderr=subprocess.STDOUT,
             )
             self.wait_until_mounted()
         except BaseException:
@@ -127,8 +130,8 @@ class MooncakeStore:
                 "-metrics_host=127.0.0.1",
                 f"-metrics_port={self.metrics_port}",
             ],
-            stdout=subprocess.DEVNULL,
-            stderr=self._log("master.log"),
+            stdout=self._log("master.log"),
+            stderr=subprocess.STDOUT,
         )
 
     def wait_until_mounted(self) -> None:
@@ -164,9 +167,10 @@ class MooncakeStore:
         """Remove every object from the store and check that all its memory is usable again.
 
         A store that lost its memory (the lending client exited, or the master unmounted it),
-        refuses a small put, or keeps memory allocated after the removal is restarted on the
-        same ports with a warning that says what was found, so one broken store fails no
-        later test that uses it; a restarted store that is still broken raises.
+        refuses a small put, or keeps memory allocated after the removal is restarted on new
+        ports with a warning that says what was found, so one broken store fails no later
+        test that uses it (callers read :meth:`tier_settings` after this call); a restarted
+        store that is still broken raises.
         """
         problem = self._empty()
         if problem is None:
@@ -178,6 +182,7 @@ class MooncakeStore:
             stacklevel=2,
         )
         self.stop()
+        self._pick_ports()  # another process may hold one of them now
         self.start()
         problem = self._empty()
         if problem is not None:

@@ -21,6 +21,10 @@ import redis
 
 START_TIMEOUT_S = 10.0
 _CLUSTER_BUS_OFFSET = 10000
+_PORTS = random.SystemRandom()
+"""Draws ports from the OS, not from ``random``'s shared state: vLLM seeds that (with the
+model's seed) in every process that builds an engine, so test processes running side by
+side drew the same ports and one's server failed to bind what the other's had just taken."""
 
 
 def redis_server_binary() -> str | None:
@@ -40,7 +44,7 @@ def _bindable(port: int) -> bool:
 def free_port(*, with_cluster_bus: bool = False) -> int:
     """A port free on 127.0.0.1 now (and its cluster bus port, ``port + 10000``, if asked)."""
     for _ in range(200):
-        port = random.randrange(20000, 45000)
+        port = _PORTS.randrange(20000, 45000)
         if _bindable(port) and (not with_cluster_bus or _bindable(port + _CLUSTER_BUS_OFFSET)):
             return port
     raise RuntimeError("no free port found on 127.0.0.1 between 20000 and 45000")

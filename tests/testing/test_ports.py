@@ -1,0 +1,17 @@
+"""Free ports for the test servers."""
+
+from __future__ import annotations
+
+import random
+
+from kvtier.testing.redis_server import free_port
+
+
+def test_free_ports_do_not_follow_the_shared_random_state() -> None:
+    """vLLM seeds ``random`` in every process that builds an engine: test processes side by
+    side then drew the same ports, and one's server lost its port to the other's."""
+    random.seed(0)
+    first = [free_port() for _ in range(4)]
+    random.seed(0)
+    assert [free_port() for _ in range(4)] != first
+
