@@ -370,7 +370,7 @@ class KVTierScheduler:
         return self._block_pool
 
     def update_connector_output(
-        self, report: WorkerReport | None, loaded: Iterable[str] | None = None
+        self, report: WorkerReport | None, loaded: Iterable[str] | None
     ) -> None:
         """Count the workers' merged report; let vLLM reuse blocks whose lazy stores are over.
 
