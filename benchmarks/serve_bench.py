@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_bench.stats import median_interval
+from stats import median_ci
 
 from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
 from kvtier.integrations.serve import (
@@ -239,8 +238,8 @@ def measure(server: Server, dataset: str, num_prompts: int, concurrency: int) ->
 def ratios(runs: dict[str, list[dict[str, Any]]], field: str) -> dict[str, Any]:
     """kvtier / vanilla of ``field``, per pair, with their median and a 95% interval."""
     per_pair = [k[field] / v[field] for k, v in zip(runs["kvtier"], runs["vanilla"], strict=True)]
-    low, high = median_interval([[ratio] for ratio in per_pair])
-    return {"pairs": per_pair, "median": statistics.median(per_pair), "ci95": [low, high]}
+    interval = median_ci(per_pair)
+    return {"pairs": per_pair, "median": interval["median"], "ci95": interval["ci95"]}
 
 
 RATIO_FIELDS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "output_throughput")

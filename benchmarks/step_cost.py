@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stats import median_ci
+
 ARMS = ("none", "null", "kvtier")
 NULL_CONNECTOR = ("NullConnector", "null_connector")
 SCHEDULER_CALLS = (
@@ -84,18 +86,6 @@ class Case:
             f"{self.running}x{self.context} {self.store_mode} "
             f"{int(self.prefix_hit * 100)}% {self.tiers}"
         )
-
-
-def median_ci(values: Sequence[float]) -> dict[str, Any]:
-    """Median and its 95% order-statistic interval (binomial, normal approximation)."""
-    ordered = sorted(values)
-    n = len(ordered)
-    if n == 0:
-        return {"median": None, "ci95": None, "n": 0}
-    half = 0.98 * math.sqrt(n)
-    low = max(0, math.floor(n / 2 - half))
-    high = min(n - 1, math.ceil(n / 2 + half))
-    return {"median": statistics.median(ordered), "ci95": [ordered[low], ordered[high]], "n": n}
 
 
 def load_average() -> list[float]:

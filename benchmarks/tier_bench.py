@@ -76,6 +76,7 @@ import numpy as np
 import redis
 import xxhash
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from stats import spread
 
 from kvtier.keys import KeyNamespace
 from kvtier.testing.mooncake_server import MooncakeStore, mooncake_binaries
@@ -125,8 +126,8 @@ class Arm(NamedTuple):
 
 def finished(futures: list[Future[Any]]) -> list[Future[Any]]:
     """``futures`` once all are done, waited for together: the caller wakes once, not once
-    per request (on two cores, waking per request slowed the tiers' puts by up to a fifth;
-    see docs/tiers.md). The tier chain never blocks on a put at all; it leaves a callback."""
+    per request (on two cores, waking per request slowed the tiers' puts by up to a fifth).
+    The tier chain never blocks on a put at all; it leaves a callback."""
     if wait(futures, WAIT_S).not_done:
         raise RuntimeError(f"the tier did not answer within {WAIT_S} s")
     return futures
@@ -180,14 +181,6 @@ class TierArm:
 
     def arm(self) -> Arm:
         return Arm(self.put, self.get, self.check)
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {
-        "median": round(statistics.median(values), 3),
-        "min": round(min(values), 3),
-        "max": round(max(values), 3),
-    }
 
 
 def measure(

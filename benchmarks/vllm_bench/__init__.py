@@ -5,6 +5,5 @@
 - :mod:`vllm_bench.lower_tiers`: a hit found only in a disk or Redis tier.
 - :mod:`vllm_bench.throughput`: 0%-hit throughput with and without the connector.
 - :mod:`vllm_bench.engine`: the model, the engines' environment, prompts, timed batches.
-- :mod:`vllm_bench.stats`: summaries and the two-level bootstrap interval of a median.
 - :mod:`vllm_bench.patches`: the timing wrappers inside vLLM, and the connector switch.
 """

@@ -10,9 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stats import summary
+
 from kvtier.config.model import DEFAULT_SAME_STEP_LOAD_BYTES
 from vllm_bench.engine import BLOCK_TOKENS, random_prompt
-from vllm_bench.stats import summary
 
 BUSY_BACKGROUND = (8, 256)
 """Requests decoding while a busy tier hit arrives, and their prompt tokens."""

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from stats import summary
+
 from vllm_bench.engine import BLOCK_TOKENS, MODEL, random_prompt, timed_generate
-from vllm_bench.stats import summary
 
 TARGETS = {
     "disk_hit_over_cold_max": 0.25,

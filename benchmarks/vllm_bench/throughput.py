@@ -14,9 +14,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from stats import grouped_median_ci
+
 from vllm_bench.engine import BLOCK_TOKENS, cpu_s, engine_env, random_prompt
 from vllm_bench.patches import ConnectorSwitch, Probes
-from vllm_bench.stats import median_interval
 
 ROUNDS_PER_PAIR = 30
 """Default rounds per pair of throughput engines. A round of the default shape lasts about
@@ -35,15 +36,15 @@ def ratio_interval(with_kvtier: list[list[float]], without: list[list[float]]) -
     """Median of the per-round ratios ``with / without`` and a 95% interval of it.
 
     Both arguments hold one list of rounds per pair of engine processes; the
-    interval resamples pairs, then rounds within them (:func:`median_interval`),
-    so a pair whose processes were steadily faster or slower counts as one sample.
+    interval is that of the pairs' medians (:func:`stats.grouped_median_ci`), so a
+    pair whose processes were steadily faster or slower counts as one sample.
     """
     pairs = [
         [w / o for w, o in zip(pair_with, pair_without, strict=True)]
         for pair_with, pair_without in zip(with_kvtier, without, strict=True)
     ]
     ratios = [ratio for pair in pairs for ratio in pair]
-    low, high = median_interval(pairs)
+    low, high = grouped_median_ci(pairs)["ci95"]
     median = statistics.median(ratios)
     return {
         "rounds": ratios,

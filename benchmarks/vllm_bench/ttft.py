@@ -12,9 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stats import grouped_median_ci, summary
+
 from vllm_bench.engine import BLOCK_TOKENS, MODEL, random_prompt, timed_generate
 from vllm_bench.patches import Probes
-from vllm_bench.stats import median_interval, summary
 
 TARGETS = {
     "tier_hit_over_device_hit_max": 1.5,
@@ -166,7 +167,7 @@ def ttft_report(ttft: dict[str, Any], limit_s: float) -> dict[str, Any]:
     extra_max_s = 1.5 * limit_s + 0.0003
     pairs = ttft.get("pairs_per_prompt", 1)
     by_prompt = [differences[start : start + pairs] for start in range(0, len(differences), pairs)]
-    extra_low_s, extra_high_s = median_interval(by_prompt)
+    extra_low_s, extra_high_s = grouped_median_ci(by_prompt)["ci95"]
     report: dict[str, Any] = {
         "ttft_s": {kind: summary(ttft[kind]) for kind in best},
         "ttft_rounds_s": {kind: ttft[kind] for kind in best},
