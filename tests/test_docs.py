@@ -1,4 +1,5 @@
-"""Documentation tests: every hook and config field is documented, and the examples are valid."""
+"""Documentation tests: every hook and config field is documented, the examples are valid, and
+every page stays within its length."""
 
 from __future__ import annotations
 
@@ -209,3 +210,19 @@ def test_docs_build_config_resolves_from_any_directory(
     snippet_bases = config["mdx_configs"]["pymdownx.snippets"]["base_path"]
     assert [Path(base).resolve() for base in snippet_bases] == [REPO_ROOT]
     assert Path(config["docs_dir"]).resolve() == DOCS
+
+
+PAGE_LINES = 300
+PAGE_LINES_EXCEPTIONS = {"vllm.md": 350}
+"""The most lines a docs page may have: a guide longer than that is split by subject. The vLLM
+connector page gathers every key and behaviour of the connector in one place."""
+
+
+@pytest.mark.parametrize(
+    "page", sorted(DOCS.rglob("*.md")), ids=lambda page: page.relative_to(DOCS).as_posix()
+)
+def test_every_docs_page_is_within_its_length(page: Path) -> None:
+    name = page.relative_to(DOCS).as_posix()
+    bound = PAGE_LINES_EXCEPTIONS.get(name, PAGE_LINES)
+    lines = len(page.read_text().splitlines())
+    assert lines <= bound, f"docs/{name} has {lines} lines; split or trim it to {bound} at most"
