@@ -50,7 +50,7 @@ from tests.config.conftest import (
 )
 from tests.conftest import REPO_ROOT
 
-DOC_PAGES = sorted((REPO_ROOT / "docs").glob("*.md")) + [REPO_ROOT / "README.md"]
+DOC_PAGES = sorted((REPO_ROOT / "docs").rglob("*.md")) + [REPO_ROOT / "README.md"]
 PARSERS: dict[str, Callable[[str], Any]] = {
     "yaml": yaml.safe_load,
     "yml": yaml.safe_load,
