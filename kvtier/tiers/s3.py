@@ -24,10 +24,10 @@ not. Keys still missing then have their own names tried, at most
 prefix stored shorter than the one now asked for). A presence check reads
 only the key tables (a ranged GET of the first 16 KiB). A delete rewrites
 each object that holds a deleted key without it, or deletes the object.
-The objects of one batch are read or written at once, on a pool of
-``io_threads`` request threads (the batch threads of
-:class:`~kvtier.tiers.base.QueuedTier` only hand them out and wait), so a
-lookup takes about one round trip per pass, not one per object.
+The objects of one batch are read or written at once, on the tier's
+``io_threads`` I/O threads (the batch's own among them, see
+:meth:`~kvtier.tiers.queued.QueuedTier._all_at_once`), so a lookup takes
+about one round trip per pass, not one per object.
 
 **Failures** never reach the caller. ``404`` is a miss. Throttling (``503
 SlowDown``, ``500``) is retried with jittered doubling waits while the
@@ -46,7 +46,6 @@ import random
 import struct
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -227,9 +226,6 @@ class S3Tier(RemoteTier):
         self._max_object_bytes = MAX_TABLE_BYTES + most * self._codec.max_encoded_bytes
         """Bytes a read asks for at most: an object far larger is not read whole, and its
         records past this are length misses."""
-        self._requests = ThreadPoolExecutor(
-            config.io_threads, thread_name_prefix="kvtier-s3-request"
-        )
         self._open(
             lambda: self._connect(config),
             f"{where}, {self.chunk_blocks} block(s) per object on average",
@@ -344,11 +340,10 @@ class S3Tier(RemoteTier):
             raise
 
     def _each(self, request: Callable[[Item], T], items: Sequence[Item]) -> list[T | StoreFailure]:
-        """``request(item)`` for every item at once on the request threads: its result, or
-        the store's failure."""
-        futures = [self._requests.submit(request, item) for item in items]
+        """``request(item)`` for every item at once on the I/O threads: its result, or the
+        store's failure."""
         outcomes: list[T | StoreFailure] = []
-        for future in futures:
+        for future in self._all_at_once(request, items):
             failure = future.exception()
             if failure is None:
                 outcomes.append(future.result())
@@ -518,10 +513,6 @@ class S3Tier(RemoteTier):
             body += data[first:last]
         pack_table(body, kept, [last - first for first, last in spans])
         self._put_object(name_key, body, time.monotonic() + self._put_deadline_s)
-
-    def _release(self) -> None:
-        self._requests.shutdown()
-        super()._release()
 
     def __repr__(self) -> str:
         return f"S3Tier({self.where!r}, namespace={self.keys.namespace!r})"
