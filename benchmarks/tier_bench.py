@@ -83,8 +83,8 @@ from kvtier.testing.mooncake_server import MooncakeStore, mooncake_binaries
 from kvtier.testing.redis_server import RedisServer, redis_server_binary
 from kvtier.testing.s3_server import MotoS3Server, aws_test_environment
 from kvtier.tiers.base import StorageTier, TierSpec
-from kvtier.tiers.configs import MooncakeTierConfig
 from kvtier.tiers.disk import DiskTier, DiskTierConfig, aligned_buffer, build_disk_tier
+from kvtier.tiers.mooncake_config import MooncakeTierConfig
 from kvtier.tiers.record import RecordCodec, tier_codec
 from kvtier.tiers.redis import RedisTier, RedisTierConfig
 from kvtier.tiers.s3 import S3Tier, S3TierConfig

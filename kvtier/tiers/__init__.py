@@ -1,8 +1,8 @@
 """Storage tiers below the engine's own KV cache: host memory first, then disk, Redis and S3.
 
 The names below load on first use: validating a config imports only the tiers'
-config models (:mod:`kvtier.tiers.configs`), never the host tier's torch or the
-lower tiers' machinery.
+config models (:mod:`kvtier.tiers.configs` and each tier's ``<name>_config``
+module), never the host tier's torch or the lower tiers' machinery.
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ from kvtier.index.base import BlockIndex, BlockKey, EventKind
 from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
 from kvtier.tiers.base import Cause, RemovalLog, TierError, TierSpec
-from kvtier.tiers.configs import DiskTierConfig
+from kvtier.tiers.disk_config import DiskTierConfig
 from kvtier.tiers.queued import QueuedTier
 from kvtier.tiers.record import (
     HEADER_FIXED_BYTES,

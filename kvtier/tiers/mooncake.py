@@ -29,20 +29,16 @@ store's servers mount their segments again and the tier writes anew.
 
 from __future__ import annotations
 
-import logging
 import socket
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kvtier.index.base import BlockKey
-from kvtier.tiers.backoff import Backoff
-from kvtier.tiers.base import Cause, TierError, TierSpec
-from kvtier.tiers.configs import MooncakeTierConfig
-from kvtier.tiers.queued import QueuedTier
-from kvtier.tiers.record import RecordFault, tier_codec
-
-logger = logging.getLogger(__name__)
+from kvtier.tiers.base import Cause, TierSpec
+from kvtier.tiers.mooncake_config import MooncakeTierConfig
+from kvtier.tiers.record import RecordFault
+from kvtier.tiers.remote import RemoteTier
 
 KEY_PREFIX = "kvtier:"
 """Every object name the tier writes starts with this."""
@@ -61,14 +57,8 @@ TRANSFER_FAIL = -800
 RPC_FAIL = -900
 
 
-def _cause_of(code: int) -> Cause:
-    if code == RPC_FAIL:
-        return Cause.CONNECTION
-    if code == NO_AVAILABLE_HANDLE:
-        return Cause.NO_SPACE
-    if code == TRANSFER_FAIL:
-        return Cause.IO
-    return Cause.SERVER
+class _Unanswered(Exception):
+    """A batch's every object failed its RPC: the master did not answer."""
 
 
 def _address(buffer: memoryview | bytes | bytearray) -> tuple[int, np.ndarray]:
@@ -87,10 +77,16 @@ def _master_answers(address: str) -> str | None:
     return None
 
 
-class MooncakeTier(QueuedTier):
+class MooncakeTier(RemoteTier):
     """Records in a Mooncake Store, one object per record; see the module docstring."""
 
-    shared = True
+    failures = (_Unanswered,)
+    causes = {
+        _Unanswered: Cause.CONNECTION,
+        RPC_FAIL: Cause.CONNECTION,
+        NO_AVAILABLE_HANDLE: Cause.NO_SPACE,
+        TRANSFER_FAIL: Cause.IO,
+    }
 
     def __init__(self, config: MooncakeTierConfig, spec: TierSpec) -> None:
         """Build this rank's store client and mount its segment, if it lends one.
@@ -100,36 +96,27 @@ class MooncakeTier(QueuedTier):
                 ``required`` is true, or a record key cannot be read.
         """
         super().__init__(
+            config,
             spec,
             name="mooncake",
-            namespace=config.namespace,
-            io_threads=config.io_threads,
-            queue_depth=config.queue_depth,
-            get_deadline_s=config.get_deadline_s,
+            where=f"the master at {config.master_address}",
             put_batch_bytes=config.put_batch_bytes,
         )
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
+        from mooncake.store import ReplicateConfig, SoftPinAction
 
         self.master_address = config.master_address
-        self._codec = tier_codec(
-            config,
-            self.keys.layout_fingerprint,
-            spec.record_bytes,
-            tier="mooncake",
-            shared=self.shared,
-        )
         self._replicate = ReplicateConfig()
         self._replicate.replica_num = config.replicas
         if config.soft_pin_ttl_s is not None:
             self._replicate.soft_pin_action = SoftPinAction.ENABLE
             self._replicate.soft_pin_ttl_ms = round(config.soft_pin_ttl_s * 1000)
-        self._backoff = Backoff(
-            "mooncake",
-            f"the master at {config.master_address}",
-            config.reconnect_backoff_s,
-            config.reconnect_max_backoff_s,
+        self._open(
+            lambda: self._connect(config), f"master {config.master_address}, {config.protocol}"
         )
-        self._client: MooncakeDistributedStore | None = None
+
+    def _connect(self, config: MooncakeTierConfig) -> str | None:
+        from mooncake.store import MooncakeDistributedStore
+
         problem = _master_answers(config.master_address)
         if problem is None:
             client = MooncakeDistributedStore()
@@ -144,31 +131,13 @@ class MooncakeTier(QueuedTier):
             )
             if status == OK:
                 self._client = client
-            else:
-                client.close()
-                problem = f"the store client's setup failed with code {status}"
-        if problem is not None:
-            if config.required:
-                raise TierError(
-                    f"mooncake tier: cannot use the store of the master at "
-                    f"{config.master_address}: {problem}; start mooncake_master, fix "
-                    "master_address and metadata_server, or set required: false to run without "
-                    "this tier"
-                )
-            logger.warning(
-                "mooncake tier: cannot use the master at %s (%s); running with the tier disabled",
-                config.master_address,
-                problem,
-            )
-            self._disable(Cause.DISABLED)
-        else:
-            logger.info(
-                "mooncake tier: master %s, %s, namespace %r",
-                config.master_address,
-                config.protocol,
-                self.keys.namespace,
-            )
-        self._start()
+                return None
+            client.close()
+            problem = f"the store client's setup failed with code {status}"
+        return (
+            f"cannot use the store of the master at {config.master_address}: {problem}; start "
+            "mooncake_master, or fix master_address and metadata_server"
+        )
 
     @staticmethod
     def _name(key: BlockKey) -> str:
@@ -176,19 +145,16 @@ class MooncakeTier(QueuedTier):
 
     def _batch(self, keys: Sequence[BlockKey], call: Callable[[], list[int]]) -> list[int] | None:
         """Run one client call unless backing off: a code per key, or ``None`` (counted)."""
-        if self._backoff.waiting():
-            self._count_error(Cause.CONNECTION, len(keys))
-            return None
-        codes = list(call())
-        if codes and all(code == RPC_FAIL for code in codes):
-            self._backoff.failed("it did not answer an RPC")
-            self._count_error(Cause.CONNECTION, len(keys))
-            return None
-        self._backoff.answered()
-        return codes
+
+        def answered() -> list[int]:
+            codes = list(call())
+            if codes and all(code == RPC_FAIL for code in codes):
+                raise _Unanswered("it did not answer an RPC")
+            return codes
+
+        return self._call_store(keys, answered)
 
     def _read(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
-        assert self._client is not None
         client = self._client
         buffers = [bytearray(self._codec.encoded_bytes(key)) for key in keys]
         addresses = [_address(buffer)[0] for buffer in buffers]
@@ -209,12 +175,11 @@ class MooncakeTier(QueuedTier):
             if code == INVALID_PARAMS:  # longer than a record of this layout
                 self._count_error(RecordFault.LENGTH)
             elif code != OBJECT_NOT_FOUND:
-                self._count_error(_cause_of(code))
+                self._count_error(self._cause_of(code))
             found.append(None)
         return found
 
     def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
-        assert self._client is not None
         client = self._client
         sealed = [
             self._codec.header(key, record) for key, record in zip(keys, records, strict=True)
@@ -235,14 +200,11 @@ class MooncakeTier(QueuedTier):
             if code in (OK, OBJECT_ALREADY_EXISTS):
                 stored.append(True)
             else:
-                self._count_error(_cause_of(code))
+                self._count_error(self._cause_of(code))
                 stored.append(False)
-        written = stored.count(True)
-        self._count(stores=written, bytes_written=written * self.record_bytes)
-        return stored
+        return self._count_stored(stored)
 
     def _exists(self, keys: Sequence[BlockKey]) -> list[bool]:
-        assert self._client is not None
         client = self._client
         names = [self._name(key) for key in keys]
         codes = self._batch(keys, lambda: client.batch_is_exist(names))
@@ -251,12 +213,11 @@ class MooncakeTier(QueuedTier):
         present = []
         for code in codes:
             if code < 0:
-                self._count_error(_cause_of(code))
+                self._count_error(self._cause_of(code))
             present.append(code == 1)
         return present
 
     def _remove(self, keys: Sequence[BlockKey]) -> list[bool]:
-        assert self._client is not None
         client = self._client
         names = [self._name(key) for key in keys]
         codes = self._batch(keys, lambda: client.batch_remove(names, force=True))
@@ -265,14 +226,9 @@ class MooncakeTier(QueuedTier):
         removed = []
         for code in codes:
             if code not in (OK, OBJECT_NOT_FOUND):
-                self._count_error(_cause_of(code))
+                self._count_error(self._cause_of(code))
             removed.append(code == OK)
         return removed
-
-    def _release(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
 
     def __repr__(self) -> str:
         return f"MooncakeTier({self.master_address!r}, namespace={self.keys.namespace!r})"

@@ -14,7 +14,10 @@ parts, in the order a request meets them:
    A tier built with ``put_batch_bytes`` hands ``_write`` the puts waiting
    next to each other at the head of the write queue in one call, up to that
    many record bytes (a request is never split; one that repeats a key of the
-   call waits for the next), for stores whose per-call cost is high.
+   call waits for the next), for stores whose per-call cost is high. A
+   primitive whose batch is several independent calls to the store hands
+   them to :meth:`~QueuedTier._all_at_once`, which runs them on the I/O
+   threads at once.
 3. A deadline thread answers reads still pending at their deadline as misses;
    the late result of the I/O thread is dropped.
 4. :meth:`~QueuedTier.close` lets the threads finish the queued requests, then
@@ -24,6 +27,7 @@ parts, in the order a request meets them:
 from __future__ import annotations
 
 import enum
+import functools
 import heapq
 import itertools
 import logging
@@ -31,10 +35,10 @@ import threading
 import time
 from abc import abstractmethod
 from collections import Counter, deque
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.index.base import BlockKey
 from kvtier.keys import KeyNamespace
@@ -51,6 +55,9 @@ from kvtier.tiers.base import (
 )
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Item = TypeVar("Item")
 
 
 class _Op(enum.Enum):
@@ -69,6 +76,20 @@ class _Request:
     """Cleared once answered, so a request waiting in the deadline heap holds no payload."""
     deadline: float | None
     answered: bool = False
+
+
+@dataclass(eq=False)
+class _Task:
+    """One call of a batch run by :meth:`QueuedTier._all_at_once`, on whichever thread takes it."""
+
+    work: Callable[[], Any]
+    future: Future[Any]
+
+    def run(self) -> None:
+        try:
+            self.future.set_result(self.work())
+        except BaseException as exc:  # the caller sees it, as a thread pool's would
+            self.future.set_exception(exc)
 
 
 class QueuedTier(StorageTier):
@@ -128,6 +149,7 @@ class QueuedTier(StorageTier):
         self._work = threading.Condition(self._lock)
         self._reads: deque[_Request] = deque()
         self._writes: deque[_Request] = deque()
+        self._tasks: deque[_Task] = deque()
         self._closed = False
         self._threads: list[threading.Thread] = []
         self._deadlines: list[tuple[float, int, _Request]] = []
@@ -173,6 +195,34 @@ class QueuedTier(StorageTier):
         )
         reaper.start()
         self._threads.append(reaper)
+
+    def _all_at_once(self, work: Callable[[Item], T], items: Sequence[Item]) -> list[Future[T]]:
+        """Run ``work(item)`` for every item at once on the I/O threads; return when all
+        are done, a finished future each (its result, or what it raised).
+
+        For a primitive whose batch is several independent calls to the store (the
+        objects of an s3 batch): idle I/O threads take the items before any queued
+        request, and the calling thread runs those none has taken, so the batch never
+        waits for a thread and at most ``io_threads`` calls run at once in the tier.
+        """
+        tasks = [_Task(functools.partial(work, item), Future()) for item in items]
+        with self._work:
+            self._tasks.extend(tasks)
+            self._work.notify(len(tasks))
+        for task in tasks:
+            if self._claim(task):
+                task.run()
+        wait([task.future for task in tasks])
+        return [task.future for task in tasks]
+
+    def _claim(self, task: _Task) -> bool:
+        """Take ``task`` off the queue unless another thread took it."""
+        with self._work:
+            try:
+                self._tasks.remove(task)
+            except ValueError:
+                return False
+        return True
 
     def _disable(self, cause: Cause) -> None:
         """Answer every later request at once: misses and drops counted under ``cause``."""
@@ -332,13 +382,16 @@ class QueuedTier(StorageTier):
         future.set_result(result)
         return True
 
-    def _next_requests(self) -> list[_Request] | None:
-        """The next request, with the puts queued behind a put that its ``_write`` takes too."""
+    def _next_requests(self) -> _Task | list[_Request] | None:
+        """A call of a batch in progress; else the next request, with the puts queued behind
+        a put that its ``_write`` takes too."""
         with self._work:
-            while not self._reads and not self._writes:
+            while not self._tasks and not self._reads and not self._writes:
                 if self._closed:
                     return None
                 self._work.wait()
+            if self._tasks:
+                return self._tasks.popleft()
             if self._reads:
                 return [self._reads.popleft()]
             writes = self._writes
@@ -361,6 +414,9 @@ class QueuedTier(StorageTier):
             requests = self._next_requests()
             if requests is None:
                 return
+            if isinstance(requests, _Task):
+                requests.run()
+                continue
             if len(requests) > 1:
                 self._serve_puts(requests)
                 continue

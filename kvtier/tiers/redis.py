@@ -34,7 +34,6 @@ the socket was opened), never after a timeout.
 
 from __future__ import annotations
 
-import logging
 import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -48,18 +47,13 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvtier.index.base import BlockKey
-from kvtier.tiers.backoff import Backoff
-from kvtier.tiers.base import Cause, TierError, TierSpec
-from kvtier.tiers.configs import RedisTierConfig
-from kvtier.tiers.queued import QueuedTier
-from kvtier.tiers.record import RecordFault, tier_codec
-
-logger = logging.getLogger(__name__)
+from kvtier.tiers.base import Cause, TierSpec
+from kvtier.tiers.record import RecordFault
+from kvtier.tiers.redis_config import RedisTierConfig
+from kvtier.tiers.remote import RemoteTier
 
 KEY_PREFIX = b"kvtier:"
 """Every Redis key the tier writes starts with this."""
-
-_FAILURES = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
 
 
 _CREDENTIALS = frozenset({"password", "username"})
@@ -82,18 +76,6 @@ def redacted_url(url: str) -> str:
         safe="*",
     )
     return parts._replace(netloc=netloc, query=query, fragment="").geturl()
-
-
-def _cause_of(exc: BaseException) -> Cause:
-    if isinstance(exc, redis.exceptions.TimeoutError):
-        return Cause.TIMEOUT
-    if isinstance(exc, redis.exceptions.OutOfMemoryError):
-        return Cause.NO_SPACE
-    if isinstance(exc, redis.exceptions.ReadOnlyError):
-        return Cause.READ_ONLY
-    if isinstance(exc, redis.exceptions.ResponseError):
-        return Cause.SERVER
-    return Cause.CONNECTION
 
 
 def _client_replies(connection: Any, count: int) -> list[Any]:
@@ -180,10 +162,17 @@ class _BulkReplies:
         return received
 
 
-class RedisTier(QueuedTier):
+class RedisTier(RemoteTier):
     """Records in Redis, one string per record; see the module docstring."""
 
-    shared = True
+    failures = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError)
+    causes = {
+        redis.exceptions.TimeoutError: Cause.TIMEOUT,
+        redis.exceptions.OutOfMemoryError: Cause.NO_SPACE,
+        redis.exceptions.ReadOnlyError: Cause.READ_ONLY,
+        redis.exceptions.ResponseError: Cause.SERVER,
+    }
+    other_cause = Cause.CONNECTION
 
     def __init__(self, config: RedisTierConfig, spec: TierSpec) -> None:
         """Connect and check the server answers.
@@ -191,57 +180,27 @@ class RedisTier(QueuedTier):
         Raises:
             TierError: The server does not answer and ``required`` is true.
         """
-        super().__init__(
-            spec,
-            name="redis",
-            namespace=config.namespace,
-            io_threads=config.io_threads,
-            queue_depth=config.queue_depth,
-            get_deadline_s=config.get_deadline_s,
-        )
-        self.url = redacted_url(config.url.get_secret_value())
+        url = redacted_url(config.url.get_secret_value())
+        super().__init__(config, spec, name="redis", where=url)
+        self.url = url
         self.cluster = config.cluster
-        self._codec = tier_codec(
-            config,
-            self.keys.layout_fingerprint,
-            spec.record_bytes,
-            tier="redis",
-            shared=self.shared,
-        )
-        self._backoff = Backoff(
-            "redis", self.url, config.reconnect_backoff_s, config.reconnect_max_backoff_s
-        )
         self._buffers = threading.local()
-        self._client: Any = None
-        try:
-            self._client = self._connect(config)
-            self._client.ping()
-        except _FAILURES as exc:
-            self._close_client()
-            what = "Redis Cluster" if config.cluster else "Redis"
-            if config.required:
-                raise TierError(
-                    f"redis tier: cannot reach {what} at {self.url}: {exc}; start the server, "
-                    "fix url (and tls_ca_path for rediss://), or set required: false to run "
-                    "without this tier"
-                ) from None
-            logger.warning(
-                "redis tier: cannot reach %s at %s (%s); running with the tier disabled",
-                what,
-                self.url,
-                exc,
-            )
-            self._disable(Cause.DISABLED)
-        else:
-            logger.info(
-                "redis tier: %s%s, namespace %r",
-                self.url,
-                " (cluster)" if config.cluster else "",
-                self.keys.namespace,
-            )
-        self._start()
+        self._open(lambda: self._connect(config), url + (" (cluster)" if self.cluster else ""))
 
-    def _connect(self, config: RedisTierConfig) -> Any:
+    def _connect(self, config: RedisTierConfig) -> str | None:
+        try:
+            self._client = self._make_client(config)
+            self._client.ping()
+        except self.failures as exc:
+            self._release()
+            what = "Redis Cluster" if config.cluster else "Redis"
+            return (
+                f"cannot reach {what} at {self.url}: {exc}; start the server, or fix url (and "
+                "tls_ca_path for rediss://)"
+            )
+        return None
+
+    def _make_client(self, config: RedisTierConfig) -> Any:
         options: dict[str, Any] = {
             "socket_timeout": config.timeout_s,
             "socket_connect_timeout": config.timeout_s,
@@ -260,33 +219,14 @@ class RedisTier(QueuedTier):
             return redis.cluster.RedisCluster.from_url(url, retry=retry, **options)
         return redis.Redis.from_url(url, retry=retry, **options)
 
-    def _close_client(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
     @staticmethod
     def _name(key: BlockKey) -> bytes:
         return KEY_PREFIX + key.hex().encode()
 
-    def _batch(self, send: Callable[[], list[Any]]) -> list[Any] | Cause:
-        """Run one batch unless backing off: its replies, or why it failed as a whole."""
-        if self._backoff.waiting():
-            return Cause.CONNECTION
-        try:
-            replies = send()
-        except _FAILURES as exc:
-            cause = _cause_of(exc)
-            if cause in (Cause.CONNECTION, Cause.TIMEOUT):
-                self._backoff.failed(str(exc))
-            return cause
-        self._backoff.answered()
-        return replies
-
     def _pipeline(
         self, command: str, keys: Sequence[BlockKey], *values: Sequence[Any]
-    ) -> list[Any] | Cause:
-        """Run ``command`` per key in one pipeline: the replies, or why the whole batch failed."""
+    ) -> list[Any] | None:
+        """Run ``command`` per key in one pipeline: the replies, or ``None`` (counted)."""
 
         def send() -> list[Any]:
             pipe = self._client.pipeline(transaction=False)
@@ -294,12 +234,12 @@ class RedisTier(QueuedTier):
                 getattr(pipe, command)(self._name(key), *(value[position] for value in values))
             return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
 
-        return self._batch(send)
+        return self._call_store(keys, send)
 
     def _set_records(
         self, keys: Sequence[BlockKey], records: Sequence[memoryview]
-    ) -> list[Any] | Cause:
-        """``SET`` each key to its encoded record: the replies, or why the batch failed."""
+    ) -> list[Any] | None:
+        """``SET`` each key to its encoded record: the replies, or ``None`` (counted)."""
         if self.cluster:
             # The cluster client routes each key to its node and follows redirections;
             # it takes whole values, so records are joined in this thread's buffers.
@@ -308,7 +248,7 @@ class RedisTier(QueuedTier):
                 for buffer, key, record in zip(self._staging(len(keys)), keys, records, strict=True)
             ]
             return self._pipeline("set", keys, values)
-        return self._batch(lambda: self._send_sets(keys, records))
+        return self._call_store(keys, lambda: self._send_sets(keys, records))
 
     def _send_sets(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[Any]:
         """Pipeline ``SET`` on one connection, writing the protocol framing here.
@@ -402,16 +342,15 @@ class RedisTier(QueuedTier):
                 "getrange", keys, [0] * len(keys), [*map(self._read_bound, keys)]
             )
         else:
-            replies = self._batch(lambda: self._send_gets(keys))
-        if isinstance(replies, Cause):
-            self._count_error(replies, len(keys))
+            replies = self._call_store(keys, lambda: self._send_gets(keys))
+        if replies is None:
             return [None] * len(keys)
         found: list[memoryview | None] = []
         for key, reply in zip(keys, replies, strict=True):
             if not reply:  # GETRANGE answers a missing key with an empty string
                 found.append(None)
             elif isinstance(reply, Exception):
-                self._count_error(_cause_of(reply))
+                self._count_error(self._cause_of(reply))
                 found.append(None)
             else:
                 payload = self._codec.decode(key, reply)
@@ -437,19 +376,16 @@ class RedisTier(QueuedTier):
 
     def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
         replies = self._set_records(keys, records)
-        if isinstance(replies, Cause):
-            self._count_error(replies, len(keys))
+        if replies is None:
             return [False] * len(keys)
         stored = []
         for reply in replies:
             if isinstance(reply, Exception):
-                self._count_error(_cause_of(reply))
+                self._count_error(self._cause_of(reply))
                 stored.append(False)
             else:
                 stored.append(True)
-        written = stored.count(True)
-        self._count(stores=written, bytes_written=written * self.record_bytes)
-        return stored
+        return self._count_stored(stored)
 
     def _exists(self, keys: Sequence[BlockKey]) -> list[bool]:
         return self._flags("exists", keys)
@@ -459,20 +395,16 @@ class RedisTier(QueuedTier):
 
     def _flags(self, command: str, keys: Sequence[BlockKey]) -> list[bool]:
         replies = self._pipeline(command, keys)
-        if isinstance(replies, Cause):
-            self._count_error(replies, len(keys))
+        if replies is None:
             return [False] * len(keys)
         flags = []
         for reply in replies:
             if isinstance(reply, Exception):
-                self._count_error(_cause_of(reply))
+                self._count_error(self._cause_of(reply))
                 flags.append(False)
             else:
                 flags.append(bool(reply))
         return flags
-
-    def _release(self) -> None:
-        self._close_client()
 
     def __repr__(self) -> str:
         return f"RedisTier({self.url!r}, cluster={self.cluster}, namespace={self.keys.namespace!r})"

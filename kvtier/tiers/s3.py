@@ -24,10 +24,10 @@ not. Keys still missing then have their own names tried, at most
 prefix stored shorter than the one now asked for). A presence check reads
 only the key tables (a ranged GET of the first 16 KiB). A delete rewrites
 each object that holds a deleted key without it, or deletes the object.
-The objects of one batch are read or written at once, on a pool of
-``io_threads`` request threads (the batch threads of
-:class:`~kvtier.tiers.base.QueuedTier` only hand them out and wait), so a
-lookup takes about one round trip per pass, not one per object.
+The objects of one batch are read or written at once, on the tier's
+``io_threads`` I/O threads (the batch's own among them, see
+:meth:`~kvtier.tiers.queued.QueuedTier._all_at_once`), so a lookup takes
+about one round trip per pass, not one per object.
 
 **Failures** never reach the caller. ``404`` is a miss. Throttling (``503
 SlowDown``, ``500``) is retried with jittered doubling waits while the
@@ -42,12 +42,10 @@ shared config files and ``profile``, container and instance roles).
 
 from __future__ import annotations
 
-import logging
 import random
 import struct
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -57,13 +55,10 @@ import botocore.exceptions
 import xxhash
 
 from kvtier.index.base import BlockKey
-from kvtier.tiers.backoff import Backoff
-from kvtier.tiers.base import Cause, TierError, TierSpec
-from kvtier.tiers.configs import MAX_CHUNK_BLOCKS, S3TierConfig
-from kvtier.tiers.queued import QueuedTier
-from kvtier.tiers.record import MAX_KEY_BYTES, RecordFault, tier_codec
-
-logger = logging.getLogger(__name__)
+from kvtier.tiers.base import Cause, TierSpec
+from kvtier.tiers.record import MAX_KEY_BYTES, RecordFault
+from kvtier.tiers.remote import RemoteTier
+from kvtier.tiers.s3_config import MAX_CHUNK_BLOCKS, S3TierConfig
 
 TABLE_MAGIC = b"KVTC"
 TABLE_VERSION = 1
@@ -139,19 +134,6 @@ def _throttled(exc: BaseException) -> bool:
     return status in (500, 503) or code in _THROTTLED_CODES
 
 
-def _cause_of(exc: BaseException) -> Cause:
-    if isinstance(
-        exc, (botocore.exceptions.ReadTimeoutError, botocore.exceptions.ConnectTimeoutError)
-    ):
-        return Cause.TIMEOUT
-    if isinstance(
-        exc,
-        (botocore.exceptions.HTTPClientError, botocore.exceptions.ConnectionError, OSError),
-    ):
-        return Cause.CONNECTION
-    return Cause.SERVER
-
-
 class _ObjectTable:
     """Where each record of an object lies, from its (untrusted) key table."""
 
@@ -212,10 +194,17 @@ def pack_table(buffer: bytearray, keys: Sequence[BlockKey], lengths: Sequence[in
         at += len(key)
 
 
-class S3Tier(QueuedTier):
+class S3Tier(RemoteTier):
     """Records in an S3 bucket, several consecutive blocks per object; see the module docstring."""
 
-    shared = True
+    failures = _FAILURES
+    causes = {
+        botocore.exceptions.ReadTimeoutError: Cause.TIMEOUT,
+        botocore.exceptions.ConnectTimeoutError: Cause.TIMEOUT,
+        botocore.exceptions.HTTPClientError: Cause.CONNECTION,
+        botocore.exceptions.ConnectionError: Cause.CONNECTION,
+        OSError: Cause.CONNECTION,
+    }
 
     def __init__(self, config: S3TierConfig, spec: TierSpec) -> None:
         """Make the client and check that the bucket answers.
@@ -224,57 +213,35 @@ class S3Tier(QueuedTier):
             TierError: No credentials, no region, or a bucket that cannot be
                 reached, while ``required`` is true.
         """
-        super().__init__(
-            spec,
-            name="s3",
-            namespace=config.namespace,
-            io_threads=config.io_threads,
-            queue_depth=config.queue_depth,
-            get_deadline_s=config.get_deadline_s,
-        )
+        endpoint = config.endpoint_url or "AWS S3"
+        where = f"s3://{config.bucket}/{config.prefix} at {endpoint}"
+        super().__init__(config, spec, name="s3", where=where)
         self.bucket = config.bucket
         self.prefix = config.prefix
-        self.endpoint = config.endpoint_url or "AWS S3"
-        self.where = f"s3://{self.bucket}/{self.prefix} at {self.endpoint}"
+        self.endpoint = endpoint
         self.chunk_blocks = config.chunk_blocks
         self._get_deadline_s = config.get_deadline_s
         self._put_deadline_s = config.put_deadline_s
-        self._codec = tier_codec(
-            config, self.keys.layout_fingerprint, spec.record_bytes, tier="s3", shared=self.shared
-        )
         most = OBJECT_CHUNKS * self.chunk_blocks
         self._max_object_bytes = MAX_TABLE_BYTES + most * self._codec.max_encoded_bytes
         """Bytes a read asks for at most: an object far larger is not read whole, and its
         records past this are length misses."""
-        self._backoff = Backoff(
-            "s3", self.where, config.reconnect_backoff_s, config.reconnect_max_backoff_s
+        self._open(
+            lambda: self._connect(config),
+            f"{where}, {self.chunk_blocks} block(s) per object on average",
         )
-        self._requests = ThreadPoolExecutor(
-            config.io_threads, thread_name_prefix="kvtier-s3-request"
-        )
-        self._client: Any = None
+
+    def _connect(self, config: S3TierConfig) -> str | None:
         try:
-            self._client = self._connect(config)
+            self._client = self._make_client(config)
             self._client.head_bucket(Bucket=self.bucket)
         except (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError) as exc:
             problem = self._startup_problem(exc)
             self._release()
-            if config.required:
-                raise TierError(
-                    f"s3 tier: {problem}; or set required: false to run without this tier"
-                ) from None
-            logger.warning("s3 tier: %s; running with the tier disabled", problem)
-            self._disable(Cause.DISABLED)
-        else:
-            logger.info(
-                "s3 tier: %s, %d block(s) per object on average, namespace %r",
-                self.where,
-                self.chunk_blocks,
-                self.keys.namespace,
-            )
-        self._start()
+            return problem
+        return None
 
-    def _connect(self, config: S3TierConfig) -> Any:
+    def _make_client(self, config: S3TierConfig) -> Any:
         session = boto3.session.Session(profile_name=config.profile, region_name=config.region)
         region = session.region_name
         if region is None and config.endpoint_url is not None:
@@ -373,11 +340,10 @@ class S3Tier(QueuedTier):
             raise
 
     def _each(self, request: Callable[[Item], T], items: Sequence[Item]) -> list[T | StoreFailure]:
-        """``request(item)`` for every item at once on the request threads: its result, or
-        the store's failure."""
-        futures = [self._requests.submit(request, item) for item in items]
+        """``request(item)`` for every item at once on the I/O threads: its result, or the
+        store's failure."""
         outcomes: list[T | StoreFailure] = []
-        for future in futures:
+        for future in self._all_at_once(request, items):
             failure = future.exception()
             if failure is None:
                 outcomes.append(future.result())
@@ -393,12 +359,12 @@ class S3Tier(QueuedTier):
         deadline: float | None,
         *,
         table_only: bool,
-    ) -> tuple[dict[BlockKey, tuple[BlockKey, Any, tuple[int, int]]], Cause | None]:
+    ) -> dict[BlockKey, tuple[BlockKey, Any, tuple[int, int]]]:
         """Find ``keys``: for each found, the name key of its object, the object's bytes
-        and the record's span; and the cause if the store failed."""
+        and the record's span. Keys not found because the store failed are counted."""
         found: dict[BlockKey, tuple[BlockKey, Any, tuple[int, int]]] = {}
-        if self._backoff.waiting():
-            return found, Cause.CONNECTION
+        if self._backing_off(len(keys)):
+            return found
         wanted = set(keys)
         tried: set[BlockKey] = set()
         failures: list[StoreFailure] = []
@@ -436,20 +402,15 @@ class S3Tier(QueuedTier):
                 ]
             )
         if failures:
-            return found, self._failed(failures[0].error)
-        self._backoff.answered()
-        return found, None
-
-    def _failed(self, exc: BaseException) -> Cause:
-        cause = _cause_of(exc)
-        if cause in (Cause.CONNECTION, Cause.TIMEOUT):
-            self._backoff.failed(str(exc))
-        return cause
+            self._count_error(self._store_failed(failures[0].error), len(keys) - len(found))
+        else:
+            self._backoff.answered()
+        return found
 
     # ------------------------------------------------------------------ batches
 
     def _read(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
-        found, cause = self._search(keys, self._read_deadline(), table_only=False)
+        found = self._search(keys, self._read_deadline(), table_only=False)
         payloads: list[memoryview | None] = []
         for key in keys:
             if key not in found:
@@ -462,20 +423,15 @@ class S3Tier(QueuedTier):
                 payloads.append(None)
             else:
                 payloads.append(payload)
-        if cause is not None:
-            self._count_error(cause, len(keys) - len(found))
         return payloads
 
     def _exists(self, keys: Sequence[BlockKey]) -> list[bool]:
-        found, cause = self._search(keys, self._read_deadline(), table_only=True)
-        if cause is not None:
-            self._count_error(cause, len(keys) - len(found))
+        found = self._search(keys, self._read_deadline(), table_only=True)
         return [key in found for key in keys]
 
     def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
         stored = [False] * len(keys)
-        if self._backoff.waiting():
-            self._count_error(Cause.CONNECTION, len(keys))
+        if self._backing_off(len(keys)):
             return stored
         deadline = time.monotonic() + self._put_deadline_s
 
@@ -494,12 +450,10 @@ class S3Tier(QueuedTier):
                 for position in run:
                     stored[position] = True
         if failures:
-            self._count_error(self._failed(failures[0].error), dropped)
+            self._count_error(self._store_failed(failures[0].error), dropped)
         else:
             self._backoff.answered()
-        written = stored.count(True)
-        self._count(stores=written, bytes_written=written * self.record_bytes)
-        return stored
+        return self._count_stored(stored)
 
     def _put_object(self, name_key: BlockKey, body: bytearray, deadline: float | None) -> None:
         self._call(
@@ -526,7 +480,7 @@ class S3Tier(QueuedTier):
         return body
 
     def _remove(self, keys: Sequence[BlockKey]) -> list[bool]:
-        found, cause = self._search(keys, self._read_deadline(), table_only=False)
+        found = self._search(keys, self._read_deadline(), table_only=False)
         removed: set[BlockKey] = set()
         objects: dict[BlockKey, Any] = {name_key: data for name_key, data, _ in found.values()}
         try:
@@ -538,9 +492,7 @@ class S3Tier(QueuedTier):
                 self._rewrite(name_key, data, table, kept)
                 removed |= gone
         except _FAILURES as exc:
-            cause = self._failed(exc)
-        if cause is not None:
-            self._count_error(cause, len(keys) - len(removed))
+            self._count_error(self._store_failed(exc), len(found) - len(removed))
         return [key in removed for key in keys]
 
     def _rewrite(
@@ -561,12 +513,6 @@ class S3Tier(QueuedTier):
             body += data[first:last]
         pack_table(body, kept, [last - first for first, last in spans])
         self._put_object(name_key, body, time.monotonic() + self._put_deadline_s)
-
-    def _release(self) -> None:
-        self._requests.shutdown()
-        if self._client is not None:
-            self._client.close()
-            self._client = None
 
     def __repr__(self) -> str:
         return f"S3Tier({self.where!r}, namespace={self.keys.namespace!r})"

@@ -15,8 +15,10 @@ from kvtier import cli, hookspecs, plugins
 from kvtier.config import ConfigError, KVTierConfig, PluginConfig, config_model, load_config
 from kvtier.config_reference import render_config_reference, render_storage_tier_reference
 from kvtier.default_plugins import storage_tiers as tier_plugin
+from kvtier.kinds import STORAGE_TIER
 from kvtier.plugins import Registry
-from kvtier.tiers.configs import DiskTierConfig, RedisTierConfig
+from kvtier.tiers.disk_config import DiskTierConfig
+from kvtier.tiers.redis_config import RedisTierConfig
 from tests.config.conftest import Sections, make_registry
 
 PASSWORD = "hunter2-secret"
@@ -236,3 +238,84 @@ def test_config_show_never_prints_a_tier_key(
     assert cli.main(["config", "show", str(config_file)]) == 0
     shown = capsys.readouterr().out
     assert "TEST_TIER_KEY" in shown and key not in shown
+
+
+REQUIRED = "(required)"
+PER_MACHINE = "(made per machine)"
+SEALED = {"key_file": None, "key_env": None, "encrypt": False, "require_key": False}
+REMOTE = {
+    "required": True,
+    "namespace": "",
+    "queue_depth": 64,
+    "write_policy": "write_through",
+    "get_deadline_s": 1.0,
+    "reconnect_backoff_s": 0.5,
+    "reconnect_max_backoff_s": 30.0,
+}
+BUILT_IN_TIER_KEYS = {
+    "disk": {
+        **SEALED,
+        "path": REQUIRED,
+        "capacity_bytes": REQUIRED,
+        "eviction": "lru",
+        "preallocate": True,
+        "o_direct": False,
+        "namespace": "",
+        "io_threads": PER_MACHINE,
+        "queue_depth": 64,
+        "write_policy": "write_back",
+        "get_deadline_s": 1.0,
+    },
+    "redis": {
+        **SEALED,
+        **REMOTE,
+        "url": REQUIRED,
+        "cluster": False,
+        "timeout_s": 1.0,
+        "tls_ca_path": None,
+        "io_threads": 2,
+    },
+    "mooncake": {
+        **SEALED,
+        **REMOTE,
+        "master_address": REQUIRED,
+        "metadata_server": REQUIRED,
+        "protocol": "tcp",
+        "rdma_devices": "",
+        "local_hostname": "127.0.0.1",
+        "global_segment_bytes": 0,
+        "local_buffer_bytes": 64 << 20,
+        "put_batch_bytes": 16 << 20,
+        "replicas": 1,
+        "soft_pin_ttl_s": None,
+        "io_threads": 2,
+    },
+    "s3": {
+        **SEALED,
+        **REMOTE,
+        "bucket": REQUIRED,
+        "prefix": "kvtier/",
+        "endpoint_url": None,
+        "region": None,
+        "addressing_style": "virtual",
+        "profile": None,
+        "tls_ca_path": None,
+        "chunk_blocks": 8,
+        "timeout_s": 2.0,
+        "io_threads": 4,
+        "put_deadline_s": 10.0,
+    },
+}
+"""Every key of the built-in tiers and its default, as users write them: a key renamed,
+dropped, added or given another default is a change to the config files users have."""
+
+
+@pytest.mark.parametrize("name", sorted(BUILT_IN_TIER_KEYS))
+def test_the_built_in_tiers_keep_their_keys_and_defaults(registry: Registry, name: str) -> None:
+    keys = {}
+    for key, field in registry.get(STORAGE_TIER, name).config_model.model_fields.items():
+        if field.is_required():
+            keys[key] = REQUIRED
+        else:
+            keys[key] = PER_MACHINE if field.default_factory else field.default
+    assert keys == {"type": name, **BUILT_IN_TIER_KEYS[name]}

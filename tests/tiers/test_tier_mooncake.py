@@ -29,8 +29,8 @@ from kvtier.testing.mooncake_server import MooncakeStore, mooncake_binaries
 from kvtier.testing.redis_server import free_port
 from kvtier.tiers.base import Cause, TierError, TierSpec
 from kvtier.tiers.chain import TierChain
-from kvtier.tiers.configs import MooncakeTierConfig
 from kvtier.tiers.mooncake import MooncakeTier
+from kvtier.tiers.mooncake_config import MooncakeTierConfig
 from kvtier.tiers.record import RecordCodec, RecordKeys
 
 pytestmark = pytest.mark.skipif(

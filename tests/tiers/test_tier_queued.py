@@ -369,3 +369,36 @@ def test_a_failing_joined_batch_drops_every_put_in_it(
     stats = tier.stats()
     assert (stats.errors, stats.drops) == ({Cause.INTERNAL.value: 4}, 4)
     assert store(tier, keys[5:], records[5:]) == (True,)
+
+
+def test_the_calls_of_a_batch_run_at_once_on_the_io_threads(tiers: list[MemoryTier]) -> None:
+    tier = memory_tier(tiers, io_threads=2)
+    together = threading.Barrier(3, timeout=5)
+    runners: set[str] = set()
+
+    def call(item: int) -> int:
+        runners.add(threading.current_thread().name)
+        together.wait()  # broken unless the caller and both I/O threads run one each
+        return item * 10
+
+    outcomes = tier._all_at_once(call, [1, 2, 3])
+    assert [outcome.result() for outcome in outcomes] == [10, 20, 30]
+    assert runners == {threading.current_thread().name, "kvtier-memory-io-0", "kvtier-memory-io-1"}
+
+
+def test_a_batch_whose_io_threads_are_busy_runs_its_calls_itself(tiers: list[MemoryTier]) -> None:
+    tier = memory_tier(tiers, io_threads=1)
+    tier.gate.clear()
+    held = tier.get(tier.keys.keys(block_hashes("held", 1)))
+    wait_for(lambda: tier.batches == [] and not tier._reads)  # the I/O thread waits at the gate
+
+    def call(item: int) -> int:
+        return 10 // item
+
+    start = time.monotonic()
+    first, second = tier._all_at_once(call, [5, 0])
+    assert time.monotonic() - start < 5, "the calls waited for the held I/O thread"
+    assert first.result() == 2
+    assert isinstance(second.exception(), ZeroDivisionError)
+    tier.gate.set()
+    assert done(held).hits == 0

@@ -189,7 +189,7 @@ def test_an_optional_server_down_at_start_up_disables_the_tier(
     tiers: Callable[..., RedisTier], caplog: pytest.LogCaptureFixture
 ) -> None:
     port = free_port()
-    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.redis"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.remote"):
         tier = tiers(url=f"redis://127.0.0.1:{port}/0", required=False, timeout_s=0.2)
     assert "running with the tier disabled" in caplog.text
     keys = tier.keys.keys(block_hashes("off", 2))

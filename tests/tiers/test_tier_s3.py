@@ -285,7 +285,7 @@ def test_an_optional_server_down_at_start_up_disables_the_tier(
     tiers: Callable[..., S3Tier], caplog: pytest.LogCaptureFixture
 ) -> None:
     down = MotoS3Server()
-    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.s3"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.remote"):
         tier = tiers(endpoint_url=down.url, required=False, timeout_s=0.2)
     assert "running with the tier disabled" in caplog.text
     keys = tier.keys.keys(block_hashes("off", 2))

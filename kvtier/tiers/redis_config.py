@@ -1,17 +1,22 @@
-"""Checking a Redis URL the way the client will read it, without importing the client.
+"""The ``redis`` tier's config model, importable without the client.
 
-``redis.Redis.from_url`` reads the port only when the tier connects (a port out of
-range or not a number is a raw ``ValueError`` then), treats a port of 0 as "the
-default", ignores a database path that is not a number, and passes query options
-it does not know to the client's constructor (a ``TypeError``). The config is
-checked here instead, once, when it is validated.
+Its URL is checked the way the client will read it: ``redis.Redis.from_url``
+reads the port only when the tier connects (a port out of range or not a
+number is a raw ``ValueError`` then), treats a port of 0 as "the default",
+ignores a database path that is not a number, and passes query options it does
+not know to the client's constructor (a ``TypeError``). The URL is checked
+here instead, once, when the config is validated.
 """
 
 from __future__ import annotations
 
+from typing import Literal
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from kvtier.config.bounds import MAX_DURATION_S
+from pydantic import Field, SecretStr, field_validator
+
+from kvtier.config import MAX_DURATION_S, LocalPath
+from kvtier.tiers.configs import RemoteTierConfig
 
 SCHEMES = ("redis", "rediss")
 
@@ -100,3 +105,41 @@ def _check_whole(text: str, name: str, low: int, high: int) -> None:
 def _port_text(netloc: str) -> str:
     """What stands where the port should, without anything before the host (a password)."""
     return repr(netloc.rpartition("@")[2].rpartition(":")[2][:20])
+
+
+class RedisTierConfig(RemoteTierConfig):
+    """Block records in a Redis server or Redis Cluster shared by many engines."""
+
+    type: Literal["redis"] = "redis"
+    url: SecretStr = Field(
+        description=(
+            "Server URL: redis://[[user]:password@]host:port/db, or rediss://... for TLS. "
+            "Kept secret: shown masked, and never logged with its password."
+        )
+    )
+    cluster: bool = Field(
+        False,
+        description="The URL names a node of a Redis Cluster; keys are spread over its nodes.",
+    )
+    timeout_s: float = Field(
+        1.0,
+        gt=0,
+        le=MAX_DURATION_S,
+        description=(
+            "Seconds to connect, and to wait for each reply, before failing. "
+            f"At most {MAX_DURATION_S:g}."
+        ),
+    )
+    tls_ca_path: LocalPath | None = Field(
+        None,
+        description=(
+            "CA bundle (PEM) that signed the server's certificate, for rediss:// URLs; "
+            "null uses the system's trusted CAs."
+        ),
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _known_scheme(cls, url: SecretStr) -> SecretStr:
+        check_redis_url(url.get_secret_value())
+        return url
