@@ -62,7 +62,6 @@ normal copy keeps that to hung hardware.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -89,8 +88,6 @@ from kvtier.tiers.host import HostTier
 if TYPE_CHECKING:
     from kvtier.config.model import KVTierConfig
     from kvtier.plugins import Registry
-
-logger = logging.getLogger(__name__)
 
 
 class OffloadWorker:
