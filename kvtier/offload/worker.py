@@ -78,10 +78,10 @@ from kvtier.keys import KeyNamespace
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
 from kvtier.offload.completions import LoadFailures, RequestCompletions
-from kvtier.offload.copies import BackendFactory, CopyExecutor, CopyOutcomes
+from kvtier.offload.copies import BackendFactory, CopyExecutor
 from kvtier.offload.failures import FailureCause
 from kvtier.offload.messages import Transfer, TransferPlan, WorkerReport
-from kvtier.offload.tier_mover import TierMover, TierOutcomes
+from kvtier.offload.tier_mover import TierMover
 from kvtier.tiers.chain import TierChain
 from kvtier.tiers.host import HostTier
 
@@ -338,13 +338,15 @@ class OffloadWorker:
             if not copies.has_outcomes:
                 self.quiet = self.idle
                 return None
-            report = _report(copies.take_outcomes(), None)
+            report = WorkerReport(**copies.take_outcomes()._asdict())
             self.quiet = self.idle
             return report
         moved = mover.take_outcomes()  # the tiers' threads count on their own: never quiet
-        if moved is None and not copies.has_outcomes:
-            return None
-        return _report(copies.take_outcomes(), moved)
+        if moved is None:
+            if not copies.has_outcomes:
+                return None
+            return WorkerReport(**copies.take_outcomes()._asdict())
+        return WorkerReport(**copies.take_outcomes()._asdict(), **moved._asdict())
 
     @property
     def idle(self) -> bool:
@@ -425,26 +427,3 @@ class OffloadWorker:
         if ok and transfer.block_hashes and self._mover is not None:
             self._mover.owe_stored(transfer)
         self._requests.ended(transfer, ok)
-
-
-def _report(copied: CopyOutcomes, moved: TierOutcomes | None) -> WorkerReport:
-    if moved is None:
-        return WorkerReport(
-            copied.done,
-            copied.failed,
-            copied.abandoned,
-            copied.settled,
-            load_times=copied.load_times,
-        )
-    return WorkerReport(
-        copied.done,
-        copied.failed,
-        copied.abandoned,
-        copied.settled,
-        moved.promoted,
-        moved.tier_counts,
-        moved.tier_stored,
-        moved.tier_removed,
-        copied.load_times,
-        moved.read_times,
-    )

@@ -8,7 +8,7 @@ import torch
 from kvtier.copy.base import CopyBackend, CopyBatch, Direction
 from kvtier.layout.base import KVLayout, LayoutError
 from kvtier.offload import FailureCause, Transfer
-from kvtier.offload.copies import CopyExecutor
+from kvtier.offload.copies import BackendFactory, CopyExecutor
 from kvtier.testing.faults import FlakyBackend, ManualClock
 from kvtier.tiers import HostTier
 from tests.offload.conftest import make_layout, torch_backend
@@ -35,7 +35,7 @@ class Rig:
             on_end=lambda transfer, ok: self.ended.append((transfer.batch_id, ok)),
         )
 
-    def flaky(self, faults: dict[str, object]):  # type: ignore[no-untyped-def]
+    def flaky(self, faults: dict[str, object]) -> BackendFactory:
         def factory(layout: KVLayout, host_buffer: torch.Tensor) -> CopyBackend:
             inner = torch_backend(layout, host_buffer)
             backend = FlakyBackend(inner, layout, host_buffer, **faults)  # type: ignore[arg-type]
