@@ -8,7 +8,12 @@ below the host tier (:mod:`~kvtier.offload.moves`), the cost guard that skips lo
 predicted slower than recomputing (:mod:`~kvtier.offload.costguard`), the counters
 (:mod:`~kvtier.offload.stats`) and every tier's KV-cache events
 (:mod:`~kvtier.offload.events`); what they all read is :mod:`~kvtier.offload.setup`. The
-worker side is :class:`OffloadWorker`.
+worker side is :class:`OffloadWorker`, which binds each plan and reports back over three
+parts, one per pair of media and one for requests: the copies between the device and the
+host tier, with deadlines (:mod:`~kvtier.offload.copies`), the moves between the host tier
+and the lower tiers, with the blocks a close still owes them
+(:mod:`~kvtier.offload.tier_mover`), and which requests are done
+(:mod:`~kvtier.offload.completions`).
 
 With lower tiers, a block the host tier evicts is demoted: the next plan has workers
 copy it out of its slot, before anything reuses the slot, and write it to every lower
@@ -16,6 +21,8 @@ tier. Slots are never reused while a copy might still write them: a failed batch
 slots stay quarantined until every worker said its copy is over.
 """
 
+from kvtier.offload.completions import LoadFailures
+from kvtier.offload.copies import BackendFactory
 from kvtier.offload.failures import FailureCause
 from kvtier.offload.frontier import EvictionFrontier
 from kvtier.offload.ledger import Progress
@@ -31,7 +38,7 @@ from kvtier.offload.messages import (
 )
 from kvtier.offload.setup import GroupBlockIds, StoreMode
 from kvtier.offload.stats import Observations, OffloadStats
-from kvtier.offload.worker import BackendFactory, LoadFailures, OffloadWorker
+from kvtier.offload.worker import OffloadWorker
 
 __all__ = [
     "BackendFactory",

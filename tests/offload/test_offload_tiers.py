@@ -7,15 +7,15 @@ import time
 
 import pytest
 
-import kvtier.offload.worker
+import kvtier.offload.tier_mover
 from kvtier.index.base import BlockKey, EventKind
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.keys import KeyNamespace, hash_token_blocks
-from kvtier.offload import OffloadManager, Promotion, TransferPlan, WorkerReport
+from kvtier.offload import OffloadManager, OffloadWorker, Promotion, TransferPlan, WorkerReport
 from kvtier.testing.engine import EngineSpec, OffloadedEngine, SyntheticEngine
 from kvtier.testing.tiers import MemoryTier
-from kvtier.tiers import TierSpec
+from kvtier.tiers import HostTier, TierSpec
 from kvtier.tiers.chain import TierChain
 from tests.offload.conftest import BLOCK_TOKENS, PROMPT_BLOCKS, prompt, serve, torch_backend
 
@@ -264,20 +264,19 @@ def test_reports_merge_promotions_by_the_fewest_blocks_found() -> None:
 
 
 def test_a_worker_without_tiers_refuses_a_plan_with_promotions() -> None:
-    fleet = Fleet()
-    engine = fleet.engine()
-    worker = engine.workers[0]
-    worker.chain = None
+    layout = SyntheticEngine(EngineSpec(num_blocks=4, block_tokens=BLOCK_TOKENS)).layout
+    worker = OffloadWorker(layout, HostTier(2, layout.record_bytes), torch_backend)
+    assert worker.chain is None
     with pytest.raises(ValueError, match="lower tiers"):
         worker.bind(TransferPlan(promotions=(Promotion(0, 0, (b"h",), (0,)),)))
-    engine.close()
+    worker.close()
 
 
 @pytest.mark.parametrize("idle", [True, False])
 def test_in_an_idle_step_a_worker_waits_for_a_lower_tier_read_in_flight(
     idle: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kvtier.offload.worker, "IDLE_FETCH_WAIT_S", 30.0)
+    monkeypatch.setattr(kvtier.offload.tier_mover, "IDLE_FETCH_WAIT_S", 30.0)
     fleet = Fleet()
     engine = fleet.engine()
     worker = engine.workers[0]

@@ -10,6 +10,7 @@ import torch
 
 from kvtier.config import load_config
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, Direction
+from kvtier.keys import KeyNamespace
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout, LayoutError
 from kvtier.offload import (
@@ -22,8 +23,10 @@ from kvtier.offload import (
 )
 from kvtier.plugins import default_registry
 from kvtier.testing.faults import FlakyBackend, ManualClock
-from kvtier.tiers import HostTier
-from tests.offload.conftest import make_layout
+from kvtier.testing.tiers import MemoryTier
+from kvtier.tiers import HostTier, TierSpec
+from kvtier.tiers.chain import TierChain
+from tests.offload.conftest import make_layout, torch_backend
 
 
 def make_worker(
@@ -328,7 +331,7 @@ def test_a_hung_copy_is_abandoned_at_its_deadline_and_reported_when_it_ends(
     clock.advance(0.9)
     assert worker.get_finished() == (set(), set()) and worker.num_inflight == 3
     clock.advance(0.2)
-    with caplog.at_level(logging.DEBUG, logger="kvtier.offload.worker"):
+    with caplog.at_level(logging.DEBUG, logger="kvtier.offload.copies"):
         assert worker.get_finished() == ({"q"}, {"r"})
     assert worker.take_failed_load_blocks() == {4, 5}, "the engine recomputes the load"
     assert worker.take_report() == WorkerReport(abandoned={0: 1, 1: 1, 2: 1})
@@ -412,3 +415,32 @@ def test_deadlines_are_checked() -> None:
         OffloadWorker(
             layout, HostTier(2, layout.record_bytes), lambda lay, buf: None, copy_deadline_s=0
         )  # type: ignore[arg-type,return-value]
+
+
+def test_quiet_waits_until_every_part_is_idle() -> None:
+    worker, _ = make_worker(make_layout(), delay_polls=1)
+    worker.bind(TransferPlan(stores=(store(0, (1,), (0,)),), loads=(load(1, (2,), (1,), "r"),)))
+    assert worker.get_finished() == (set(), set())
+    assert worker.take_report() is None
+    assert not worker.idle and not worker.quiet, "copies run, a request waits"
+    worker.bind(TransferPlan())
+    assert worker.get_finished() == (set(), {"r"})
+    assert worker.take_report() == WorkerReport(done={0: 1, 1: 1})
+    assert worker.idle and worker.quiet
+    worker.bind(TransferPlan())
+    assert worker.get_finished() == (set(), set()) and worker.take_report() is None
+
+
+def test_a_worker_with_lower_tiers_is_idle_but_never_quiet() -> None:
+    layout = make_layout()
+    keys = KeyNamespace("model", "layout", 0, 1)
+    chain = TierChain([("memory", MemoryTier(TierSpec(layout.record_bytes, keys)))])
+    worker, _ = make_worker(layout)
+    with_tiers = OffloadWorker(layout, HostTier(4, layout.record_bytes), torch_backend, chain=chain)
+    for each in (worker, with_tiers):
+        each.bind(TransferPlan())
+        each.get_finished()
+        assert each.take_report() is None and each.idle
+    assert worker.quiet and not with_tiers.quiet, "the tiers' threads count on their own"
+    with_tiers.close()
+    assert not with_tiers.idle, "closed"
