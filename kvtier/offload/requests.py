@@ -94,6 +94,11 @@ class RequestTable:
         self.unstorable: list[dict[int, BlockKey]] = [{} for _ in range(setup.num_groups)]
         self._looked_up: tuple[Sequence[bytes], int, dict[int, list[BlockKey]]] | None = None
 
+    @property
+    def idle(self) -> bool:
+        """Whether no request is due or released and not announced yet."""
+        return not (self.due or self.released)
+
     def get(self, request_id: str) -> RequestState | None:
         return self.requests.get(request_id)
 
@@ -238,14 +243,19 @@ class RequestTable:
         return holds
 
     def hits(
-        self, block_hashes: Sequence[bytes], num_computed_tokens: int, num_tokens: int
+        self,
+        block_hashes: Sequence[bytes],
+        num_computed_tokens: int,
+        num_tokens: int,
+        last_block: bool = False,
     ) -> tuple[int, Sequence[bytes], int]:
         """The first block past the engine's hit, the blocks wanted from the tier (never the
-        last token's) and how many of them are a hit in every group; the keys made are kept
-        for :meth:`looked_up`."""
+        last token's, but with ``last_block`` the full block holding it) and how many of them
+        are a hit in every group; the keys made are kept for :meth:`looked_up`."""
         setup = self.setup
         first = num_computed_tokens // setup.block_tokens
-        limit = max(0, num_tokens - 1 - num_computed_tokens) // setup.block_tokens
+        wanted_tokens = num_tokens - num_computed_tokens - (0 if last_block else 1)
+        limit = max(0, wanted_tokens) // setup.block_tokens
         wanted = block_hashes[first : first + limit]
         hits = len(wanted)
         looked_up: dict[int, list[BlockKey]] = {}
