@@ -183,10 +183,22 @@ class RequestTable:
         new_block_ids: GroupBlockIds | None,
         block_hashes: Sequence[bytes] | None,
         resumed: bool,
-    ) -> None:
-        """Record a step of a running request that may have given it work; mark it due if it
-        has blocks to store."""
+    ) -> bool:
+        """Record a step of a running request; mark it due if it has blocks to store. Returns
+        whether the step may have given it work (most decode steps fill no block and bring
+        no hash or block: they only move its computed tokens)."""
         block_tokens = self.setup.block_tokens
+        state = self.requests.get(request_id)
+        if (
+            state is not None
+            and not resumed
+            and not state.finished
+            and (new_block_ids is None or not any(new_block_ids))
+            and (block_hashes is None or block_hashes is state.block_hashes)
+            and (num_computed_tokens // block_tokens, len(state.block_hashes)) == state.seen
+        ):
+            state.computed_tokens = num_computed_tokens
+            return False
         state = self.state(request_id)
         if block_hashes is not None:
             state.block_hashes = block_hashes
@@ -201,6 +213,7 @@ class RequestTable:
         self.note_window_blocks(state)
         if self.has_unstored_blocks(state):
             self.due.add(request_id)
+        return True
 
     def finish(
         self, request_id: str, num_computed_tokens: int | None, engine_frees_blocks: bool
