@@ -35,9 +35,8 @@ started, whether the engine still awaits its load, and its tokens for events.
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -78,7 +77,6 @@ class OffloadSession:
         *,
         same_step_bytes: int = 0,
         last_block: bool = False,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Drive ``manager``.
 
@@ -90,7 +88,6 @@ class OffloadSession:
             last_block: The engine recomputes the last token of a request it loaded
                 whole (vLLM rewinds one token after an asynchronous load), so an
                 asynchronous hit may cover the full block holding that token.
-            clock: Time for the steps timed for the cost guard.
         """
         setup = manager.setup
         self.manager = manager
@@ -101,7 +98,7 @@ class OffloadSession:
         self.same_step_bytes = same_step_bytes if setup.num_groups == 1 else 0
         self._same_step_left = self.same_step_bytes
         self._same_step: list[RequestSession] = []
-        self._clock = clock
+        self._clock = setup.clock
         # Steps being timed for the cost guard, oldest first: (planned at, scheduled tokens);
         # bounded for drivers that never end them.
         self._steps: deque[tuple[float, int]] | None = (
