@@ -1,17 +1,19 @@
 """Offload: the scheduler-side manager that plans transfers and the worker side that runs them.
 
-The scheduler side is :class:`OffloadManager`, a facade over modules that each own one
-piece of state: the request table and window logic (:mod:`~kvtier.offload.requests`),
-planning (:mod:`~kvtier.offload.planner`, with :mod:`~kvtier.offload.frontier` for lazy
-mode), the batch ledger (:mod:`~kvtier.offload.ledger`), the moves to and from the tiers
-below the host tier (:mod:`~kvtier.offload.moves`), the cost guard that skips loads
-predicted slower than recomputing (:mod:`~kvtier.offload.costguard`), the counters
-(:mod:`~kvtier.offload.stats`) and every tier's KV-cache events
-(:mod:`~kvtier.offload.events`); what they all read is :mod:`~kvtier.offload.setup`. The
-worker side is :class:`OffloadWorker`, which binds each plan and reports back over three
-parts, one per pair of media and one for requests: the copies between the device and the
-host tier, with deadlines (:mod:`~kvtier.offload.copies`), the moves between the host tier
-and the lower tiers, with the blocks a close still owes them
+The scheduler side is :class:`OffloadManager`, which every engine drives through an
+:class:`OffloadSession` (:mod:`~kvtier.offload.session`: each request's decisions and the
+calls' order). The manager is a facade over modules that each own one piece of state and
+say whether they are idle (:mod:`~kvtier.offload.quiet`): the request table and window
+logic (:mod:`~kvtier.offload.requests`), planning (:mod:`~kvtier.offload.planner`, with
+:mod:`~kvtier.offload.frontier` for lazy mode), the batch ledger
+(:mod:`~kvtier.offload.ledger`), the moves to and from the tiers below the host tier
+(:mod:`~kvtier.offload.moves`), the cost guard that skips loads predicted slower than
+recomputing (:mod:`~kvtier.offload.costguard`), the counters (:mod:`~kvtier.offload.stats`)
+and every tier's KV-cache events (:mod:`~kvtier.offload.events`); what they all read is
+:mod:`~kvtier.offload.setup`. The worker side is :class:`OffloadWorker`, which binds each
+plan and reports back over three parts, one per pair of media and one for requests: the
+copies between the device and the host tier, with deadlines (:mod:`~kvtier.offload.copies`),
+the moves between the host tier and the lower tiers, with the blocks a close still owes them
 (:mod:`~kvtier.offload.tier_mover`), and which requests are done
 (:mod:`~kvtier.offload.completions`).
 
@@ -36,6 +38,7 @@ from kvtier.offload.messages import (
     TransferPlan,
     WorkerReport,
 )
+from kvtier.offload.session import OffloadSession
 from kvtier.offload.setup import GroupBlockIds, StoreMode
 from kvtier.offload.stats import Observations, OffloadStats
 from kvtier.offload.worker import OffloadWorker
@@ -51,6 +54,7 @@ __all__ = [
     "LoadFailures",
     "Observations",
     "OffloadManager",
+    "OffloadSession",
     "OffloadStats",
     "OffloadWorker",
     "Progress",

@@ -94,9 +94,9 @@ class LowerTierEvents:
         """Pending blocks forgotten to keep within ``max_pending``."""
 
     @property
-    def has_events(self) -> bool:
-        """Whether :meth:`take` would return any event."""
-        return bool(self._events)
+    def idle(self) -> bool:
+        """Whether no event waits for :meth:`take`."""
+        return not self._events
 
     def count(self, report: WorkerReport) -> None:
         """Add one (merged) report's lower-tier stores and removals."""

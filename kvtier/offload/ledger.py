@@ -131,9 +131,11 @@ class BatchLedger:
             self._departed.extend(keys)
 
     @property
-    def has_departed(self) -> bool:
-        """Whether keys departed since the last :meth:`take_departed`."""
-        return bool(self._departed)
+    def idle(self) -> bool:
+        """Whether no batch is in flight or quarantined, and no event or departed key waits."""
+        return not (
+            self.batches or self.quarantine or self.unavailable or self.events or self._departed
+        )
 
     def take_departed(self) -> list[BlockKey]:
         """Return and forget the keys that departed since the last call (lazy mode only)."""

@@ -88,6 +88,11 @@ class LowerTierMoves:
         self.write_throughs: dict[BlockKey, tuple[int, tuple[int, ...]]] = {}
 
     @property
+    def idle(self) -> bool:
+        """Whether no promotion is in flight and no write or promotion waits for a plan."""
+        return not (self.promotions or self.has_work)
+
+    @property
     def has_work(self) -> bool:
         """Whether writes or promotions wait for the next plan."""
         return bool(self.demotions or self.write_throughs or self._to_plan)

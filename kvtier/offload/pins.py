@@ -38,6 +38,11 @@ class TimedPins:
         self.next_expiry = math.inf
 
     @property
+    def idle(self) -> bool:
+        """Whether no block is pinned or waits to be."""
+        return not self.active
+
+    @property
     def active(self) -> bool:
         """Whether some block is pinned or waits to be."""
         return bool(self.until or self.wanted)

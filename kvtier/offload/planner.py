@@ -63,6 +63,11 @@ class Planner:
         self.flush = False
         """A preemption came: the next plan makes workers wait for copies in flight."""
 
+    @property
+    def idle(self) -> bool:
+        """Whether no preemption waits for the next plan's flush."""
+        return not self.flush
+
     def plan(
         self,
         lazy_candidates: Sequence[LazyCandidate],

@@ -94,6 +94,11 @@ class RequestTable:
         self.unstorable: list[dict[int, BlockKey]] = [{} for _ in range(setup.num_groups)]
         self._looked_up: tuple[Sequence[bytes], int, dict[int, list[BlockKey]]] | None = None
 
+    @property
+    def idle(self) -> bool:
+        """Whether no request is due or released and not announced yet."""
+        return not (self.due or self.released)
+
     def get(self, request_id: str) -> RequestState | None:
         return self.requests.get(request_id)
 
@@ -178,10 +183,22 @@ class RequestTable:
         new_block_ids: GroupBlockIds | None,
         block_hashes: Sequence[bytes] | None,
         resumed: bool,
-    ) -> None:
-        """Record a step of a running request that may have given it work; mark it due if it
-        has blocks to store."""
+    ) -> bool:
+        """Record a step of a running request; mark it due if it has blocks to store. Returns
+        whether the step may have given it work (most decode steps fill no block and bring
+        no hash or block: they only move its computed tokens)."""
         block_tokens = self.setup.block_tokens
+        state = self.requests.get(request_id)
+        if (
+            state is not None
+            and not resumed
+            and not state.finished
+            and (new_block_ids is None or not any(new_block_ids))
+            and (block_hashes is None or block_hashes is state.block_hashes)
+            and (num_computed_tokens // block_tokens, len(state.block_hashes)) == state.seen
+        ):
+            state.computed_tokens = num_computed_tokens
+            return False
         state = self.state(request_id)
         if block_hashes is not None:
             state.block_hashes = block_hashes
@@ -196,6 +213,7 @@ class RequestTable:
         self.note_window_blocks(state)
         if self.has_unstored_blocks(state):
             self.due.add(request_id)
+        return True
 
     def finish(
         self, request_id: str, num_computed_tokens: int | None, engine_frees_blocks: bool
@@ -238,14 +256,19 @@ class RequestTable:
         return holds
 
     def hits(
-        self, block_hashes: Sequence[bytes], num_computed_tokens: int, num_tokens: int
+        self,
+        block_hashes: Sequence[bytes],
+        num_computed_tokens: int,
+        num_tokens: int,
+        last_block: bool = False,
     ) -> tuple[int, Sequence[bytes], int]:
         """The first block past the engine's hit, the blocks wanted from the tier (never the
-        last token's) and how many of them are a hit in every group; the keys made are kept
-        for :meth:`looked_up`."""
+        last token's, but with ``last_block`` the full block holding it) and how many of them
+        are a hit in every group; the keys made are kept for :meth:`looked_up`."""
         setup = self.setup
         first = num_computed_tokens // setup.block_tokens
-        limit = max(0, num_tokens - 1 - num_computed_tokens) // setup.block_tokens
+        wanted_tokens = num_tokens - num_computed_tokens - (0 if last_block else 1)
+        limit = max(0, wanted_tokens) // setup.block_tokens
         wanted = block_hashes[first : first + limit]
         hits = len(wanted)
         looked_up: dict[int, list[BlockKey]] = {}

@@ -1,10 +1,11 @@
 """Owns the scheduler side's counters: one declaration per counter, and the records built on it.
 
 :data:`OFFLOAD_COUNTERS` declares every number the manager keeps (name, kind,
-unit, meaning) and :data:`TIER_COUNTERS` every per-tier number the workers
-report for the tiers below the host tier. :class:`OffloadStats` is derived
-from the first table, and an engine integration's metrics from both (vLLM's
-Prometheus names are ``vllm:kvtier_<name>`` and ``vllm:kvtier_tier_<name>``).
+unit, meaning), :data:`TIER_COUNTERS` every per-tier number the workers
+report for the tiers below the host tier and :data:`OFFLOAD_HISTOGRAMS` every
+measurement of single events. :class:`OffloadStats` and :class:`Observations`
+are derived from them, and an engine integration's metrics from all three
+(vLLM's Prometheus names are ``vllm:kvtier_<name>`` and ``vllm:kvtier_tier_<name>``).
 """
 
 from __future__ import annotations
@@ -306,29 +307,99 @@ Every field defaults to 0 (or empty): ``OffloadStats()`` is "nothing yet".
 what they gained since its previous call (``since``)."""
 
 
-@dataclass
-class Observations:
-    """Measurements of single events since the last :meth:`OffloadManager.take_observations`.
+LATENCY_BUCKETS_S = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+"""Upper bounds, in seconds, of the latency histograms' buckets."""
 
-    Only kept with ``record_observations``; an engine integration turns them into histograms.
-    """
+BATCH_BUCKETS_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+"""Upper bounds, in blocks, of the batch-size histograms' buckets."""
 
-    load_seconds: list[float] = field(default_factory=list)
-    """Per load batch that completed on every worker: seconds from its planning to then."""
-    store_seconds: list[float] = field(default_factory=list)
-    """Per store batch that completed on every worker: seconds from its planning to then."""
-    load_blocks: list[int] = field(default_factory=list)
-    """Blocks of each load batch planned."""
-    store_blocks: list[int] = field(default_factory=list)
-    """Blocks of each store batch planned."""
-    guard_load_seconds: list[float] = field(default_factory=list)
-    """Per cost-guard decision made on measurements: the predicted seconds of the load."""
-    guard_recompute_seconds: list[float] = field(default_factory=list)
-    """Per cost-guard decision made on measurements: the predicted seconds of recomputing
-    the same tokens instead."""
-    request_hit_tokens: list[int] = field(default_factory=list)
-    """Per request, at its first allocation: the tokens it accepted from the tier (0 for
-    none). A preempted request that starts over is counted again."""
+HIT_BUCKETS_TOKENS = (0, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+"""Upper bounds, in tokens, of the per-request hit histogram's buckets (``le="0"``: no hit)."""
+
+
+@dataclass(frozen=True)
+class Histogram:
+    """One kind of measurement of single events, as :class:`Observations` and every metric
+    of it name it."""
+
+    name: str
+    """The metric's name."""
+    field: str
+    """The :class:`Observations` list that keeps its measurements."""
+    unit: str
+    help: str
+    buckets: tuple[float, ...]
+    """The metric's bucket upper bounds."""
+
+
+OFFLOAD_HISTOGRAMS: tuple[Histogram, ...] = (
+    Histogram(
+        "load_seconds",
+        "load_seconds",
+        "seconds",
+        "Seconds from planning a load batch to every rank reporting it complete.",
+        LATENCY_BUCKETS_S,
+    ),
+    Histogram(
+        "store_seconds",
+        "store_seconds",
+        "seconds",
+        "Seconds from planning a store batch to every rank reporting it complete.",
+        LATENCY_BUCKETS_S,
+    ),
+    Histogram(
+        "load_batch_blocks",
+        "load_blocks",
+        "blocks",
+        "Blocks per load batch planned.",
+        BATCH_BUCKETS_BLOCKS,
+    ),
+    Histogram(
+        "store_batch_blocks",
+        "store_blocks",
+        "blocks",
+        "Blocks per store batch planned.",
+        BATCH_BUCKETS_BLOCKS,
+    ),
+    Histogram(
+        "request_hit_tokens",
+        "request_hit_tokens",
+        "tokens",
+        "Tokens each request loads from the host tier (0 for a miss), observed when vLLM "
+        "allocates it.",
+        HIT_BUCKETS_TOKENS,
+    ),
+    Histogram(
+        "guard_load_seconds",
+        "guard_load_seconds",
+        "seconds",
+        "Per cost-guard decision made on measurements: the predicted seconds of the load "
+        "(a lower tier's read and the host tier's load, or the host tier's load alone).",
+        LATENCY_BUCKETS_S,
+    ),
+    Histogram(
+        "guard_recompute_seconds",
+        "guard_recompute_seconds",
+        "seconds",
+        "Per cost-guard decision made on measurements: the predicted seconds of recomputing "
+        "the same tokens instead.",
+        LATENCY_BUCKETS_S,
+    ),
+)
+"""Every measurement the manager keeps of single events, in :class:`Observations` under
+``field``; an engine integration publishes each as a histogram named ``name``."""
+
+Observations = make_dataclass(
+    "Observations",
+    [(each.field, list[float], field(default_factory=list)) for each in OFFLOAD_HISTOGRAMS],
+)
+Observations.__module__ = __name__
+Observations.__doc__ = """Measurements of single events since the last
+:meth:`OffloadManager.take_observations`: one list per :data:`OFFLOAD_HISTOGRAMS` entry.
+
+Only kept with ``record_observations``; an engine integration turns them into histograms."""
 
 
 class Counters:
@@ -350,6 +421,11 @@ class Counters:
         holds the same counters."""
         self._taken = OffloadStats()
         self._taken_mark: tuple[object, ...] = ()
+
+    @property
+    def idle(self) -> bool:
+        """Whether no measurement waits to be taken."""
+        return not self.observed
 
     def add(self, name: str, count: int) -> None:
         """Add ``count`` to the :data:`OFFLOAD_COUNTERS` counter ``name``."""

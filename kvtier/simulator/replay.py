@@ -1,20 +1,21 @@
 """Replay a trace through a real :class:`~kvtier.offload.manager.OffloadManager` over a block index.
 
 A simulated hit is a hit the manager would serve: each request is one
-engine request, driven through the manager in production order, with a
-worker side on which every copy completes at once:
+engine request, driven through an :class:`~kvtier.offload.session.OffloadSession`
+over the manager as every engine drives it, with a worker side on which every
+copy completes at once:
 
-1. :meth:`~kvtier.offload.manager.OffloadManager.lookup` past the device
+1. :meth:`~kvtier.offload.session.OffloadSession.lookup` past the device
    cache's own hit (the tier's longest readable prefix, never the prompt's
    last block: the engine computes at least one token), then
-   :meth:`~kvtier.offload.manager.OffloadManager.allocated` accepts it (device
+   :meth:`~kvtier.offload.session.OffloadSession.allocated` accepts it (device
    hits are touched in the tier's policy, the hit blocks pinned);
-2. :meth:`~kvtier.offload.manager.OffloadManager.scheduled` with the whole
+2. :meth:`~kvtier.offload.session.OffloadSession.scheduled` with the whole
    prompt computed;
-3. :meth:`~kvtier.offload.manager.OffloadManager.build_plan` (loads, and the
+3. :meth:`~kvtier.offload.session.OffloadSession.plan` (loads, and the
    stores the manager chooses), then every one of ``world_size`` ranks reports
-   each batch done to :meth:`~kvtier.offload.manager.OffloadManager.process`;
-4. :meth:`~kvtier.offload.manager.OffloadManager.finished`, and one more step
+   each batch done to :meth:`~kvtier.offload.session.OffloadSession.process`;
+4. :meth:`~kvtier.offload.session.OffloadSession.finished`, and one more step
    while the manager holds the request.
 
 Each trace block is one full block of the prompt, and the prompt ends at its
@@ -50,6 +51,7 @@ from kvtier.index.policy import PolicyIndex
 from kvtier.keys import KeyNamespace
 from kvtier.offload.manager import OffloadManager
 from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
+from kvtier.offload.session import OffloadSession
 from kvtier.simulator.traces import TraceRequest
 
 StoreMode = Literal["eager", "lazy"]
@@ -217,6 +219,7 @@ class EngineReplay:
             namespace=REPLAY_NAMESPACE,
             write_policies=("write_back",) * len(lower_tiers),
         )
+        self.session = OffloadSession(self.manager)
         self.index = index
         self.chain = list(lower_tiers)
         self.requests = 0
@@ -226,7 +229,7 @@ class EngineReplay:
 
     def serve(self, position: int, request: TraceRequest) -> None:
         """Replay ``request``, the trace's ``position``-th, from lookup to finish."""
-        manager, device, chain = self.manager, self.device, self.chain
+        session, device, chain = self.session, self.device, self.chain
         keys = request.keys
         # One request at a time, finished before the next: every store in these steps is its.
         written_on_store = keys if self.lower_writes == "store" else None
@@ -237,22 +240,22 @@ class EngineReplay:
         on_device = device.lookup(keys) if device is not None else 0
         self.device_hits += on_device
         block_ids = [range(num_blocks)]
-        hits = manager.lookup(request_id, keys, on_device, num_blocks)
+        hits, _ = session.lookup(request_id, keys, on_device, num_blocks)
         if hits is None:
             # a promotion: the instant workers answer it in the next step
-            _step(manager, (), chain, written_on_store)
-            hits = manager.lookup(request_id, keys, on_device, num_blocks)
+            _step(session, (), chain, written_on_store)
+            hits, _ = session.lookup(request_id, keys, on_device, num_blocks)
             assert hits is not None, "an instant promotion is answered in one step"
-        manager.allocated(request_id, keys, block_ids, on_device, hits)
-        manager.scheduled(request_id, num_computed_tokens=num_blocks, new_block_ids=block_ids)
+        session.allocated(request_id, keys, block_ids, hits)
+        session.scheduled(request_id, num_computed_tokens=num_blocks, new_block_ids=block_ids)
         candidates: list[LazyCandidate] = []
         if device is not None:
             evicted = device.use(keys)
             if self.store_mode == "lazy":
                 candidates = [LazyCandidate(key, 0, 0) for key, _ in evicted]
-        _step(manager, candidates, chain, written_on_store)
-        if manager.finished(request_id, num_blocks):
-            _step(manager, (), chain, written_on_store)
+        _step(session, candidates, chain, written_on_store)
+        if session.finished(request_id, num_blocks):
+            _step(session, (), chain, written_on_store)
 
     def result(self, policy_name: str, seconds: float) -> ReplayResult:
         """The counts so far, with the lower tiers' (shared ones: every engine's) hits."""
@@ -300,14 +303,15 @@ class LowerTier:
 
 
 def _step(
-    manager: OffloadManager,
+    session: OffloadSession,
     candidates: Sequence[LazyCandidate],
     chain: Sequence[LowerTier],
     written_on_store: Sequence[BlockKey] | None = None,
 ) -> None:
     """One engine step: plan, and every rank reports every copy done at once."""
-    plan = manager.build_plan(candidates)
-    manager.process(_instant_reports(plan, manager.world_size, chain, written_on_store))
+    plan = session.plan(candidates)
+    world_size = session.manager.world_size
+    session.process(_instant_reports(plan, world_size, chain, written_on_store))
 
 
 def _instant_reports(

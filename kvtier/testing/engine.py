@@ -10,7 +10,8 @@ wrong layout, a wrong copy or a block loaded into the wrong place all show up
 as a mismatch.
 
 :class:`OffloadedEngine` wires a synthetic engine to the scheduler-side
-:class:`~kvtier.offload.OffloadManager` and ``world_size`` workers
+:class:`~kvtier.offload.OffloadManager`, driven through an
+:class:`~kvtier.offload.session.OffloadSession`, and ``world_size`` workers
 (:class:`~kvtier.offload.OffloadWorker`) the way an engine integration does,
 and runs requests step by step: prefix hits in the engine, then in the tier
 (loaded asynchronously), stores of computed blocks, and release of finished
@@ -18,8 +19,8 @@ requests' blocks once every worker reported their copies. It uses the same
 engine-neutral helpers an engine integration does: a
 :class:`~kvtier.offload.EvictionFrontier` over its free list and a
 :class:`~kvtier.offload.protection.LazyStoreGuard` for lazy stores, the
-workers' :meth:`~kvtier.offload.OffloadWorker.take_load_failures`, and
-:class:`~kvtier.offload.events.RequestTokens` for KV-cache events.
+workers' :meth:`~kvtier.offload.OffloadWorker.take_load_failures`, and the
+session's tokens for KV-cache events.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ from kvtier.index.base import BlockIndex, BlockKey
 from kvtier.keys import hash_token_blocks
 from kvtier.kinds import LAYOUT_RESOLVER
 from kvtier.layout.base import KVCaches, KVLayout, LayoutResolver
-from kvtier.offload.events import BlockEvent, RequestTokens
+from kvtier.offload.events import BlockEvent
 from kvtier.offload.manager import OffloadManager
 from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
 from kvtier.offload.protection import LazyStoreGuard
+from kvtier.offload.session import OffloadSession
 from kvtier.offload.setup import StoreMode
 from kvtier.offload.worker import BackendFactory, OffloadWorker
 from kvtier.testing.contracts_layout import mamba_state_views
@@ -493,9 +495,9 @@ class OffloadedEngine:
             write_policies=() if chains is None else chains[0].write_policies,
             clock=clock,
         )
+        self.session = OffloadSession(self.manager)
         self.guard = LazyStoreGuard(self.manager)
         self._frontier = _Frontier(self.engines[0], max(1, spec.num_blocks // 4))
-        self.tokens = RequestTokens(spec.block_tokens)
         self.events: list[BlockEvent] = []
         self.workers = [
             OffloadWorker(
@@ -569,10 +571,11 @@ class OffloadedEngine:
             for rid in preempt
             if rid in self._running and not self._running[rid].loading
         ]
-        self.manager.preempted(state.request_id for state in preempted)
+        session = self.session
+        session.preempted(state.request_id for state in preempted)
         while self._waiting and self._admit(*self._waiting[0]):
             self._waiting.pop(0)
-        plan = self.manager.build_plan(frontier=self._frontier)
+        plan = session.plan(frontier=self._frontier)
         self.last_plan = plan
         for ref in self.guard.protect(plan):
             for engine in self.engines:
@@ -592,13 +595,8 @@ class OffloadedEngine:
             if state.steps_left <= 0:
                 self._finish(request_id)
             else:
-                self.manager.scheduled(request_id, num_computed_tokens=state.computed_tokens)
-        manager = self.manager
-        self.events.extend(
-            self.tokens.describe(
-                manager.take_events(), manager.namespace, manager.take_tier_events()
-            )
-        )
+                session.scheduled(request_id, num_computed_tokens=state.computed_tokens)
+        self.events.extend(session.take_events())
 
     def drain(self, max_steps: int = 200) -> None:
         """Step until nothing waits, runs, is held or is in flight.
@@ -638,7 +636,7 @@ class OffloadedEngine:
         else:
             request_id = resumed_id
         computed = engine_hits * spec.block_tokens
-        tier_tokens = self.manager.lookup(request_id, keys, computed, len(tokens))
+        tier_tokens, _ = self.session.lookup(request_id, keys, computed, len(tokens))
         if tier_tokens is None:
             # the lower tiers are being searched: ask again next step, under the same id
             self._waiting[0] = (tokens, decode_steps, request_id)
@@ -650,9 +648,8 @@ class OffloadedEngine:
             if (acquired[rank], allocated[rank]) != (acquired[0], allocated[0]):
                 raise AssertionError(f"rank {rank} allocated different device blocks than rank 0")
         blocks = acquired[0] + allocated[0]
-        self.tokens.track(request_id, keys, tokens)
-        self.manager.allocated(request_id, keys, [blocks], computed, tier_tokens)
-        self.manager.scheduled(
+        self.session.allocated(request_id, keys, [blocks], tier_tokens, token_ids=tokens)
+        self.session.scheduled(
             request_id,
             num_computed_tokens=computed,
             new_block_ids=[blocks],
@@ -700,14 +697,13 @@ class OffloadedEngine:
                 report = WorkerReport.merge_all([*self._withheld[rank], report])
                 self._withheld[rank] = []
             reports.append(report)
-        progress = self.manager.process(reports)
+        progress = self.session.process(reports)
         for request_id in progress.loaded_requests:
             failed = {ref.block_id for ref in progress.failed_loads.get(request_id, ())}
             self._finish_load(request_id, failed | failed_blocks)
         for ref in self.guard.release(progress):
             for engine in self.engines:
                 engine.free([ref.block_id])
-        self.tokens.forget(progress.released_requests)
         for request_id in progress.released_requests:
             blocks = self._held.pop(request_id)
             for engine in self.engines:
@@ -735,7 +731,7 @@ class OffloadedEngine:
                 self.stats.relocated_blocks += 1
             good += 1
         state.computed_tokens = (state.loaded_from + good) * self.spec.block_tokens
-        self.manager.scheduled(request_id, num_computed_tokens=state.computed_tokens)
+        self.session.scheduled(request_id, num_computed_tokens=state.computed_tokens)
 
     def _requeue(self, state: _Running) -> None:
         """Give a preempted request's blocks back (they are reused at once) and queue it again."""
@@ -749,9 +745,8 @@ class OffloadedEngine:
 
     def _finish(self, request_id: str) -> None:
         state = self._running.pop(request_id)
-        if self.manager.finished(request_id, state.computed_tokens):
+        if self.session.finished(request_id, state.computed_tokens):
             self._held[request_id] = state.blocks
         else:
-            self.tokens.forget([request_id])
             for engine in self.engines:
                 engine.free(state.blocks)

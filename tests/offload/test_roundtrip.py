@@ -124,7 +124,7 @@ def test_stored_events_name_each_block_with_its_tokens_and_parent() -> None:
         assert (event.parent_hash, event.token_ids) == blocks[event.block_hash]
     evicted = [event for event in engine.events if event.kind is EventKind.EVICTED]
     assert len(evicted) == engine.manager.stats().evicted_blocks > 0
-    assert engine.tokens.num_requests == 0, "finished requests are forgotten"
+    assert engine.session.tokens.num_requests == 0, "finished requests are forgotten"
 
 
 def test_roundtrip_two_kv_cache_groups_with_their_own_layouts() -> None:

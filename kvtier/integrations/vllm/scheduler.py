@@ -34,17 +34,16 @@ Then, in ``Scheduler.update_from_output()``:
 
 Any time: :meth:`KVTierScheduler.reset_cache`.
 
-The decisions (what to store and load, lazy-store protection, which requests
-may not load again, which tokens an event names) are
-:mod:`kvtier.offload`'s; this class only translates.
+The decisions (what to store and load, which hits load in the step that runs
+them, lazy-store protection, which requests may not load again, which tokens an
+event names) are :mod:`kvtier.offload`'s: this class drives an
+:class:`~kvtier.offload.session.OffloadSession` in its order and only translates.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import time
-from collections import deque
 from collections.abc import Hashable, Iterable, Iterator
 from typing import TYPE_CHECKING, cast
 
@@ -65,7 +64,7 @@ from vllm.v1.core.kv_cache_utils import (
 from kvtier.config import KVTierConfig
 from kvtier.index.base import EventKind
 from kvtier.integrations.vllm.running import RunningScan
-from kvtier.integrations.vllm.stats import OFFLOAD_HISTOGRAMS, KVTierStats
+from kvtier.integrations.vllm.stats import KVTierStats
 from kvtier.keys import KeyNamespace
 from kvtier.offload import (
     LazyCandidate,
@@ -74,8 +73,10 @@ from kvtier.offload import (
     WorkerReport,
 )
 from kvtier.offload.control import RequestControl, RequestControlError, request_control
-from kvtier.offload.events import BlockEvent, RequestTokens
+from kvtier.offload.events import BlockEvent
 from kvtier.offload.protection import LazyStoreGuard
+from kvtier.offload.session import OffloadSession
+from kvtier.offload.stats import OFFLOAD_HISTOGRAMS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -105,9 +106,6 @@ def publishes_kv_events(vllm_config: VllmConfig) -> bool:
     events = vllm_config.kv_events_config
     return bool(events is not None and events.enable_kv_cache_events)
 
-
-TIMED_STEPS = 16
-"""Most steps timed at once (vLLM has at most its batch queue's in flight)."""
 
 LAZY_HEADROOM = 2
 """Lazy mode keeps the first this-many steps' worth of blocks of vLLM's free queue stored."""
@@ -221,31 +219,19 @@ class KVTierScheduler:
             group_windows=group_windows_of(kv_cache_config, block_tokens),
         )
         self.guard = LazyStoreGuard(self.manager)
-        self.tokens = RequestTokens(block_tokens, keep_forgotten=self.record_events)
+        # vLLM recomputes the last token of a fully loaded request itself (it rewinds
+        # num_computed_tokens by one after an asynchronous load).
+        self.session = OffloadSession(
+            self.manager, same_step_bytes=config.same_step_load_bytes, last_block=True
+        )
         self._running = RunningScan(block_tokens)
-        self._tracked = self.manager.tracked_requests  # a live view: read once, not every step
+        self._tracked = self.session.tracked_requests  # a live view: read once, not every step
         self._block_pool: BlockPool | None = None
-        self._lookup_base: dict[str, int] = {}
-        self._controls: dict[str, RequestControl | None] = {}
-        """Requests that came with ``kv_transfer_params``: their control, until they finish."""
         self._frontier: FreeQueueFrontier | None = None
         self._frontier_blocks = lazy_frontier_blocks(
             num_groups, vllm_config.scheduler_config.max_num_batched_tokens, block_tokens
         )
         self._capacity_bytes = config.host_bytes_per_rank(world_size)
-        # Same-step loads: bytes per rank left this step, and the requests given one. vLLM's
-        # invalid-block reports, by which a failed same-step load is recomputed, name blocks
-        # of one kv-cache group only.
-        self._same_step_budget = config.same_step_load_bytes if num_groups == 1 else 0
-        self._same_step_left = self._same_step_budget
-        self._same_step: set[str] = set()
-        self._awaited: set[str] = set()
-        """Requests loading asynchronously whose load vLLM has not yet heard has ended."""
-        # Steps being timed for the cost guard, oldest first: (planned at, scheduled tokens);
-        # bounded for callers that never ask for stats.
-        self._steps: deque[tuple[float, int]] | None = (
-            deque(maxlen=TIMED_STEPS) if config.cost_guard else None
-        )
 
     def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
         """Keep vLLM's block pool: lazy mode reads its free queue and protects blocks in it."""
@@ -256,33 +242,20 @@ class KVTierScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens past vLLM's own hit that the tier loads, and whether asynchronously.
+        """Tokens past vLLM's own hit that the tier loads, and whether asynchronously
+        (:meth:`OffloadSession.lookup <kvtier.offload.session.OffloadSession.lookup>`).
 
-        ``(None, False)`` while the lower tiers are searched for the request's
-        blocks. A hit that fits in what is left of this step's
-        ``same_step_load_bytes`` is loaded before this step's forward, which
-        then computes the request's remaining tokens; so it stops one token
-        short of the request's last, which the forward must compute, and the
-        block holding that token is still loaded whole (the forward writes
-        the token's KV into it again).
+        ``(None, False)`` while the lower tiers are searched for the request's blocks. A
+        hit within this step's ``same_step_load_bytes`` loads before this step's forward.
         """
-        request_id = request.request_id
-        self._lookup_base[request_id] = num_computed_tokens
         control = self._control(request) if request.kv_transfer_params else None
-        # The manager leaves the last token to the engine. vLLM recomputes the last token of
-        # a fully loaded request itself (it rewinds num_computed_tokens by one after an
-        # asynchronous load), so an asynchronous hit may also cover the block holding it.
-        hit = self.manager.lookup(
-            request_id, request.block_hashes, num_computed_tokens, request.num_tokens + 1, control
+        return self.session.lookup(
+            request.request_id,
+            request.block_hashes,
+            num_computed_tokens,
+            request.num_tokens,
+            control,
         )
-        if not hit or not self._same_step_budget:
-            return hit, bool(hit)
-        cost = hit // self.block_tokens * self.record_bytes
-        if cost > self._same_step_left:
-            return hit, True
-        self._same_step_left -= cost
-        self._same_step.add(request_id)
-        return min(hit, request.num_tokens - 1 - num_computed_tokens), False
 
     def _control(self, request: Request) -> RequestControl | None:
         """The request's control, read from its ``kv_transfer_params`` on the first call.
@@ -291,66 +264,57 @@ class KVTierScheduler:
         logged, one line, and the request is served without control.
         """
         request_id = request.request_id
-        if request_id in self._controls:
-            return self._controls[request_id]
+        known = self.session.requests.get(request_id)
+        if known is not None:
+            return known.control
         try:
             control = request_control(request.kv_transfer_params)
         except RequestControlError as exc:
             logger.warning("request %s: %s; served without kvtier control", request_id, exc)
             control = None
-        self._controls[request_id] = control
         return control
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         """Record vLLM's allocation; queue the load of the accepted tier hit."""
-        self.tokens.track(request.request_id, request.block_hashes, request.all_token_ids)
-        base = self._lookup_base.pop(request.request_id, request.num_computed_tokens)
-        same_step = request.request_id in self._same_step
-        self._same_step.discard(request.request_id)
-        if num_external_tokens and not same_step:
-            self._awaited.add(request.request_id)
-        self.manager.allocated(
+        self.session.allocated(
             request.request_id,
             request.block_hashes,
             blocks.get_block_ids(),
-            num_computed_tokens=base,
-            num_external_tokens=num_external_tokens,
-            same_step=same_step and num_external_tokens > 0,
-            control=self._controls.get(request.request_id) if self._controls else None,
+            num_external_tokens,
+            num_computed_tokens=request.num_computed_tokens,
+            token_ids=request.all_token_ids,
         )
 
     def build_plan(self, scheduler_output: SchedulerOutput) -> TransferPlan:
         """This step's plan for every worker."""
-        self._same_step_left = self._same_step_budget
-        self._same_step.clear()
-        if self._steps is not None:
-            self._steps.append((time.monotonic(), scheduler_output.total_num_scheduled_tokens))
-        manager = self.manager
+        session = self.session
         if scheduler_output.preempted_req_ids:
-            manager.preempted(scheduler_output.preempted_req_ids)
+            session.preempted(scheduler_output.preempted_req_ids)
         scheduled = scheduler_output.num_scheduled_tokens
+        tokens = session.tokens
         for new in scheduler_output.scheduled_new_reqs:
-            manager.scheduled(
+            session.scheduled(
                 new.req_id,
                 num_computed_tokens=new.num_computed_tokens + scheduled.get(new.req_id, 0),
                 new_block_ids=new.block_ids,
-                block_hashes=self.tokens.block_hashes(new.req_id),
+                block_hashes=tokens.block_hashes(new.req_id),
                 resumed=True,
             )
         cached = scheduler_output.scheduled_cached_reqs
         for i in self._running.positions(scheduler_output, self._tracked):
             req_id = cached.req_ids[i]
-            manager.scheduled(
+            session.scheduled(
                 req_id,
                 num_computed_tokens=cached.num_computed_tokens[i] + scheduled.get(req_id, 0),
                 new_block_ids=cached.new_block_ids[i],
-                block_hashes=self.tokens.block_hashes(req_id),
+                block_hashes=tokens.block_hashes(req_id),
                 resumed=req_id in cached.resumed_req_ids,
             )
-        plan = manager.build_plan(
-            idle=scheduler_output.total_num_scheduled_tokens == 0, frontier=self._frontier
+        plan = session.plan(
+            frontier=self._frontier,
+            scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
         )
         if plan.empty:
             return plan
@@ -376,13 +340,7 @@ class KVTierScheduler:
 
         ``loaded`` names the requests whose loads vLLM now knows have ended on every worker.
         """
-        if loaded:
-            self._awaited.difference_update(loaded)
-        if report is None and self.manager.quiet:
-            return  # most decode steps
-        progress = self.manager.process(report)
-        if progress.released_requests:
-            self.tokens.forget(progress.released_requests)
+        progress = self.session.process(report, loaded if loaded is not None else ())
         if not progress.stores_over:
             return
         released = self.guard.release(progress)
@@ -392,27 +350,14 @@ class KVTierScheduler:
 
     def request_finished(self, request: Request) -> bool:
         """Whether vLLM must keep the finished request's blocks until the workers release them."""
-        request_id = request.request_id
-        self._lookup_base.pop(request_id, None)
-        if self._controls:
-            self._controls.pop(request_id, None)
-        # vLLM frees the blocks of a request finished while it waits for its load at the first
-        # report naming it, and fails on a second one: its load's end is the only report.
-        waiting = request_id in self._awaited
-        self._awaited.discard(request_id)
-        hold = self.manager.finished(
-            request_id, request.num_computed_tokens, engine_frees_blocks=waiting
-        )
-        if not hold:
-            self.tokens.forget([request_id])
-        return hold and not waiting
+        return self.session.finished(request.request_id, request.num_computed_tokens)
 
     def has_pending_push_work(self) -> bool:
         """Whether copies are in flight or lower-tier work waits for the next plan.
 
         A served engine keeps stepping until they are reported (or handed to the workers).
         """
-        return self.manager.num_inflight_batches > 0 or self.manager.has_tier_work
+        return self.session.has_pending_work
 
     def reset_cache(self) -> bool:
         """Empty the tier now (:meth:`kvtier.offload.OffloadManager.reset`); always ``True``.
@@ -430,11 +375,7 @@ class KVTierScheduler:
         """This step's KV-cache events of every tier (none unless vLLM publishes events)."""
         if not self.record_events:
             return []  # vLLM asks every step
-        manager = self.manager
-        described = self.tokens.describe(
-            manager.take_events(), manager.namespace, manager.take_tier_events()
-        )
-        return [self._vllm_event(event) for event in described]
+        return [self._vllm_event(event) for event in self.session.take_events()]
 
     def _vllm_event(self, event: BlockEvent) -> KVCacheEvent:
         block_hash = maybe_convert_block_hash(event.block_hash)
@@ -465,10 +406,8 @@ class KVTierScheduler:
         """What changed in the tier's counters and usage since the last call, and the
         latencies, batch sizes and per-request hits measured since then; ``None`` when
         nothing did (vLLM asks every step, and most steps change nothing in the tier)."""
+        self.session.step_ended()
         manager = self.manager
-        if self._steps:
-            planned_at, tokens = self._steps.popleft()
-            manager.step_timed(tokens, time.monotonic() - planned_at)
         if manager.quiet:
             return None  # most steps
         grown = manager.take_stats()
@@ -480,6 +419,6 @@ class KVTierScheduler:
                 grown, record_bytes=self.record_bytes, capacity_bytes=self._capacity_bytes
             )
         observations = manager.take_observations()
-        for name, field in OFFLOAD_HISTOGRAMS.items():
-            stats.observe(name, getattr(observations, field))
+        for histogram in OFFLOAD_HISTOGRAMS:
+            stats.observe(histogram.name, getattr(observations, histogram.field))
         return stats

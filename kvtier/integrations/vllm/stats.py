@@ -47,6 +47,7 @@ from kvtier.config import KVTierConfig, load_config
 from kvtier.offload.failures import FailureCause
 from kvtier.offload.stats import (
     OFFLOAD_COUNTERS,
+    OFFLOAD_HISTOGRAMS,
     TIER_COUNTERS,
     Counter,
     CounterKind,
@@ -80,18 +81,6 @@ class MetricSpec:
     """A histogram's bucket upper bounds."""
 
 
-LATENCY_BUCKETS_S = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-)  # fmt: skip
-"""Upper bounds, in seconds, of the latency histograms' buckets."""
-
-BATCH_BUCKETS_BLOCKS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
-"""Upper bounds, in blocks, of the batch-size histograms' buckets."""
-
-HIT_BUCKETS_TOKENS = (0, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
-"""Upper bounds, in tokens, of the per-request hit histogram's buckets (``le="0"``: no hit)."""
-
-
 def _declared(counter: Counter, label: str | None = None) -> MetricSpec:
     return MetricSpec(MetricKind(counter.kind.value), counter.unit, counter.help, label=label)
 
@@ -113,67 +102,15 @@ METRICS: Mapping[str, MetricSpec] = {
         label="cause",
         label_values=tuple(cause.value for cause in FailureCause),
     ),
-    "load_seconds": MetricSpec(
-        MetricKind.HISTOGRAM,
-        "seconds",
-        "Seconds from planning a load batch to every rank reporting it complete.",
-        buckets=LATENCY_BUCKETS_S,
-    ),
-    "store_seconds": MetricSpec(
-        MetricKind.HISTOGRAM,
-        "seconds",
-        "Seconds from planning a store batch to every rank reporting it complete.",
-        buckets=LATENCY_BUCKETS_S,
-    ),
-    "load_batch_blocks": MetricSpec(
-        MetricKind.HISTOGRAM,
-        "blocks",
-        "Blocks per load batch planned.",
-        buckets=BATCH_BUCKETS_BLOCKS,
-    ),
-    "store_batch_blocks": MetricSpec(
-        MetricKind.HISTOGRAM,
-        "blocks",
-        "Blocks per store batch planned.",
-        buckets=BATCH_BUCKETS_BLOCKS,
-    ),
-    "request_hit_tokens": MetricSpec(
-        MetricKind.HISTOGRAM,
-        "tokens",
-        "Tokens each request loads from the host tier (0 for a miss), observed when vLLM "
-        "allocates it.",
-        buckets=HIT_BUCKETS_TOKENS,
-    ),
-    "guard_load_seconds": MetricSpec(
-        MetricKind.HISTOGRAM,
-        "seconds",
-        "Per cost-guard decision made on measurements: the predicted seconds of the load "
-        "(a lower tier's read and the host tier's load, or the host tier's load alone).",
-        buckets=LATENCY_BUCKETS_S,
-    ),
-    "guard_recompute_seconds": MetricSpec(
-        MetricKind.HISTOGRAM,
-        "seconds",
-        "Per cost-guard decision made on measurements: the predicted seconds of recomputing "
-        "the same tokens instead.",
-        buckets=LATENCY_BUCKETS_S,
-    ),
+    **{
+        each.name: MetricSpec(MetricKind.HISTOGRAM, each.unit, each.help, buckets=each.buckets)
+        for each in OFFLOAD_HISTOGRAMS
+    },
     **{f"tier_{counter.name}": _declared(counter, "tier") for counter in TIER_COUNTERS},
 }
-"""Every metric the connector reports, by short name: the offload counters and gauges and
-the per-tier counters as :mod:`kvtier.offload.stats` declares them, and the metrics only
-the connector measures."""
-
-OFFLOAD_HISTOGRAMS: Mapping[str, str] = {
-    "load_seconds": "load_seconds",
-    "store_seconds": "store_seconds",
-    "load_batch_blocks": "load_blocks",
-    "store_batch_blocks": "store_blocks",
-    "request_hit_tokens": "request_hit_tokens",
-    "guard_load_seconds": "guard_load_seconds",
-    "guard_recompute_seconds": "guard_recompute_seconds",
-}
-"""Histogram metric name -> the :class:`~kvtier.offload.Observations` field it observes."""
+"""Every metric the connector reports, by short name: the offload counters, gauges and
+histograms and the per-tier counters as :mod:`kvtier.offload.stats` declares them, and the
+metrics only the connector measures."""
 
 LabelledCounts = dict[str, float]
 """A labelled counter's value in a payload: label value -> count."""
@@ -409,7 +346,6 @@ __all__ = [
     "METRICS",
     "MetricKind",
     "MetricSpec",
-    "OFFLOAD_HISTOGRAMS",
     "PROMETHEUS_PREFIX",
     "startup_gauges",
     "startup_tiers",

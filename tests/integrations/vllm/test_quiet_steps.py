@@ -66,7 +66,7 @@ def observable(engine: VllmSteps, output: Any) -> dict[str, Any]:
         "events": [batch.events for batch in engine.events],
         "tier": manager.stats(),
         "tracked": (manager.num_requests, manager.num_inflight_batches),
-        "tokens": engine.connector.scheduler.tokens.num_requests,
+        "tokens": engine.connector.scheduler.session.tokens.num_requests,
         "loaded": engine.loaded_blocks,
         "failed": engine.failed_blocks,
         "preemptions": engine.preemptions,

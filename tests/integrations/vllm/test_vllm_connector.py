@@ -23,7 +23,6 @@ from kvtier.integrations.vllm.adapters import (  # noqa: E402
 from kvtier.integrations.vllm.scheduler import lazy_frontier_blocks  # noqa: E402
 from kvtier.integrations.vllm.stats import (  # noqa: E402
     METRICS,
-    OFFLOAD_HISTOGRAMS,
     PROMETHEUS_PREFIX,
     KVTierPromMetrics,
     KVTierStats,
@@ -41,7 +40,11 @@ from kvtier.offload import (  # noqa: E402
     TransferPlan,
     WorkerReport,
 )
-from kvtier.offload.stats import OFFLOAD_COUNTERS, TIER_COUNTERS  # noqa: E402
+from kvtier.offload.stats import (  # noqa: E402
+    OFFLOAD_COUNTERS,
+    OFFLOAD_HISTOGRAMS,
+    TIER_COUNTERS,
+)
 from tests.conftest import REPO_ROOT  # noqa: E402
 from tests.integrations.vllm.conftest import MIB, Registered, vllm_config  # noqa: E402
 
@@ -302,8 +305,8 @@ def test_every_offload_counter_and_observation_is_published() -> None:
     assert METRICS["quarantined_blocks"].kind is MetricKind.GAUGE
     assert all(METRICS[f"tier_{c.name}"].label == "tier" for c in TIER_COUNTERS)
     observed = {field.name for field in dataclasses.fields(Observations)}
-    assert set(OFFLOAD_HISTOGRAMS.values()) == observed
-    assert all(METRICS[name].kind is MetricKind.HISTOGRAM for name in OFFLOAD_HISTOGRAMS)
+    assert {histogram.field for histogram in OFFLOAD_HISTOGRAMS} == observed
+    assert all(METRICS[h.name].kind is MetricKind.HISTOGRAM for h in OFFLOAD_HISTOGRAMS)
     assert METRICS["failures"].label_values == tuple(cause.value for cause in FailureCause)
 
 

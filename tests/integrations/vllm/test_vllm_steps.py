@@ -82,7 +82,9 @@ def test_stored_blocks_are_loaded_back_byte_for_byte(
     assert engine.counter("hit_tokens") == full_blocks * BLOCK
     assert engine.counter("loaded_blocks") == full_blocks
     assert manager.num_requests == 0 and manager.index.stats().pinned == 0
-    assert engine.connector.scheduler.tokens.num_requests == 0, "finished requests' tokens kept"
+    assert engine.connector.scheduler.session.tokens.num_requests == 0, (
+        "finished requests' tokens kept"
+    )
 
 
 def test_kv_transfer_params_limit_stores_pin_them_and_refuse_loads(
@@ -106,7 +108,7 @@ def test_kv_transfer_params_limit_stores_pin_them_and_refuse_loads(
     engine.generate(batch)
     assert manager.stats().hit_tokens == sum(len(p) // BLOCK for p in batch) * BLOCK
     assert engine.mismatches == []
-    assert manager.num_requests == 0 and engine.connector.scheduler._controls == {}
+    assert manager.num_requests == 0 and engine.connector.scheduler.session.requests == {}
 
 
 def test_a_request_waits_for_its_load_before_it_runs(
