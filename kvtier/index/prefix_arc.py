@@ -500,9 +500,7 @@ class PrefixARCPolicy(EvictionPolicy):
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
         self.inserted_all((key,), (parent,))
 
-    def inserted_all(
-        self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]
-    ) -> None:
+    def inserted_all(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
         records, chain, t2 = self._records, self._chain, self._t2
         for key, parent in zip(keys, parents, strict=True):
             remembered = records.get(key)

@@ -71,7 +71,6 @@ class Planner:
     ) -> TransferPlan:
         """This step's plan (:meth:`OffloadManager.build_plan`)."""
         requests, moves = self.requests, self.moves
-        moves.drain()
         lazy = self.setup.store_mode == "lazy"
         offered = self.frontier.offer(frontier) if frontier is not None and lazy else []
         if offered:
@@ -88,7 +87,6 @@ class Planner:
         else:
             stores = self.plan_eager_stores(due, now)
         self.frontier.taken(offered)
-        moves.drain()  # blocks evicted to make room are demoted by this plan
         plan = TransferPlan(
             stores=tuple(stores),
             loads=tuple(loads),
