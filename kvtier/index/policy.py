@@ -193,13 +193,27 @@ class PolicyIndex(BlockIndex, PrioritizedEviction, PushesEvictions):
             self._events.clear()
 
     def _evict_for_slot(self) -> int | None:
-        """The slot of a key evicted for a store, or ``None`` if no key may be evicted."""
-        victim = self._victim()
+        """The slot of a key evicted for a store, or ``None`` if no key may be evicted.
+
+        Runs once per block stored into a full tier: without priorities the policy
+        is asked at once and the victim is evicted here (``_victim`` and ``_evict``,
+        inline).
+        """
+        ranked = self._low or self._high
+        victim = self._victim() if ranked else self.policy.victim(self._evictable)
         if victim is None:
             return None
-        if not self._evictable(victim):
+        readable = self._readable
+        slot = readable.get(victim)
+        if slot is None or self._pins[slot]:
             raise RuntimeError(f"{type(self.policy).__name__} chose a key that is not evictable")
-        return self._evict(victim)
+        del readable[victim]
+        if ranked:
+            self._low.pop(victim, None)
+            self._high.discard(victim)
+        self.policy.removed(victim)
+        self._evicted.append(victim)
+        return slot
 
     def _victim(self) -> BlockKey | None:
         evictable, high = self._evictable, self._high
@@ -294,36 +308,37 @@ class PolicyIndex(BlockIndex, PrioritizedEviction, PushesEvictions):
         offered = policy.offered if self._policy_hears_offers else None
         admit = policy.admit
         slots: list[int | None] = []
-        granted: list[int] = []
-        granted_slots: list[int] = []
-        for position, key in enumerate(keys):
+        append = slots.append
+        granted = 0
+        for key in keys:
             present = key in readable or key in writing or key in discarded
             if offered is not None:
                 offered(key, parent, present=present, lazy=lazy)
             if present or not admit(key, parent):
-                slots.append(None)
+                append(None)
             else:
                 slot = free.pop() if free else self._evict_for_slot()
                 if slot is None:
-                    slots.extend([None] * (len(keys) - position))
+                    slots.extend([None] * (len(keys) - len(slots)))
                     break
                 writing[key] = slot
                 parents[slot] = parent
-                slots.append(slot)
-                granted.append(position)
-                granted_slots.append(slot)
+                append(slot)
+                granted += 1
             parent = key
-        if len(granted) > 1:
+        if granted > 1:
             # Slots freed by evictions come back in the victims' order (a prefix-aware
             # policy frees a chain last block first); any free slot will do for any key,
             # so the chain gets them counting up, and a copy of it is a few long runs.
-            ascending = sorted(granted_slots)
+            positions = [position for position, slot in enumerate(slots) if slot is not None]
+            granted_slots = [slots[position] for position in positions]
+            ascending = sorted(granted_slots)  # type: ignore[type-var]
             if ascending != granted_slots:
-                moved = [parents[slot] for slot in granted_slots]
-                for position, slot, parent in zip(granted, ascending, moved, strict=True):
+                moved = [parents[slot] for slot in granted_slots]  # type: ignore[index]
+                for position, slot, parent in zip(positions, ascending, moved, strict=True):
                     slots[position] = slot
-                    writing[keys[position]] = slot
-                    parents[slot] = parent
+                    writing[keys[position]] = slot  # type: ignore[assignment]
+                    parents[slot] = parent  # type: ignore[index]
         if self._evicted:
             self._evicted_now()
         return slots
