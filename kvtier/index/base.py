@@ -12,13 +12,19 @@ Primitives, in the order a store and a load call them:
 A slot is in exactly one state: free, writing (reserved, never readable, never
 evicted) or readable (possibly pinned). Events describe what became readable
 and what was evicted, for engines that publish cache events.
+
+An index that :class:`PushesEvictions` hands the keys that leave it to a sink
+as they leave (the offload manager's mover demotes them at once), and keeps
+events only when asked to; :func:`kvtier.index.push.push_evictions` gives any
+other index the same form by taking its events after every call that may
+evict.
 """
 
 from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -36,7 +42,8 @@ class EventKind(enum.Enum):
 class IndexEvent(NamedTuple):
     """A key became readable (``STORED``) or left the tier (``EVICTED``).
 
-    A named tuple: the index makes one per block stored and per block evicted.
+    A named tuple, made when :meth:`BlockIndex.take_events` is called: an index
+    keeps its events as batches of keys until then.
     """
 
     kind: EventKind
@@ -138,6 +145,24 @@ class BlockIndex(ABC):
     @abstractmethod
     def take_events(self) -> list[IndexEvent]:
         """Return and forget the events since the last call."""
+
+
+EvictionSink = Callable[[Sequence[BlockKey]], None]
+"""Told the keys that left a tier (evicted for room, discarded or cleared), in the order they
+left, one batch per call; it must not keep the sequence it is given past the call."""
+
+
+class PushesEvictions(ABC):
+    """A block index that tells a sink of the keys leaving it, as they leave."""
+
+    @abstractmethod
+    def push_evictions(self, sink: EvictionSink, *, keep_events: bool) -> None:
+        """From now on, call ``sink`` with the keys each call evicts, before the call returns.
+
+        ``keep_events``: whether :meth:`BlockIndex.take_events` still returns events
+        (an index that is not asked keeps them, as every index does); without it
+        the index records none, and its calls build no event.
+        """
 
 
 class PrioritizedEviction(ABC):

@@ -30,16 +30,17 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from itertools import repeat
 
 from kvtier.index.base import (
     BlockIndex,
     BlockKey,
     EventKind,
+    EvictionSink,
     IndexEvent,
     IndexStats,
     PrioritizedEviction,
     Priority,
+    PushesEvictions,
 )
 
 
@@ -82,9 +83,7 @@ class EvictionPolicy(ABC):
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
         """``key`` became readable."""
 
-    def inserted_all(
-        self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]
-    ) -> None:
+    def inserted_all(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
         """Each of ``keys`` (prefix parent ``parents[i]``) became readable, in this order.
 
         Calls :meth:`inserted` per key; a policy may do the same work in one pass.
@@ -121,8 +120,14 @@ class EvictionPolicy(ABC):
         return {}
 
 
-class PolicyIndex(BlockIndex, PrioritizedEviction):
+class PolicyIndex(BlockIndex, PrioritizedEviction, PushesEvictions):
     """Slot table with free, writing and readable states, pins, and a policy for victims.
+
+    Each call takes its keys as one batch and allocates no object per key: a
+    key being written maps to its slot, and its prefix parent waits in a list
+    indexed by slot; events are kept as batches of keys (one per commit, one per
+    call that evicts) and made into :class:`IndexEvent` s only by
+    :meth:`take_events`, or not kept at all once :meth:`push_evictions` says so.
 
     Keys given a priority (:meth:`prioritize`) bend the policy's choice: a
     ``low`` key is evicted before the policy is asked, a ``high`` one only when
@@ -140,11 +145,18 @@ class PolicyIndex(BlockIndex, PrioritizedEviction):
         self.policy = policy
         self._free = list(range(num_slots - 1, -1, -1))
         self._readable: dict[BlockKey, int] = {}
-        self._writing: dict[BlockKey, tuple[int, BlockKey | None]] = {}
+        self._writing: dict[BlockKey, int] = {}
+        # The prefix parent of the key being written into each slot.
+        self._parents: list[BlockKey | None] = [None] * num_slots
         self._pins = [0] * num_slots
         self._pinned = 0
         self._discarded: dict[BlockKey, int] = {}
-        self._events: list[IndexEvent] = []
+        # Events as batches of keys of one kind, in order.
+        self._events: list[tuple[EventKind, Sequence[BlockKey]]] = []
+        self._keep_events = True
+        self._sink: EvictionSink | None = None
+        # Keys evicted by the call running now, handed to the sink and the events at its end.
+        self._evicted: list[BlockKey] = []
         self._low: dict[BlockKey, None] = {}
         """Keys of priority ``low``, in the order they got it."""
         self._high: set[BlockKey] = set()
@@ -163,17 +175,45 @@ class PolicyIndex(BlockIndex, PrioritizedEviction):
         slot = self._readable.pop(key)
         self._unrank(key)
         self.policy.removed(key)
-        self._events.append(IndexEvent(EventKind.EVICTED, key))
+        self._evicted.append(key)
         return slot
 
+    def _evicted_now(self) -> None:
+        """Hand the keys this call evicted to the sink and the events."""
+        evicted, self._evicted = self._evicted, []
+        if self._keep_events:
+            self._events.append((EventKind.EVICTED, evicted))
+        if self._sink is not None:
+            self._sink(evicted)
+
+    def push_evictions(self, sink: EvictionSink, *, keep_events: bool) -> None:
+        self._sink = sink
+        self._keep_events = keep_events
+        if not keep_events:
+            self._events.clear()
+
     def _evict_for_slot(self) -> int | None:
-        """The slot of a key evicted for a store, or ``None`` if no key may be evicted."""
-        victim = self._victim()
+        """The slot of a key evicted for a store, or ``None`` if no key may be evicted.
+
+        Runs once per block stored into a full tier: without priorities the policy
+        is asked at once and the victim is evicted here (``_victim`` and ``_evict``,
+        inline).
+        """
+        ranked = self._low or self._high
+        victim = self._victim() if ranked else self.policy.victim(self._evictable)
         if victim is None:
             return None
-        if not self._evictable(victim):
+        readable = self._readable
+        slot = readable.get(victim)
+        if slot is None or self._pins[slot]:
             raise RuntimeError(f"{type(self.policy).__name__} chose a key that is not evictable")
-        return self._evict(victim)
+        del readable[victim]
+        if ranked:
+            self._low.pop(victim, None)
+            self._high.discard(victim)
+        self.policy.removed(victim)
+        self._evicted.append(victim)
+        return slot
 
     def _victim(self) -> BlockKey | None:
         evictable, high = self._evictable, self._high
@@ -249,6 +289,8 @@ class PolicyIndex(BlockIndex, PrioritizedEviction):
                 self._free.append(slot)
             else:
                 self._discarded[key] = slot
+        if self._evicted:
+            self._evicted_now()
 
     def request_started(self, request_id: str) -> None:
         self.policy.request_started(request_id)
@@ -260,61 +302,65 @@ class PolicyIndex(BlockIndex, PrioritizedEviction):
         self, keys: Sequence[BlockKey], parent: BlockKey | None = None, *, lazy: bool = False
     ) -> list[int | None]:
         readable, writing, discarded = self._readable, self._writing, self._discarded
-        free = self._free
+        free, parents = self._free, self._parents
         policy = self.policy
         # Most policies ignore offers: skip the call per key for them.
         offered = policy.offered if self._policy_hears_offers else None
         admit = policy.admit
         slots: list[int | None] = []
-        granted: list[int] = []
-        granted_slots: list[int] = []
-        for position, key in enumerate(keys):
+        append = slots.append
+        granted = 0
+        for key in keys:
             present = key in readable or key in writing or key in discarded
             if offered is not None:
                 offered(key, parent, present=present, lazy=lazy)
             if present or not admit(key, parent):
-                slots.append(None)
+                append(None)
             else:
                 slot = free.pop() if free else self._evict_for_slot()
                 if slot is None:
-                    slots.extend([None] * (len(keys) - position))
+                    slots.extend([None] * (len(keys) - len(slots)))
                     break
-                writing[key] = (slot, parent)
-                slots.append(slot)
-                granted.append(position)
-                granted_slots.append(slot)
+                writing[key] = slot
+                parents[slot] = parent
+                append(slot)
+                granted += 1
             parent = key
-        if len(granted) > 1:
+        if granted > 1:
             # Slots freed by evictions come back in the victims' order (a prefix-aware
             # policy frees a chain last block first); any free slot will do for any key,
             # so the chain gets them counting up, and a copy of it is a few long runs.
-            ascending = sorted(granted_slots)
+            positions = [position for position, slot in enumerate(slots) if slot is not None]
+            granted_slots = [slots[position] for position in positions]
+            ascending = sorted(granted_slots)  # type: ignore[type-var]
             if ascending != granted_slots:
-                for position, slot in zip(granted, ascending, strict=True):
+                moved = [parents[slot] for slot in granted_slots]  # type: ignore[index]
+                for position, slot, parent in zip(positions, ascending, moved, strict=True):
                     slots[position] = slot
-                    key = keys[position]
-                    writing[key] = (slot, writing[key][1])
+                    writing[keys[position]] = slot  # type: ignore[assignment]
+                    parents[slot] = parent  # type: ignore[index]
+        if self._evicted:
+            self._evicted_now()
         return slots
 
     def commit(self, keys: Sequence[BlockKey]) -> None:
-        writing, readable = self._writing, self._readable
+        writing = self._writing
         for key in keys:
             if key not in writing:
                 raise KeyError(f"block {key.hex()} has no reserved slot to commit")
-        parents = []
-        for key in keys:
-            slot, parent = writing.pop(key)
-            readable[key] = slot
-            parents.append(parent)
-        self.policy.inserted_all(keys, parents)
-        self._events.extend(map(IndexEvent._make, zip(repeat(EventKind.STORED), keys)))
+        slots = list(map(writing.pop, keys))
+        self._readable.update(zip(keys, slots, strict=True))
+        parents = self._parents
+        self.policy.inserted_all(keys, [parents[slot] for slot in slots])
+        if self._keep_events:
+            self._events.append((EventKind.STORED, tuple(keys)))
 
     def abort(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:
             if key not in self._writing:
                 raise KeyError(f"block {key.hex()} has no reserved slot to abort")
         for key in keys:
-            slot, _ = self._writing.pop(key)
+            slot = self._writing.pop(key)
             self._unrank(key)
             self._free.append(slot)
             self.policy.aborted(key)
@@ -322,6 +368,8 @@ class PolicyIndex(BlockIndex, PrioritizedEviction):
     def clear(self) -> bool:
         for key in [key for key in self._readable if self._evictable(key)]:
             self._free.append(self._evict(key))
+        if self._evicted:
+            self._evicted_now()
         return not self._readable and not self._writing and not self._discarded
 
     def slot_of(self, key: BlockKey) -> int | None:
@@ -338,5 +386,5 @@ class PolicyIndex(BlockIndex, PrioritizedEviction):
         )
 
     def take_events(self) -> list[IndexEvent]:
-        events, self._events = self._events, []
-        return events
+        batches, self._events = self._events, []
+        return [IndexEvent(kind, key) for kind, keys in batches for key in keys]

@@ -327,34 +327,56 @@ class PrefixARCPolicy(EvictionPolicy):
             if self._ranked != len(chain):
                 self._rank_chain()
         else:
-            self._rank_chain()
             t1, stored, reused = self._t1, self._stored, self._reused
-            root = self._records.get(chain[first])
-            held = root is not None and root.where == HELD
-            origin = TAIL_BUCKETS if first and held and root.parent is not None else 0
+            if len(chain) == 1 and not self._placed and not self._returned:
+                # ``_rank_chain`` of a chain of one new block (a decode step's), inline.
+                self._clock += 1
+                record = t1[chain[0]] = self._records[chain[0]]
+                record.stamp = self._clock
+            else:
+                self._rank_chain()
+            origin = 0
+            if first:
+                root = self._records.get(chain[first])
+                if root is not None and root.where == HELD and root.parent is not None:
+                    origin = TAIL_BUCKETS
             prior, bar = self._low_value_bar()
-            demoted = []
-            tested, low = -1, False
-            # Leaf first, as ranked: a stored block still in t1 (not hit, not gone) gets a class.
-            for distance, key in enumerate(reversed(chain[first:])):
-                record = t1.get(key)
+            if len(chain) - first == 1:
+                # One new block (a decode step's): its class is the chain's tail.
+                record = t1.get(chain[first])
                 if record is not None:
-                    cls = origin + (distance if distance < TAIL_BUCKETS else TAIL_BUCKETS - 1)
-                    if cls != tested:
-                        # Classes only grow along the walk: each is tested on its counts from
-                        # before this chain, the first time it is met.
-                        tested = cls
-                        low = (reused[cls] + prior) / (stored[cls] + PRIOR_WEIGHT) < bar
-                    record.cls = cls
-                    stored[cls] += 1.0
+                    record.cls = origin
+                    low = (reused[origin] + prior) / (stored[origin] + PRIOR_WEIGHT) < bar
+                    stored[origin] += 1.0
                     if low:
-                        demoted.append(record)
-            # Root first, so that the chain's deepest low-value block ends up first in line.
-            move_to_end = t1.move_to_end
-            for record in reversed(demoted):
-                move_to_end(record.key, last=False)
-                record.stamp = 0
-            self._count_towards_decay(len(chain) - first)
+                        t1.move_to_end(record.key, last=False)
+                        record.stamp = 0
+            else:
+                demoted = []
+                tested, low = -1, False
+                # Leaf first, as ranked: a stored block still in t1 (not hit, not gone) gets a
+                # class.
+                for distance, key in enumerate(reversed(chain[first:])):
+                    record = t1.get(key)
+                    if record is not None:
+                        cls = origin + (distance if distance < TAIL_BUCKETS else TAIL_BUCKETS - 1)
+                        if cls != tested:
+                            # Classes only grow along the walk: each is tested on its counts
+                            # from before this chain, the first time it is met.
+                            tested = cls
+                            low = (reused[cls] + prior) / (stored[cls] + PRIOR_WEIGHT) < bar
+                        record.cls = cls
+                        stored[cls] += 1.0
+                        if low:
+                            demoted.append(record)
+                # Root first, so that the chain's deepest low-value block ends up first in line.
+                move_to_end = t1.move_to_end
+                for record in reversed(demoted):
+                    move_to_end(record.key, last=False)
+                    record.stamp = 0
+            self._since_decay += len(chain) - first
+            if self._since_decay >= self._decay_every:
+                self._decay()
         chain.clear()
         self._ranked = self._placed = 0
         self._first_new = None
@@ -387,13 +409,11 @@ class PrefixARCPolicy(EvictionPolicy):
         overall = (sum(self._reused) + 1.0) / (sum(self._stored) + 2.0)
         return PRIOR_WEIGHT * overall, self.low_value_ratio * overall
 
-    def _count_towards_decay(self, stored_blocks: int) -> None:
+    def _decay(self) -> None:
         """Halve the class counts every few tiers' worth of stores, so they follow the workload."""
-        self._since_decay += stored_blocks
-        if self._since_decay >= self._decay_every:
-            self._since_decay = 0
-            self._stored = [count / 2 for count in self._stored]
-            self._reused = [count / 2 for count in self._reused]
+        self._since_decay = 0
+        self._stored = [count / 2 for count in self._stored]
+        self._reused = [count / 2 for count in self._reused]
 
     def _sweep_memory(self) -> None:
         """Drop the FORGOTTEN records from the queues of evicted keys."""
@@ -500,9 +520,7 @@ class PrefixARCPolicy(EvictionPolicy):
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
         self.inserted_all((key,), (parent,))
 
-    def inserted_all(
-        self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]
-    ) -> None:
+    def inserted_all(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
         records, chain, t2 = self._records, self._chain, self._t2
         for key, parent in zip(keys, parents, strict=True):
             remembered = records.get(key)
@@ -511,13 +529,26 @@ class PrefixARCPolicy(EvictionPolicy):
                 self._forget(remembered)
             # A parent this tier does not hold may sit in a faster tier (a lazy store writes a
             # chain leaf first, as the engine evicts it): only a parent evicted from here
-            # orphans.
+            # orphans. (``_add_child``, inline: this runs per block stored.)
             if parent is not None:
-                self._add_child(parent, record)
-            if chain and parent != chain[-1]:
-                self._end_chain()
-            if self._first_new is None:
-                self._first_new = len(chain)
+                link = records.get(parent)
+                if link is not None and link.where == HELD:
+                    record.parent_record = link
+                    siblings = link.children
+                    if siblings is None:
+                        link.children = key
+                    elif type(siblings) is set:
+                        siblings.add(key)
+                    elif siblings != key:
+                        link.children = {siblings, key}
+            if chain:
+                if parent != chain[-1]:
+                    self._end_chain()
+                    self._first_new = 0
+                elif self._first_new is None:
+                    self._first_new = len(chain)
+            else:
+                self._first_new = 0
             chain.append(key)
             if remembered is None:
                 # A new block joins the recency list when its chain is ranked (leaf first).

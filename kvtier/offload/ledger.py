@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.copy.base import Direction
-from kvtier.index.base import BlockKey, EventKind, IndexEvent
+from kvtier.index.base import BlockKey, IndexEvent
 from kvtier.offload.failures import FailureCause
 from kvtier.offload.messages import DeviceBlock, Transfer, WorkerReport
 from kvtier.offload.requests import RequestState, RequestTable
@@ -110,19 +110,22 @@ class BatchLedger:
         # Per request, device blocks found unreadable at allocation, to announce as failed loads.
         self.unavailable: dict[str, tuple[DeviceBlock, ...]] = {}
         self._bytes_per_block = setup.record_bytes * setup.world_size
-        self.events: list[IndexEvent] = []
+        self.events_pending = False
+        """Whether the index may keep events :meth:`take_events` has not returned yet."""
         self._departed: list[BlockKey] = []
         # Only lazy mode's frontier memory reads departures; eager mode keeps none.
         self._keep_departed = setup.store_mode == "lazy"
 
-    def count_index_events(self, events: list[IndexEvent]) -> None:
-        """Count the index's evictions (keys that left the tier); with ``record_events``,
-        keep the events for :meth:`take_events`."""
-        evicted = [event.key for event in events if event.kind is EventKind.EVICTED]
-        self.counters.add("evicted_blocks", len(evicted))
-        self.note_departed(evicted)
-        if self.setup.record_events:
-            self.events.extend(events)
+    def count_evicted(self, keys: Sequence[BlockKey]) -> None:
+        """Count keys that left the tier (the index evicted, discarded or cleared them)."""
+        self.counters.add("evicted_blocks", len(keys))
+        self.note_departed(keys)
+        self.events_pending = self.setup.record_events
+
+    def commit(self, keys: Sequence[BlockKey]) -> None:
+        """Make stored (or promoted) ``keys`` readable in the index."""
+        self.setup.index.commit(keys)
+        self.events_pending = self.setup.record_events
 
     def note_departed(self, keys: Sequence[BlockKey]) -> None:
         """These keys stopped being held or written (evicted, discarded, or their store or
@@ -134,7 +137,11 @@ class BatchLedger:
     def idle(self) -> bool:
         """Whether no batch is in flight or quarantined, and no event or departed key waits."""
         return not (
-            self.batches or self.quarantine or self.unavailable or self.events or self._departed
+            self.batches
+            or self.quarantine
+            or self.unavailable
+            or self.events_pending
+            or self._departed
         )
 
     def take_departed(self) -> list[BlockKey]:
@@ -143,9 +150,12 @@ class BatchLedger:
         return departed
 
     def take_events(self) -> list[IndexEvent]:
-        """Return and forget the events kept since the last call."""
-        events, self.events = self.events, []
-        return events
+        """Return and forget the index's events since the last call (with ``record_events``;
+        else none are kept)."""
+        if not self.events_pending:
+            return []
+        self.events_pending = False
+        return self.setup.index.take_events()
 
     def new_batch_id(self) -> int:
         batch_id = self.num_planned
@@ -285,7 +295,7 @@ class BatchLedger:
             if ok and not batch.reset:
                 for key in batch.keys:
                     del self.writing[key]
-                setup.index.commit(batch.keys)
+                self.commit(batch.keys)
                 collected.committed.append((batch.keys, transfer.host_slots))
                 counters.add("stored_blocks", len(batch.keys))
                 counters.add("stored_bytes", len(batch.keys) * self._bytes_per_block)

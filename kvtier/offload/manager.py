@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.config.model import DEFAULT_PIN_MAX_S, DEFAULT_PIN_SHARE, DEFAULT_REPORT_DEADLINE_S
 from kvtier.index.base import BlockIndex, IndexEvent
+from kvtier.index.push import push_evictions
 from kvtier.keys import KeyNamespace
 from kvtier.kinds import BLOCK_INDEX
 from kvtier.models import WritePolicy, write_policy_of
@@ -88,6 +89,10 @@ class OffloadManager:
             ValueError: If a size, the deadline or the margin is not positive, the store
                 mode is unknown or ``group_windows`` does not give one entry per group.
         """
+        # The index tells the mover of its evictions as they happen.
+        index = push_evictions(
+            index, lambda keys: self.moves.evicted(keys), keep_events=record_events
+        )
         self.setup = setup = ManagerSetup(
             index, block_tokens, record_bytes, world_size, store_mode, num_groups,
             namespace or KeyNamespace(), null_block_id, group_windows, report_deadline_s,
@@ -293,7 +298,6 @@ class OffloadManager:
         pins = self.pins
         if report is None and self.settled:
             # Nothing reported, in flight or waiting to be announced.
-            self.moves.drain()
             if pins.active:
                 pins.expire(self.setup.clock())
             return _NO_PROGRESS
@@ -306,7 +310,6 @@ class OffloadManager:
         self.guard.measured(reports)
         collected = self.ledger.process(reports)
         self.moves.settle(collected.committed)
-        self.moves.drain()
         if pins.active:
             pins.expire(self.setup.clock())
             pins.pin_readable()
@@ -322,7 +325,6 @@ class OffloadManager:
         """Return and forget the tier's stored/evicted events (kept only with ``record_events``)."""
         if self.quiet:
             return []
-        self.moves.drain()
         return self.ledger.take_events()
 
     def take_tier_events(self) -> list[TierEvent]:
@@ -342,12 +344,10 @@ class OffloadManager:
         self.pins.reset()
         empty = self.ledger.reset()
         self.moves.reset()
-        self.moves.drain()
         return empty
 
     def stats(self) -> OffloadStats:
         """Cumulative counters and current usage."""
-        self.moves.drain()
         return self.counters.record(self.setup.index.stats(), self.ledger.quarantined_slots)
 
     def take_stats(self) -> OffloadStats | None:
@@ -356,7 +356,6 @@ class OffloadManager:
         Sets :attr:`quiet` when every module is idle."""
         if self.quiet:
             return None  # most steps
-        self.moves.drain()
         ledger = self.ledger
         changes = self.counters.take_changes(
             (ledger.num_planned, len(ledger.quarantine)), self.stats

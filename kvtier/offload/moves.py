@@ -40,7 +40,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvtier.index.base import BlockKey, EventKind
+from kvtier.index.base import BlockKey
 from kvtier.offload.costguard import CostGuard
 from kvtier.offload.failures import FailureCause
 from kvtier.offload.ledger import BatchLedger
@@ -230,23 +230,20 @@ class LowerTierMoves:
             planned = self.write_throughs.get(key)
             self.write_throughs[key] = (slot, tiers if planned is None else planned[1] + tiers)
 
-    def drain(self) -> None:
-        """Take the index's events (the ledger counts them); demote the evicted blocks whose
-        slots are known."""
-        events = self.setup.index.take_events()
-        if not events:
-            return  # most calls
-        self.ledger.count_index_events(events)
-        setup = self.setup
-        if not setup.lower_tiers:
+    def evicted(self, keys: Sequence[BlockKey]) -> None:
+        """The index's eviction sink: ``keys`` left the host tier. The ledger counts them;
+        those whose slots are known are demoted by the next plan."""
+        self.ledger.count_evicted(keys)
+        if not self.setup.lower_tiers:
             return
-        back = setup.back_tiers
-        for event in events:
-            if event.kind is EventKind.EVICTED and event.key in self._slots:
-                slot = self._slots.pop(event.key)
-                self._reused.discard(event.key)
+        slots, reused, demotions = self._slots, self._reused, self.demotions
+        back = self.setup.back_tiers
+        for key in keys:
+            slot = slots.pop(key, None)
+            if slot is not None:
+                reused.discard(key)
                 if back:
-                    self.demotions[event.key] = (slot, back)
+                    demotions[key] = (slot, back)
 
     def count(self, reports: Iterable[WorkerReport]) -> None:
         """Add the reports' promotion answers; commit what every worker found."""
@@ -283,7 +280,7 @@ class LowerTierMoves:
             del self.ledger.writing[key]
         found = promotion.keys[: promotion.found]
         if found:
-            index.commit(found)
+            self.ledger.commit(found)
             self._slots.update(zip(found, message.host_slots, strict=False))
             if self.setup.reuse_tiers:
                 self._reused.update(found)

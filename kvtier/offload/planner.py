@@ -76,7 +76,6 @@ class Planner:
     ) -> TransferPlan:
         """This step's plan (:meth:`OffloadManager.build_plan`)."""
         requests, moves = self.requests, self.moves
-        moves.drain()
         lazy = self.setup.store_mode == "lazy"
         offered = self.frontier.offer(frontier) if frontier is not None and lazy else []
         if offered:
@@ -93,7 +92,6 @@ class Planner:
         else:
             stores = self.plan_eager_stores(due, now)
         self.frontier.taken(offered)
-        moves.drain()  # blocks evicted to make room are demoted by this plan
         plan = TransferPlan(
             stores=tuple(stores),
             loads=tuple(loads),
@@ -263,8 +261,15 @@ class Planner:
         return loads, unavailable, frozenset(same_step)
 
     def plan_eager_stores(self, due: Sequence[RequestState], now: float) -> list[Transfer]:
-        """Store the due requests' computed full blocks not stored yet, while slots last."""
+        """Store the due requests' computed full blocks not stored yet, while slots last.
+
+        Per request and group, one reserve of the blocks past its store cursor; the
+        granted ones join the group's batch with list extends, not per block.
+        """
         setup, index, namespace = self.setup, self.setup.index, self.setup.namespace
+        null, windows = setup.null_block_id, setup.windows
+        prefixes = [namespace.prefix(group) for group in range(setup.num_groups)]
+        storable_blocks = self.requests.storable_blocks
         per_group: _GroupStores = []
         out_of_space = False
         reserved_now: set[BlockKey] = set()
@@ -274,22 +279,27 @@ class Planner:
             if out_of_space:
                 self.requests.due.add(state.request_id)  # retried next step
                 continue
-            ready = self.requests.storable_blocks(state)
-            for group in range(setup.num_groups):
+            ready = storable_blocks(state)
+            block_hashes, cursors = state.block_hashes, state.store_cursor
+            for group, prefix in enumerate(prefixes):
                 group_ids = state.block_ids[group]
-                start, stop = state.store_cursor[group], min(ready, len(group_ids))
-                window = setup.windows[group]
+                start, stop = cursors[group], min(ready, len(group_ids))
+                window = windows[group]
                 if window is not None:
                     # blocks that left the window may already be back in the engine's pool
                     start = max(start, stop - window)
                 if start >= stop:
-                    state.store_cursor[group] = max(state.store_cursor[group], stop)
+                    cursors[group] = max(cursors[group], stop)
                     continue
-                positions = [
-                    pos for pos in range(start, stop) if group_ids[pos] != setup.null_block_id
-                ]
-                keys = namespace.keys([state.block_hashes[pos] for pos in positions], group)
-                parent = namespace.key(state.block_hashes[start - 1], group) if start else None
+                blocks = group_ids[start:stop]
+                if null is not None and null in blocks:
+                    positions = [pos for pos in range(start, stop) if group_ids[pos] != null]
+                    blocks = [group_ids[pos] for pos in positions]
+                    keys = [prefix + block_hashes[pos] for pos in positions]
+                else:
+                    positions = range(start, stop)
+                    keys = [prefix + block_hash for block_hash in block_hashes[start:stop]]
+                parent = prefix + block_hashes[start - 1] if start else None
                 slots = index.reserve(keys, parent) if keys else []
                 if state.control is not None:
                     granted = zip(keys, slots, strict=True)
@@ -297,24 +307,32 @@ class Planner:
                 cursor = stop
                 if not per_group:  # the first request with blocks to store this step
                     per_group = [([], [], [], set()) for _ in range(setup.num_groups)]
-                blocks, slot_list, key_list, requests = per_group[group]
-                for pos, key, slot in zip(positions, keys, slots, strict=True):
-                    if slot is not None:
-                        blocks.append(group_ids[pos])
-                        slot_list.append(slot)
-                        key_list.append(key)
+                block_list, slot_list, key_list, requests = per_group[group]
+                if None not in slots:
+                    block_list.extend(blocks)
+                    slot_list.extend(slots)
+                    key_list.extend(keys)
+                    reserved_now.update(keys)
+                    if keys:
                         requests.add(state.request_id)
-                        reserved_now.add(key)
-                    elif (
-                        cursor == stop
-                        and key not in reserved_now
-                        and not self.ledger.present(key)
-                        and self._no_space()
-                    ):
-                        # retry from here next step; later keys of the chain got no slot either
-                        cursor = pos
-                        out_of_space = True
-                state.store_cursor[group] = cursor
+                else:
+                    for pos, block, key, slot in zip(positions, blocks, keys, slots, strict=True):
+                        if slot is not None:
+                            block_list.append(block)
+                            slot_list.append(slot)
+                            key_list.append(key)
+                            requests.add(state.request_id)
+                            reserved_now.add(key)
+                        elif (
+                            cursor == stop
+                            and key not in reserved_now
+                            and not self.ledger.present(key)
+                            and self._no_space()
+                        ):
+                            # retry from here next step; later keys of the chain got no slot
+                            cursor = pos
+                            out_of_space = True
+                cursors[group] = cursor
                 if out_of_space:
                     self.requests.due.add(state.request_id)
                     break

@@ -22,6 +22,14 @@ evicted or reused, a key is never readable before its commit, capacity is
 never exceeded). Indexes whose policy may decline to admit a key set
 ``admits_all = False``; the tests that need a particular key admitted then skip.
 
+Both forms of the contract are tested: the index as built, which keeps its
+events for ``take_events``, and the index the offload manager uses, whose
+evictions reach a sink as they happen
+(:func:`~kvtier.index.push.push_evictions`: directly for an index that
+:class:`~kvtier.index.base.PushesEvictions`, through
+:class:`~kvtier.index.push.EvictionPushAdapter` for any other), with or
+without kept events.
+
 An eviction-policy author subclasses :class:`EvictionPolicyContract` instead
 and provides ``make_policy``, a callable that builds the policy for a tier of a
 given number of slots: the whole block-index contract then runs on the policy
@@ -37,7 +45,7 @@ accepted in any request order)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import pytest
@@ -53,6 +61,7 @@ from hypothesis.stateful import (
 
 from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent
 from kvtier.index.policy import EvictionPolicy, PolicyIndex
+from kvtier.index.push import push_evictions
 
 IndexFactory = Callable[[int], BlockIndex]
 """Builds an empty index with the given number of slots."""
@@ -298,10 +307,50 @@ class BlockIndexContract:
         assert index.clear() is True
         assert index.stats().free == 4
 
+    # ------------------------------------------------------- pushed evictions
+
+    def test_evictions_reach_the_sink_before_the_call_returns(
+        self, make_index: IndexFactory
+    ) -> None:
+        self._need_admission()
+        pushed: list[list[BlockKey]] = []
+        index = push_evictions(make_index(3), _collect(pushed), keep_events=True)
+        store(index, chain("a", 3))
+        assert pushed == [] and len(index.take_events()) == 3
+        slots = index.reserve(chain("b", 2))
+        evicted = [event.key for event in index.take_events()]
+        assert [key for batch in pushed for key in batch] == evicted
+        assert len(evicted) == sum(slot is not None for slot in slots)
+        pushed.clear()
+        readable = [key for key in chain("a", 3) if index.slot_of(key) is not None]
+        index.discard(readable[:1])
+        assert pushed == [readable[:1]]
+        pushed.clear()
+        index.clear()
+        assert sorted(key for batch in pushed for key in batch) == sorted(readable[1:])
+        assert sorted(event.key for event in index.take_events()) == sorted(readable)
+
+    def test_an_index_told_to_keep_no_events_keeps_none(self, make_index: IndexFactory) -> None:
+        self._need_admission()
+        pushed: list[list[BlockKey]] = []
+        index = push_evictions(make_index(2), _collect(pushed), keep_events=False)
+        store(index, chain("a", 2))
+        store(index, chain("b", 2))
+        assert index.take_events() == []
+        assert sorted(key for batch in pushed for key in batch) == sorted(
+            key for key in chain("a", 2) + chain("b", 2) if index.slot_of(key) is None
+        )
+        assert pushed, "a full index that stored a new chain evicted some key"
+
     # ---------------------------------------------------------- state machine
 
     def test_random_programs_keep_the_invariants(self, make_index: IndexFactory) -> None:
-        machine = _index_machine(make_index, num_slots=6)
+        self._run_machine(_index_machine(make_index, num_slots=6, pushed=False))
+
+    def test_random_programs_push_what_they_evict(self, make_index: IndexFactory) -> None:
+        self._run_machine(_index_machine(make_index, num_slots=6, pushed=True))
+
+    def _run_machine(self, machine: type[RuleBasedStateMachine]) -> None:
         run_state_machine_as_test(
             machine,
             settings=settings(
@@ -313,8 +362,19 @@ class BlockIndexContract:
         )
 
 
-def _index_machine(make_index: IndexFactory, num_slots: int) -> type[RuleBasedStateMachine]:
-    """A state machine that checks an index against a model of slot states."""
+def _collect(batches: list[list[BlockKey]]) -> Callable[[Sequence[BlockKey]], None]:
+    """An eviction sink that appends a copy of each batch to ``batches``."""
+    return lambda keys: batches.append(list(keys))
+
+
+def _index_machine(
+    make_index: IndexFactory, num_slots: int, *, pushed: bool
+) -> type[RuleBasedStateMachine]:
+    """A state machine that checks an index against a model of slot states.
+
+    ``pushed``: the index's evictions also reach a sink, and every call's pushed keys
+    must be the keys its events say it evicted, in order.
+    """
 
     key_names = st.integers(min_value=0, max_value=14).map(lambda n: f"k{n}".encode())
 
@@ -324,6 +384,9 @@ def _index_machine(make_index: IndexFactory, num_slots: int) -> type[RuleBasedSt
         def __init__(self) -> None:
             super().__init__()
             self.index = make_index(num_slots)
+            self.pushed: list[list[BlockKey]] = []
+            if pushed:
+                self.index = push_evictions(self.index, _collect(self.pushed), keep_events=True)
             self.readable: dict[BlockKey, int] = {}
             self.writing: dict[BlockKey, int] = {}
             self.pins: dict[BlockKey, int] = {}
@@ -331,7 +394,12 @@ def _index_machine(make_index: IndexFactory, num_slots: int) -> type[RuleBasedSt
 
         def _absorb_events(self) -> set[BlockKey]:
             evicted = set()
-            for event in self.index.take_events():
+            events = self.index.take_events()
+            if pushed:
+                told = [key for batch in self.pushed for key in batch]
+                self.pushed.clear()
+                assert told == [e.key for e in events if e.kind is EventKind.EVICTED]
+            for event in events:
                 if event.kind is EventKind.EVICTED:
                     assert event.key in self.readable, f"evicted {event.key!r}, not readable"
                     assert self.pins.get(event.key, 0) == 0, f"evicted pinned {event.key!r}"
@@ -406,6 +474,9 @@ def _index_machine(make_index: IndexFactory, num_slots: int) -> type[RuleBasedSt
             key = data.draw(st.sampled_from(sorted(self.readable)))
             self.index.discard([key])
             assert self.index.take_events() == [IndexEvent(EventKind.EVICTED, key)]
+            if pushed:
+                assert self.pushed == [[key]]
+                self.pushed.clear()
             slot = self.readable.pop(key)
             if self.pins.get(key, 0):
                 self.discarded[key] = slot

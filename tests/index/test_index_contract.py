@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
 from kvtier.config import PluginConfig
 from kvtier.index.base import BlockIndex
+from kvtier.index.lru import LRUPolicy
+from kvtier.index.policy import PolicyIndex
+from kvtier.index.push import EvictionPushAdapter, push_evictions
 from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
 from kvtier.testing.contracts_index import BlockIndexContract, IndexFactory
@@ -29,3 +35,40 @@ class TestRegisteredIndexes(BlockIndexContract):
 
 def test_lru_is_registered() -> None:
     assert "lru" in REGISTERED
+
+
+def _delegate(name: str) -> Callable[..., Any]:
+    return lambda self, *args, **kwargs: getattr(self.inner, name)(*args, **kwargs)
+
+
+class KeepsEvents(BlockIndex):
+    """An index written against the per-key contract: it keeps events and pushes nothing (every
+    call goes to a PolicyIndex that is never told to push)."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.inner = PolicyIndex(num_slots, LRUPolicy())
+        self.num_slots = num_slots
+
+    for _name in sorted(BlockIndex.__abstractmethods__):
+        locals()[_name] = _delegate(_name)
+    del _name
+
+
+def test_an_index_that_only_keeps_events_is_wrapped_and_a_pushing_one_is_not() -> None:
+    pushing = PolicyIndex(2, LRUPolicy())
+    assert push_evictions(pushing, lambda keys: None, keep_events=False) is pushing
+    pushed: list[bytes] = []
+    wrapped = push_evictions(KeepsEvents(2), pushed.extend, keep_events=False)
+    assert isinstance(wrapped, EvictionPushAdapter)
+    for name in (b"a", b"b", b"c"):
+        assert wrapped.reserve([name]) != [None]
+        wrapped.commit([name])
+    assert pushed == [b"a"] and wrapped.take_events() == []
+
+
+class TestPerKeyIndexThroughTheAdapter(BlockIndexContract):
+    """The per-key index above, given the pushing form by the adapter."""
+
+    @pytest.fixture
+    def make_index(self) -> IndexFactory:
+        return KeepsEvents
