@@ -1,11 +1,14 @@
 """What kvtier adds to each engine step: vLLM's real scheduler and both connector halves, no model.
 
-Three engines of :class:`kvtier.testing.vllm_steps.VllmSteps` take the same
+Four engines of :class:`kvtier.testing.vllm_steps.VllmSteps` take the same
 requests and step in turn (the order rotates every step): one without a KV
 connector (``none``), one with the do-nothing connector of
-``null_connector.py`` (``null``) and one with kvtier (``kvtier``), whose
+``null_connector.py`` (``null``), one with kvtier (``kvtier``), whose
 copies move no bytes (:mod:`kvtier.testing.no_copy`: on a GPU the copy
-engine's time is the device's). Each engine runs:
+engine's time is the device's), and one with vLLM's own ``OffloadingConnector``
+over a CPU pool of as many blocks as kvtier's host tier (``vllm_offload``),
+whose copies finish at once and move no bytes either (``instant_offload.py``).
+Each engine runs:
 
 1. past prompts (``max_tokens`` 1) whose first halves later requests repeat,
    then vLLM's own prefix cache is emptied, so a repeat is a tier hit or a
@@ -17,11 +20,13 @@ engine's time is the device's). Each engine runs:
    token budget with prefill: ``max_num_batched_tokens / (4 * context)`` per step.
 
 Per step it records vLLM's ``schedule()`` + ``update_from_output()`` seconds
-in each engine, kvtier's seconds in each scheduler-side connector call, and
-the worker half's seconds in its calls. A step is *quiet* when kvtier's plan
-asks the workers for nothing and they report nothing; *changed* requests are
-those a step starts, finishes, preempts or completes a block of. JSON goes to
-stdout; ``--plot`` draws cost against running and changed requests.
+in each engine, and in the kvtier and vLLM offloading engines the seconds of
+each scheduler-side connector call, the worker half's seconds in its calls and
+the blocks the step's connector metadata asks the workers to store or load. A
+step is *quiet* when kvtier's plan asks the workers for nothing and they report
+nothing; *changed* requests are those a step starts, finishes, preempts or
+completes a block of. JSON goes to stdout; ``--plot`` draws cost against
+running and changed requests.
 
     python benchmarks/step_cost.py --running 16,64,256 --context 2048,8192 > step-cost.json
     python benchmarks/step_cost.py --from step-cost.json --plot docs/img/step-cost.png
@@ -30,6 +35,7 @@ stdout; ``--plot`` draws cost against running and changed requests.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -46,10 +52,14 @@ from typing import Any
 
 from stats import median_ci
 
-ARMS = ("none", "null", "kvtier")
+ARMS = ("none", "null", "kvtier", "vllm_offload")
+CONNECTOR_ARMS = ("kvtier", "vllm_offload")
+"""The engines whose connector calls are timed and whose moved blocks are counted."""
 NULL_CONNECTOR = ("NullConnector", "null_connector")
 SCHEDULER_CALLS = (
+    "on_new_request",
     "get_num_new_matched_tokens",
+    "get_external_cache_hit_sources",
     "update_state_after_alloc",
     "build_connector_meta",
     "request_finished_all_groups",
@@ -57,9 +67,10 @@ SCHEDULER_CALLS = (
     "get_kv_connector_stats",
     "take_events",
 )
-"""The scheduler-side connector calls vLLM's scheduler makes in a step (kvtier declares
-hybrid-model support, so a finished request comes through ``request_finished_all_groups``);
-each is timed in the kvtier engine."""
+"""The scheduler-side connector calls vLLM's scheduler makes in a step (both connectors
+declare hybrid-model support, so a finished request comes through
+``request_finished_all_groups``), and ``on_new_request`` when a request is added (counted in
+the step that follows); each is timed in the kvtier and vLLM offloading engines."""
 
 GOALS = {
     "connector_fraction_at_256": 0.05,
@@ -95,14 +106,24 @@ def load_average() -> list[float]:
 class Engine:
     """One arm: a model-free vLLM engine and the per-step times it took."""
 
-    def __init__(self, arm: str, model_dir: Path, kvtier: dict[str, Any], spec: Any) -> None:
+    def __init__(self, arm: str, model_dir: Path, extra: dict[str, Any], spec: Any) -> None:
+        """``extra``: the connector's ``kv_connector_extra_config``."""
+        from instant_offload import OFFLOADING_CONNECTOR
+
         from kvtier.testing.vllm_steps import KVTIER_CONNECTOR, VllmSteps
 
-        connector = {"none": None, "null": NULL_CONNECTOR, "kvtier": KVTIER_CONNECTOR}[arm]
+        connector = {
+            "none": None,
+            "null": NULL_CONNECTOR,
+            "kvtier": KVTIER_CONNECTOR,
+            "vllm_offload": OFFLOADING_CONNECTOR,
+        }[arm]
         self.arm = arm
-        self.steps = VllmSteps(model_dir, kvtier, spec, connector=connector)
+        self.steps = VllmSteps(model_dir, extra, spec, connector=connector)
         self.calls: dict[str, list[float]] = {}
-        if arm == "kvtier":
+        self.moved = (0, 0)
+        """Blocks the last step's connector metadata asks the workers to store, and to load."""
+        if arm in CONNECTOR_ARMS:
             self._time_connector()
         self.ids: list[str] = []
         self.records: list[dict[str, Any]] = []
@@ -116,6 +137,14 @@ class Engine:
         for name in SCHEDULER_CALLS:
             method = getattr(connector, name)
             setattr(connector, name, timed_by(method, self._recorder(name), self.steps.spec.clock))
+        build = connector.build_connector_meta
+
+        def build_and_count(scheduler_output: Any) -> Any:
+            metadata = build(scheduler_output)
+            self.moved = moved_blocks(metadata)  # outside the timed call
+            return metadata
+
+        connector.build_connector_meta = build_and_count
 
     def _recorder(self, name: str) -> Callable[[float], None]:
         def record(seconds: float) -> None:
@@ -132,8 +161,10 @@ class Engine:
         self.steps.scheduler.finish_requests(request_id, RequestStatus.FINISHED_LENGTH_CAPPED)
 
     def step(self, record: bool) -> None:
-        self.calls = {}
+        """One step; with ``record``, its times (and the calls of the requests added since
+        the last step) go to :attr:`records`."""
         output = self.steps.step()
+        calls, self.calls = self.calls, {}
         if not record:
             return
         step_s = self.steps.step_s
@@ -141,12 +172,13 @@ class Engine:
             "scheduler_s": step_s["schedule"] + step_s["update"],
             "changed": changed_requests(output, self.steps.scheduler),
         }
-        if self.arm == "kvtier":
-            plan = output.kv_connector_metadata.plan
-            entry["quiet"] = plan.empty
+        if self.arm in CONNECTOR_ARMS:
             entry["worker_s"] = step_s["worker"]
-            entry["calls"] = {name: sum(times) for name, times in self.calls.items()}
-            entry["call_counts"] = {name: len(times) for name, times in self.calls.items()}
+            entry["calls"] = {name: sum(times) for name, times in calls.items()}
+            entry["call_counts"] = {name: len(times) for name, times in calls.items()}
+            entry["stored"], entry["loaded"] = self.moved
+        if self.arm == "kvtier":
+            entry["quiet"] = output.kv_connector_metadata.plan.empty
         self.records.append(entry)
 
     def counter(self, name: str) -> float:
@@ -159,6 +191,21 @@ class Engine:
             request.num_computed_tokens >= request.num_prompt_tokens
             for request in scheduler.running
         )
+
+
+def moved_blocks(metadata: Any) -> tuple[int, int]:
+    """Blocks a step's connector metadata (kvtier's plan, or vLLM's offloading jobs) asks the
+    workers to store, and to load."""
+    plan = getattr(metadata, "plan", None)
+    if plan is not None:
+        return (
+            sum(len(transfer.device_blocks) for transfer in plan.stores),
+            sum(len(transfer.device_blocks) for transfer in plan.loads),
+        )
+    return (
+        sum(len(job.src_spec.block_ids) for job in metadata.store_jobs.values()),
+        sum(len(job.dst_spec.block_ids) for job in metadata.load_jobs.values()),
+    )
 
 
 def changed_requests(output: Any, scheduler: Any) -> int:
@@ -210,7 +257,10 @@ def kvtier_config(
 def run_case(
     case: Case, args: argparse.Namespace, model_dir: Path, scratch: Path
 ) -> dict[str, Any]:
-    """Build the three engines, feed them the same requests, step them in turn."""
+    """Build the four engines, feed them the same requests, step them in turn."""
+    from instant_offload import offloading_config
+
+    from kvtier.config import load_config
     from kvtier.integrations.checkpoints import TinyLlamaSpec
     from kvtier.testing.vllm_steps import StepsSpec
 
@@ -242,7 +292,19 @@ def run_case(
     )
     record_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2 * BLOCK_TOKENS
     config = kvtier_config(case, device_blocks, record_bytes, scratch, args.policy)
-    engines = [Engine(arm, model_dir, config, spec) for arm in ARMS]
+    host_blocks = load_config(config).host_slots(record_bytes)
+    extra = {
+        arm: offloading_config(host_blocks, record_bytes, args.offload_policy)
+        if arm == "vllm_offload"
+        else config
+        for arm in ARMS
+    }
+    # vLLM's offloading connector asks for this layout of the KV tensors (no bytes move)
+    offload_spec = dataclasses.replace(spec, layout="LBHNC")
+    engines = [
+        Engine(arm, model_dir, extra[arm], offload_spec if arm == "vllm_offload" else spec)
+        for arm in ARMS
+    ]
     rng = random.Random(0)
     try:
         past = [[rng.randrange(TOKENS) for _ in range(case.context)] for _ in range(arrivals)]
@@ -285,11 +347,13 @@ def run_case(
                     engine.finish(engine.ids.pop(0))
                     engine.add(prompt, max_tokens)
                 arrived += 1
-            order = engines[step % 3 :] + engines[: step % 3]
+            turn = step % len(engines)
+            order = engines[turn:] + engines[:turn]
             for engine in order:
                 engine.step(record=True)
         report = case_report(case, engines, warmup=warmup, arrivals=arrived)
         report["decode_only"] = args.decode_only
+        report["host_blocks"] = host_blocks
         return report
     finally:
         for engine in engines:
@@ -310,7 +374,7 @@ def case_report(
     case: Case, engines: Sequence[Engine], *, warmup: int, arrivals: int
 ) -> dict[str, Any]:
     """Medians and intervals per arm, all steps and quiet / busy steps apart."""
-    none, null, kvtier = engines
+    none, null, kvtier, offload = engines
     records = kvtier.records
     quiet = [record["quiet"] for record in records]
 
@@ -326,15 +390,38 @@ def case_report(
 
     connector_s = [sum(record["calls"].values()) for record in records]
     kvtier_s = [c + record["worker_s"] for c, record in zip(connector_s, records, strict=True)]
+    offload_connector_s = [sum(record["calls"].values()) for record in offload.records]
+    offload_s = [
+        c + record["worker_s"]
+        for c, record in zip(offload_connector_s, offload.records, strict=True)
+    ]
     added = [k - n for k, n in zip(scheduler_s(kvtier), scheduler_s(none), strict=True)]
     base = statistics.median(scheduler_s(none))
-    calls = {
-        name: {
-            "count": sum(record["call_counts"].get(name, 0) for record in records),
-            "per_step_s": median_ci([record["calls"].get(name, 0.0) for record in records]),
+
+    def calls(engine: Engine) -> dict[str, Any]:
+        return {
+            name: {
+                "count": sum(record["call_counts"].get(name, 0) for record in engine.records),
+                "per_step_s": median_ci(
+                    [record["calls"].get(name, 0.0) for record in engine.records]
+                ),
+            }
+            for name in SCHEDULER_CALLS
         }
-        for name in SCHEDULER_CALLS
-    }
+
+    def moved(engine: Engine) -> list[int]:
+        return [record["stored"] + record["loaded"] for record in engine.records]
+
+    def blocks(engine: Engine) -> dict[str, int]:
+        stored = sum(record["stored"] for record in engine.records)
+        loaded = sum(record["loaded"] for record in engine.records)
+        steps = sum(1 for count in moved(engine) if count)
+        return {"stored": stored, "loaded": loaded, "moving_steps": steps}
+
+    def per_block_us(seconds: Sequence[float], blocks: Sequence[int]) -> dict[str, Any]:
+        """Seconds per block moved, in µs, over the steps that moved any."""
+        return median_ci([s * 1e6 / b for s, b in zip(seconds, blocks, strict=True) if b])
+
     changed = [record["changed"] for record in records]
     return {
         "running": case.running,
@@ -350,15 +437,34 @@ def case_report(
         "hit_tokens": kvtier.counter("hit_tokens"),
         "stored_blocks": kvtier.counter("stored_blocks"),
         "loaded_blocks": kvtier.counter("loaded_blocks"),
-        "scheduler_s": {engine.arm: split(scheduler_s(engine)) for engine in (none, null, kvtier)},
+        "scheduler_s": {engine.arm: split(scheduler_s(engine)) for engine in engines},
         "added_s": split(added),
         "added_fraction": statistics.median(added) / base,
         "connector_s": split(connector_s),
         "connector_fraction": statistics.median(connector_s) / base,
         "worker_s": split([record["worker_s"] for record in records]),
         "kvtier_s": split(kvtier_s),
-        "calls": calls,
-        "per_step": {"changed": changed, "quiet": quiet, "kvtier_s": kvtier_s},
+        "calls": calls(kvtier),
+        "moved_blocks": {"kvtier": blocks(kvtier), "vllm_offload": blocks(offload)},
+        "per_block_us": {
+            "kvtier": per_block_us(kvtier_s, moved(kvtier)),
+            "vllm_offload": per_block_us(offload_s, moved(offload)),
+        },
+        "vllm_offload": {
+            "connector_s": median_ci(offload_connector_s),
+            "connector_fraction": statistics.median(offload_connector_s) / base,
+            "worker_s": median_ci([record["worker_s"] for record in offload.records]),
+            "total_s": median_ci(offload_s),
+            "calls": calls(offload),
+        },
+        "per_step": {
+            "changed": changed,
+            "quiet": quiet,
+            "kvtier_s": kvtier_s,
+            "kvtier_moved": moved(kvtier),
+            "vllm_offload_s": offload_s,
+            "vllm_offload_moved": moved(offload),
+        },
     }
 
 
@@ -501,6 +607,12 @@ def main(argv: list[str] | None = None) -> int:
         "--policy", default="prefix_arc", help="the host tier's eviction policy (index.type)"
     )
     parser.add_argument(
+        "--offload-policy",
+        choices=("lru", "arc"),
+        default="lru",
+        help="the eviction policy of vLLM's offloading connector's CPU pool",
+    )
+    parser.add_argument(
         "--max-num-batched-tokens", type=int, default=8192, help="vLLM's token budget per step"
     )
     parser.add_argument(
@@ -563,15 +675,20 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
             run = run_case(case, args, model_dir, case_dir)
             run["load_average"] = load_average()
             runs.append(run)
+            per_block = run["per_block_us"]
             print(
                 f"{case.name()}: kvtier {run['kvtier_s']['all']['median'] * 1e6:.0f} us/step, "
-                f"added {run['added_fraction']:+.1%} ({time.perf_counter() - clock:.0f} s)",
+                f"added {run['added_fraction']:+.1%}; vLLM offloading "
+                f"{run['vllm_offload']['total_s']['median'] * 1e6:.0f} us/step; per block "
+                f"kvtier {_us(per_block['kvtier'])}, vLLM {_us(per_block['vllm_offload'])} "
+                f"({time.perf_counter() - clock:.0f} s)",
                 file=sys.stderr,
             )
     return {
         "vllm": vllm.__version__,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "policy": args.policy,
+        "offload_policy": args.offload_policy,
         "clock": args.clock,
         "block_tokens": BLOCK_TOKENS,
         "load_average_start": started,
@@ -579,6 +696,10 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
         "goals": goals(runs),
         "runs": runs,
     }
+
+
+def _us(figure: dict[str, Any]) -> str:
+    return "-" if figure["median"] is None else f"{figure['median']:.1f} us"
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ and runs engine steps by hand, as vLLM's connector unit tests do:
 1. ``Scheduler.schedule()``;
 2. the worker connector's calls in the model runner's order
    (``handle_preemptions``, ``bind_connector_metadata``, ``start_load_kv``
-   on steps with same-step loads, the "forward",
-   ``get_transfer_results``, ``get_block_ids_with_load_errors``,
+   before the "forward" on steps with same-step loads, after it on the others,
+   ``wait_for_save``, ``get_transfer_results``, ``get_block_ids_with_load_errors``,
    ``build_connector_worker_meta``);
 3. a ``ModelRunnerOutput`` built by hand (one sampled token per request that
    finished its prefill) and ``Scheduler.update_from_output()``.
@@ -371,6 +371,8 @@ class VllmSteps:
             }
         sampled = self._forward(output)
         started = clock()
+        if not output.has_sync_kv_loads:  # as vLLM's model runner: after the forward
+            worker.start_load_kv(None)
         worker.wait_for_save()
         results = worker.get_transfer_results(output.finished_req_ids)
         invalid = worker.get_block_ids_with_load_errors()
