@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.support
+
 from vllm_bench.stats import median_interval
 
 from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
@@ -42,8 +44,8 @@ from kvtier.integrations.serve import (
     VLLM_SERVER_MODULE,
     vanilla_reserved_cpus,
 )
-from kvtier.testing.redis_server import free_port
-from kvtier.testing.served import PortTaken, Server
+from tests.support.redis_server import free_port
+from tests.support.served import PortTaken, Server
 
 ARMS = ("vanilla", "kvtier")
 BLOCK = 32

@@ -1,10 +1,10 @@
 """What kvtier adds to each engine step: vLLM's real scheduler and both connector halves, no model.
 
-Three engines of :class:`kvtier.testing.vllm_steps.VllmSteps` take the same
+Three engines of :class:`tests.support.vllm_steps.VllmSteps` take the same
 requests and step in turn (the order rotates every step): one without a KV
 connector (``none``), one with the do-nothing connector of
 ``null_connector.py`` (``null``) and one with kvtier (``kvtier``), whose
-copies move no bytes (:mod:`kvtier.testing.no_copy`: on a GPU the copy
+copies move no bytes (``no_copy.py``: on a GPU the copy
 engine's time is the device's). Each engine runs:
 
 1. past prompts (``max_tokens`` 1) whose first halves later requests repeat,
@@ -106,7 +106,7 @@ class Engine:
     """One arm: a model-free vLLM engine and the per-step times it took."""
 
     def __init__(self, arm: str, model_dir: Path, kvtier: dict[str, Any], spec: Any) -> None:
-        from kvtier.testing.vllm_steps import KVTIER_CONNECTOR, VllmSteps
+        from tests.support.vllm_steps import KVTIER_CONNECTOR, VllmSteps
 
         connector = {"none": None, "null": NULL_CONNECTOR, "kvtier": KVTIER_CONNECTOR}[arm]
         self.arm = arm
@@ -222,7 +222,7 @@ def run_case(
 ) -> dict[str, Any]:
     """Build the three engines, feed them the same requests, step them in turn."""
     from kvtier.integrations.checkpoints import TinyLlamaSpec
-    from kvtier.testing.vllm_steps import StepsSpec
+    from tests.support.vllm_steps import StepsSpec
 
     budget = args.max_num_batched_tokens
     arrival_rate = 0.0 if args.decode_only else budget / (4 * case.context)
@@ -543,10 +543,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_grid(args: argparse.Namespace) -> dict[str, Any]:
     import vllm
+    from no_copy import no_copy_registry
 
     import kvtier.plugins
-    from kvtier.testing.no_copy import no_copy_registry
-    from kvtier.testing.vllm_steps import write_model_config
+    from tests.support.vllm_steps import write_model_config
 
     kvtier.plugins._default_registry = no_copy_registry()
     cases = [
@@ -592,5 +592,6 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here), str(here.parent)]  # no_copy and null_connector; tests.support
     raise SystemExit(main())

@@ -21,9 +21,9 @@ from kvtier.offload import (
     WorkerReport,
 )
 from kvtier.plugins import default_registry
-from kvtier.testing.faults import FlakyBackend, ManualClock
 from kvtier.tiers import HostTier
 from tests.offload.conftest import make_layout
+from tests.support.faults import FlakyBackend, ManualClock
 
 
 def make_worker(
