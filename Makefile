@@ -2,7 +2,8 @@
 # without kvtier). Both create .venv on first use; a stamp file skips reinstalling afterwards.
 # `make test` also creates .venv-vllm033 (vLLM 0.33, the GPU release, on CPU torch) and runs the
 # tests marked vllm033 there; it is cached by its own stamp file. `make wheel-check` (part of
-# `make test`) installs the built wheel into .venv-wheel and runs the command line against it.
+# `make test`) installs the built wheel, with its testing extra, into .venv-wheel and runs the
+# command line and the example plugin's contract tests against it.
 
 PYTHON ?= python3
 export NO_MKDOCS_2_WARNING := 1
@@ -38,7 +39,7 @@ test:
 	$(MAKE) --no-print-directory docs
 
 demo: $(STAMP)
-	$(BIN)/python -m kvtier.integrations.vllm.demo
+	$(BIN)/python examples/chat_demo.py
 
 install: $(STAMP)
 

@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.support
+
 from stats import median_ci
 
 from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
@@ -41,8 +43,8 @@ from kvtier.integrations.serve import (
     VLLM_SERVER_MODULE,
     vanilla_reserved_cpus,
 )
-from kvtier.testing.redis_server import free_port
-from kvtier.testing.served import PortTaken, Server
+from tests.support.redis_server import free_port
+from tests.support.served import PortTaken, Server
 
 ARMS = ("vanilla", "kvtier")
 BLOCK = 32

@@ -1,10 +1,10 @@
 """What kvtier adds to each engine step: vLLM's real scheduler and both connector halves, no model.
 
-Four engines of :class:`kvtier.testing.vllm_steps.VllmSteps` take the same
+Four engines of :class:`tests.support.vllm_steps.VllmSteps` take the same
 requests and step in turn (the order rotates every step): one without a KV
 connector (``none``), one with the do-nothing connector of
 ``null_connector.py`` (``null``), one with kvtier (``kvtier``), whose
-copies move no bytes (:mod:`kvtier.testing.no_copy`: on a GPU the copy
+copies move no bytes (``no_copy.py``: on a GPU the copy
 engine's time is the device's), and one with vLLM's own ``OffloadingConnector``
 over a CPU pool of as many blocks as kvtier's host tier (``vllm_offload``),
 whose copies finish at once and move no bytes either (``instant_offload.py``).
@@ -110,7 +110,7 @@ class Engine:
         """``extra``: the connector's ``kv_connector_extra_config``."""
         from instant_offload import OFFLOADING_CONNECTOR
 
-        from kvtier.testing.vllm_steps import KVTIER_CONNECTOR, VllmSteps
+        from tests.support.vllm_steps import KVTIER_CONNECTOR, VllmSteps
 
         connector = {
             "none": None,
@@ -262,7 +262,7 @@ def run_case(
 
     from kvtier.config import load_config
     from kvtier.integrations.checkpoints import TinyLlamaSpec
-    from kvtier.testing.vllm_steps import StepsSpec
+    from tests.support.vllm_steps import StepsSpec
 
     budget = args.max_num_batched_tokens
     arrival_rate = 0.0 if args.decode_only else budget / (4 * case.context)
@@ -645,10 +645,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_grid(args: argparse.Namespace) -> dict[str, Any]:
     import vllm
+    from no_copy import no_copy_registry
 
     import kvtier.plugins
-    from kvtier.testing.no_copy import no_copy_registry
-    from kvtier.testing.vllm_steps import write_model_config
+    from tests.support.vllm_steps import write_model_config
 
     kvtier.plugins._default_registry = no_copy_registry()
     cases = [
@@ -703,5 +703,6 @@ def _us(figure: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here), str(here.parent)]  # no_copy and null_connector; tests.support
     raise SystemExit(main())

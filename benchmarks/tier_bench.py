@@ -69,6 +69,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, NamedTuple
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.support
+
 import blake3
 import boto3
 import botocore.config
@@ -79,15 +81,15 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from stats import spread
 
 from kvtier.keys import KeyNamespace
-from kvtier.testing.mooncake_server import MooncakeStore, mooncake_binaries
-from kvtier.testing.redis_server import RedisServer, redis_server_binary
-from kvtier.testing.s3_server import MotoS3Server, aws_test_environment
 from kvtier.tiers.base import StorageTier, TierSpec
 from kvtier.tiers.disk import DiskTier, DiskTierConfig, aligned_buffer, build_disk_tier
 from kvtier.tiers.mooncake_config import MooncakeTierConfig
 from kvtier.tiers.record import RecordCodec, tier_codec
 from kvtier.tiers.redis import RedisTier, RedisTierConfig
 from kvtier.tiers.s3 import S3Tier, S3TierConfig
+from tests.support.mooncake_server import MooncakeStore, mooncake_binaries
+from tests.support.redis_server import RedisServer, redis_server_binary
+from tests.support.s3_server import MotoS3Server, aws_test_environment
 
 TARGET_RATIO = 0.8
 SEALING_TARGET_RATIO = 0.9

@@ -140,4 +140,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.support
     sys.exit(main())

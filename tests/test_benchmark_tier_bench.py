@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvtier.testing.mooncake_server import mooncake_binaries
-from kvtier.testing.redis_server import redis_server_binary
 from tests.conftest import REPO_ROOT, field_names
+from tests.support.mooncake_server import mooncake_binaries
+from tests.support.redis_server import redis_server_binary
 
 PAGE = REPO_ROOT / "docs" / "benchmarks" / "tiers.md"
 

@@ -67,7 +67,15 @@ def test_product_packages_do_not_import_test_helpers(package: str) -> None:
 COMMAND_LINE = ("kvtier.cli", "kvtier.__main__")
 """The command line: it may import every layer; no layer imports it."""
 
-OUTSIDE_THE_LIBRARY = ("kvtier.cli", "tests", "benchmarks", "dashboards", "docs", "conftest")
+OUTSIDE_THE_LIBRARY = (
+    "kvtier.cli",
+    "tests",
+    "benchmarks",
+    "examples",
+    "dashboards",
+    "docs",
+    "conftest",
+)
 """What no library module may import: the command line, the repository's tools and its tests."""
 
 

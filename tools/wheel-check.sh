@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# kvtier as a user installs it: build the wheel from the working tree, install it, and the example
-# plugin, into a virtual environment of their own (no editable install, no system site packages),
-# and run the command line against them from a directory outside the checkout.
+# kvtier as a user installs it: build the wheel from the working tree, install it with its testing
+# extra, and the example plugin, into a virtual environment of their own (no editable install, no
+# system site packages), and run the command line and the example plugin's tests (kvtier's contract
+# suites among them) against them from a directory outside the checkout.
 #
 #   tools/wheel-check.sh [VENV]      (default: .venv-wheel in the checkout)
 #
@@ -36,7 +37,9 @@ pip=("$venv/bin/pip" -q)
 "${pip[@]}" wheel --no-deps --no-build-isolation -w "$work/wheels" "$work/src" \
 	"$work/src/plugins/kvtier-example"
 if [ "${fresh:-0}" = 1 ]; then
-	"${pip[@]}" install "$work"/wheels/*.whl
+	# The contract suites' own dependencies come with the testing extra, as a plugin author gets them.
+	"${pip[@]}" install "$(echo "$work"/wheels/kvtier-[0-9]*.whl)[testing]" \
+		"$work"/wheels/kvtier_example-*.whl
 	echo "$deps" >"$stamp"
 else
 	"${pip[@]}" install --force-reinstall --no-deps "$work"/wheels/*.whl
@@ -44,20 +47,27 @@ fi
 
 cd "$work"
 bin=$venv/bin
-# The installed copy is what runs, and it holds every package of the source tree.
-"$bin/python" - "$repo" <<'PY'
+# The installed copy is what runs, and it holds every package and contract suite of the source
+# tree, each importable with what the testing extra installed.
+"$bin/python" - "$repo" "$venv" <<'PY'
+import importlib
 import sys
 from pathlib import Path
 
 import kvtier
 
-repo = Path(sys.argv[1])
+repo, venv = Path(sys.argv[1]), Path(sys.argv[2])
 installed = Path(kvtier.__file__).parent
-assert installed != repo / "kvtier", f"kvtier was imported from the checkout: {installed}"
+assert installed.is_relative_to(venv), f"kvtier was imported from outside {venv}: {installed}"
 packages = {p.parent.relative_to(repo) for p in (repo / "kvtier").rglob("__init__.py")}
 missing = sorted(str(p) for p in packages if not (installed.parent / p / "__init__.py").exists())
 assert not missing, f"the wheel lacks {', '.join(missing)}"
-print(f"kvtier {kvtier.__version__} from {installed}")
+suites = sorted(p.stem for p in (repo / "kvtier" / "testing").glob("contracts_*.py"))
+assert suites, "no contract suite in the checkout"
+for suite in suites:
+    module = importlib.import_module(f"kvtier.testing.{suite}")
+    assert Path(module.__file__).is_relative_to(installed), module.__file__
+print(f"kvtier {kvtier.__version__} from {installed}, with {', '.join(suites)}")
 PY
 "$bin/kvtier" plugins | grep -E '^eviction policy +fifo +kvtier-example '
 "$bin/kvtier" config validate "$repo/docs/examples/minimal.yaml"
@@ -73,4 +83,19 @@ assert [r["policy"] for r in results] == ["lru", "fifo"], results
 assert all(r["tier_hits"] > 0 for r in results), results
 print("simulate: " + ", ".join(f"{r['policy']} {r['hit_rate']:.3f}" for r in results))
 PY
+# The example plugin's tests, copied out of the checkout: kvtier, its contract suites and the plugin
+# all come from the environment (the test asserts it too).
+cp -r "$repo/plugins/kvtier-example/tests" plugin-tests
+cat >plugin-tests/conftest.py <<PY
+from pathlib import Path
+
+import kvtier
+import kvtier_example
+
+
+def pytest_sessionstart(session):
+    for module in (kvtier, kvtier_example):
+        assert Path(module.__file__).is_relative_to("$venv"), module.__file__
+PY
+"$bin/python" -m pytest -q -p no:cacheprovider --rootdir plugin-tests plugin-tests
 echo "wheel check passed"

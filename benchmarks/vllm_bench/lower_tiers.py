@@ -83,7 +83,7 @@ def measure_lower_tier_ttft(
 
 @contextlib.contextmanager
 def redis_tier(scratch: Path) -> Iterator[dict[str, object] | None]:
-    from kvtier.testing.redis_server import RedisServer, redis_server_binary
+    from tests.support.redis_server import RedisServer, redis_server_binary
 
     if redis_server_binary() is None:
         yield None
@@ -97,7 +97,7 @@ def redis_tier(scratch: Path) -> Iterator[dict[str, object] | None]:
 
 @contextlib.contextmanager
 def mooncake_tier(scratch: Path) -> Iterator[dict[str, object] | None]:
-    from kvtier.testing.mooncake_server import MooncakeStore, mooncake_binaries
+    from tests.support.mooncake_server import MooncakeStore, mooncake_binaries
 
     if mooncake_binaries() is None:
         yield None
@@ -115,7 +115,7 @@ def s3_tier(scratch: Path) -> Iterator[dict[str, object] | None]:
     if importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3") is None:
         yield None
         return
-    from kvtier.testing.s3_server import MotoS3Server, aws_test_environment
+    from tests.support.s3_server import MotoS3Server, aws_test_environment
 
     with mock.patch.dict(os.environ, aws_test_environment()):
         server = MotoS3Server().start()
@@ -134,9 +134,9 @@ def s3_tier(scratch: Path) -> Iterator[dict[str, object] | None]:
 
 @contextlib.contextmanager
 def memory_tier_plugin() -> Iterator[None]:
-    """The process's plugins plus kvtier.testing's ``memory`` tier, for the slow tier's arms."""
+    """The process's plugins plus the tests' ``memory`` tier, for the slow tier's arms."""
     import kvtier.plugins
-    from kvtier.testing.tiers import memory_tier_registry
+    from tests.support.tiers import memory_tier_registry
 
     with mock.patch.object(kvtier.plugins, "_default_registry", memory_tier_registry()):
         yield

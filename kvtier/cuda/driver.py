@@ -5,7 +5,7 @@ The ``dma``, ``kernel`` and ``auto`` copy backends and host-memory pinning
 :class:`BindingsDriver` implements it with cuda-python (``cuda.bindings``) on
 one device's primary context, the same context the engine's PyTorch uses, so
 no context is ever created on another device.
-:class:`kvtier.testing.cuda_host_driver.HostDriver` implements it on host memory
+The tests' ``HostDriver`` (``tests/support/cuda_host_driver.py``) implements it on host memory
 (``memmove`` copies, events that complete when their stream drains) so the
 pointer arithmetic, batching and event bookkeeping are tested without a GPU.
 

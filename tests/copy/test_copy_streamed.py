@@ -1,6 +1,6 @@
 """The dma, kernel and auto backends on the host-memory CUDA driver: bytes, ordering, bookkeeping.
 
-Every CUDA call goes through :class:`~kvtier.testing.cuda_host_driver.HostDriver`,
+Every CUDA call goes through :class:`~tests.support.cuda_host_driver.HostDriver`,
 which copies with ``memmove`` and completes events when their stream drains,
 so the planner's addresses, the worker thread, the stream/event ordering and
 the failure paths are all checked without a GPU.
@@ -22,7 +22,7 @@ from kvtier.copy.streamed import SegmentExecutor, StreamCopyBackend
 from kvtier.cuda.bindings import CudaUnavailable
 from kvtier.cuda.pinning import PinnedRegion, PinningError, pin_host_buffer
 from kvtier.layout.base import BlockRegion, KVLayout
-from kvtier.testing.cuda_host_driver import HostDriver
+from tests.support.cuda_host_driver import HostDriver
 
 NUM_BLOCKS = 24
 NUM_SLOTS = 20

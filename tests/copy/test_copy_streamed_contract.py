@@ -1,6 +1,6 @@
 """The copy-backend contract suite on the dma, kernel and auto backends, on the host-memory driver.
 
-Every CUDA call goes through :class:`~kvtier.testing.cuda_host_driver.HostDriver`;
+Every CUDA call goes through :class:`~tests.support.cuda_host_driver.HostDriver`;
 ``test_copy_streamed_on_cuda.py`` runs the same suite on a real device.
 """
 
@@ -19,7 +19,7 @@ from kvtier.copy.streamed import SegmentExecutor, StreamCopyBackend
 from kvtier.cuda.pinning import pin_host_buffer
 from kvtier.layout.base import KVLayout
 from kvtier.testing.contracts_copy import BackendFactory, CopyBackendContract
-from kvtier.testing.cuda_host_driver import HostDriver
+from tests.support.cuda_host_driver import HostDriver
 
 
 def _on_host_driver(make_executor: Callable[[], SegmentExecutor]) -> BackendFactory:

@@ -77,7 +77,7 @@ def tier(request: pytest.FixtureRequest, plain_layout: KVLayout) -> Iterator[Tie
 
 
 def _layout_names() -> list[str]:
-    from kvtier.testing.engine import LAYOUTS
+    from tests.support.engine import LAYOUTS
 
     return list(LAYOUTS)
 
@@ -85,7 +85,7 @@ def _layout_names() -> list[str]:
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("layout_name", _layout_names())
 def test_round_trip_is_byte_exact(name: str, layout_name: str) -> None:
-    from kvtier.testing.engine import EngineSpec, SyntheticEngine
+    from tests.support.engine import EngineSpec, SyntheticEngine
 
     spec = EngineSpec(
         layout=layout_name,

@@ -15,7 +15,7 @@ from kvtier.copy.kernel import (
 from kvtier.copy.planner import Segments
 from kvtier.cuda.bindings import CudaUnavailable
 from kvtier.cuda.nvrtc import compile_cubin
-from kvtier.testing.cuda_host_driver import MAPPED_OFFSET, HostDriver
+from tests.support.cuda_host_driver import MAPPED_OFFSET, HostDriver
 
 
 def _segments(*rows: tuple[int, int, int]) -> Segments:

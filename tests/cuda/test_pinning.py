@@ -15,7 +15,7 @@ from kvtier.cuda.pinning import (
     pin_host_buffer,
     plan_chunks,
 )
-from kvtier.testing.cuda_host_driver import MAPPED_OFFSET, HostDriver
+from tests.support.cuda_host_driver import MAPPED_OFFSET, HostDriver
 
 MiB = 1 << 20
 

@@ -19,7 +19,7 @@ import torch
 from kvtier.layout.base import KVLayout, LayoutResolver
 from kvtier.layout.resolvers import AutoResolver
 from kvtier.testing.contracts_layout import LayoutCase, LayoutResolverContract, mamba_state_views
-from kvtier.testing.vllm_steps import kv_cache_tensor_strides
+from tests.support.vllm_steps import kv_cache_tensor_strides
 
 kv_cache_interface = pytest.importorskip("vllm.v1.kv_cache_interface")
 kv_cache_layout = pytest.importorskip("vllm.v1.kv_cache_layout")

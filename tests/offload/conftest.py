@@ -12,7 +12,7 @@ from kvtier.copy.base import CopyBackend
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import BlockRegion, KVLayout
 from kvtier.plugins import default_registry
-from kvtier.testing.engine import OffloadedEngine
+from tests.support.engine import OffloadedEngine
 
 NUM_BLOCKS = 8
 BLOCK_BYTES = 16

@@ -9,9 +9,9 @@ from kvtier.copy.base import CopyBackend, CopyBatch, Direction
 from kvtier.layout.base import KVLayout, LayoutError
 from kvtier.offload import FailureCause, Transfer
 from kvtier.offload.copies import BackendFactory, CopyExecutor
-from kvtier.testing.faults import FlakyBackend, ManualClock
 from kvtier.tiers import HostTier
 from tests.offload.conftest import make_layout, torch_backend
+from tests.support.faults import FlakyBackend, ManualClock
 
 
 class Rig:

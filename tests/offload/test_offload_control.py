@@ -11,7 +11,7 @@ from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.offload import LazyCandidate, OffloadManager, TransferPlan, WorkerReport
 from kvtier.offload.control import RequestControl, RequestControlError, request_control
-from kvtier.testing.faults import ManualClock
+from tests.support.faults import ManualClock
 
 BT = 4
 HASHES = [bytes([i]) * 8 for i in range(16)]

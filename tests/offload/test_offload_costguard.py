@@ -12,9 +12,9 @@ from kvtier.keys import KeyNamespace, hash_token_blocks
 from kvtier.offload import OffloadManager, WorkerReport
 from kvtier.offload.costguard import MIN_SAMPLES, PROBE_EVERY, CostGuard, CostModel
 from kvtier.offload.stats import Counters
-from kvtier.testing.tiers import MemoryTier
 from kvtier.tiers import TierSpec
 from kvtier.tiers.chain import TierChain
+from tests.support.tiers import MemoryTier
 
 BLOCK_TOKENS = 16
 PER_TOKEN_S = 1e-4

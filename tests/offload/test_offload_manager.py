@@ -24,7 +24,7 @@ from kvtier.offload import (
     TransferPlan,
     WorkerReport,
 )
-from kvtier.testing.faults import ManualClock
+from tests.support.faults import ManualClock
 
 BT = 4
 HASHES = [bytes([i]) * 8 for i in range(16)]

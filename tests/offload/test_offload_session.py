@@ -6,7 +6,7 @@ from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.offload import OffloadManager, OffloadSession, TransferPlan, WorkerReport
 from kvtier.offload.control import RequestControl
-from kvtier.testing.faults import ManualClock
+from tests.support.faults import ManualClock
 
 BT = 4
 RECORD_BYTES = 100

@@ -13,11 +13,11 @@ from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.keys import KeyNamespace, hash_token_blocks
 from kvtier.offload import OffloadManager, OffloadWorker, Promotion, TransferPlan, WorkerReport
-from kvtier.testing.engine import EngineSpec, OffloadedEngine, SyntheticEngine
-from kvtier.testing.tiers import MemoryTier
 from kvtier.tiers import HostTier, TierSpec
 from kvtier.tiers.chain import TierChain
 from tests.offload.conftest import BLOCK_TOKENS, PROMPT_BLOCKS, prompt, serve, torch_backend
+from tests.support.engine import EngineSpec, OffloadedEngine, SyntheticEngine
+from tests.support.tiers import MemoryTier
 
 
 class Fleet:

@@ -22,11 +22,11 @@ from kvtier.offload import (
     WorkerReport,
 )
 from kvtier.plugins import default_registry
-from kvtier.testing.faults import FlakyBackend, ManualClock
-from kvtier.testing.tiers import MemoryTier
 from kvtier.tiers import HostTier, TierSpec
 from kvtier.tiers.chain import TierChain
 from tests.offload.conftest import make_layout, torch_backend
+from tests.support.faults import FlakyBackend, ManualClock
+from tests.support.tiers import MemoryTier
 
 
 def make_worker(

@@ -16,9 +16,9 @@ from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
 from kvtier.offload import OffloadManager, OffloadWorker
 from kvtier.plugins import default_registry
-from kvtier.testing.engine import LAYOUTS, EngineSpec, OffloadedEngine, SyntheticEngine
-from kvtier.testing.faults import FlakyBackend
 from kvtier.tiers import HostTier
+from tests.support.engine import LAYOUTS, EngineSpec, OffloadedEngine, SyntheticEngine
+from tests.support.faults import FlakyBackend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.uint8]
 BLOCK_TOKENS = 4

@@ -16,8 +16,8 @@ from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import KVLayout
 from kvtier.offload import StoreMode
 from kvtier.plugins import default_registry
-from kvtier.testing.engine import EngineSpec, OffloadedEngine
-from kvtier.testing.faults import FlakyBackend
+from tests.support.engine import EngineSpec, OffloadedEngine
+from tests.support.faults import FlakyBackend
 
 BLOCK_TOKENS = 2
 NUM_SLOTS = 8

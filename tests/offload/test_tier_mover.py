@@ -9,10 +9,10 @@ from kvtier.keys import KeyNamespace
 from kvtier.models import WritePolicy
 from kvtier.offload import Demotion, Promotion, Transfer, TransferPlan
 from kvtier.offload.tier_mover import TierMover
-from kvtier.testing.faults import ManualClock
-from kvtier.testing.tiers import MemoryTier
 from kvtier.tiers import HostTier, TierSpec
 from kvtier.tiers.chain import TierChain
+from tests.support.faults import ManualClock
+from tests.support.tiers import MemoryTier
 
 RECORD_BYTES = 8
 

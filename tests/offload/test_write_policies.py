@@ -10,11 +10,11 @@ from kvtier.index.policy import PolicyIndex
 from kvtier.keys import KeyNamespace
 from kvtier.models import WritePolicy
 from kvtier.offload import OffloadManager
-from kvtier.testing.engine import EngineSpec, OffloadedEngine, SyntheticEngine
-from kvtier.testing.tiers import MemoryTier
 from kvtier.tiers import TierSpec
 from kvtier.tiers.chain import TierChain
 from tests.offload.conftest import BLOCK_TOKENS, PROMPT_BLOCKS, serve, torch_backend
+from tests.support.engine import EngineSpec, OffloadedEngine, SyntheticEngine
+from tests.support.tiers import MemoryTier
 
 
 class Stores:

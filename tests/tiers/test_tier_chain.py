@@ -13,9 +13,9 @@ from kvtier.index.base import BlockKey
 from kvtier.keys import KeyNamespace
 from kvtier.plugins import default_registry
 from kvtier.testing.contracts_tier import block_hashes, make_spec, payloads
-from kvtier.testing.tiers import MemoryTier
 from kvtier.tiers.chain import Fetch, TierBlock, TierChain, tier_names
 from kvtier.tiers.disk import SUPERBLOCK_BYTES, DiskTier, DiskTierConfig, build_disk_tier
+from tests.support.tiers import MemoryTier
 
 RECORD_BYTES = make_spec().record_bytes
 DISK_BYTES = SUPERBLOCK_BYTES + 4 * DiskTier.slot_bytes_for(RECORD_BYTES)

@@ -25,13 +25,13 @@ from kvtier.testing.contracts_tier import (
     payloads,
     store,
 )
-from kvtier.testing.mooncake_server import MooncakeStore, mooncake_binaries
-from kvtier.testing.redis_server import free_port
 from kvtier.tiers.base import Cause, TierError, TierSpec
 from kvtier.tiers.chain import TierChain
 from kvtier.tiers.mooncake import MooncakeTier
 from kvtier.tiers.mooncake_config import MooncakeTierConfig
 from kvtier.tiers.record import RecordCodec, RecordKeys
+from tests.support.mooncake_server import MooncakeStore, mooncake_binaries
+from tests.support.redis_server import free_port
 
 pytestmark = pytest.mark.skipif(
     mooncake_binaries() is None,

@@ -21,8 +21,8 @@ from kvtier.testing.contracts_tier import (
     payloads,
     store,
 )
-from kvtier.testing.tiers import MemoryTier
 from kvtier.tiers.base import Cause, GetResult, PutResult, TierSpec
+from tests.support.tiers import MemoryTier
 
 RECORD = 256
 

@@ -26,10 +26,10 @@ from kvtier.testing.contracts_tier import (
     payloads,
     store,
 )
-from kvtier.testing.redis_server import RedisServer, free_port, redis_server_binary, start_cluster
 from kvtier.tiers.base import TierError, TierSpec
 from kvtier.tiers.record import RecordCodec, RecordKeys
 from kvtier.tiers.redis import RedisTier, RedisTierConfig, redacted_url
+from tests.support.redis_server import RedisServer, free_port, redis_server_binary, start_cluster
 
 pytestmark = pytest.mark.skipif(
     redis_server_binary() is None,

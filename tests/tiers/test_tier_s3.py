@@ -24,10 +24,10 @@ from kvtier.testing.contracts_tier import (
     payloads,
     store,
 )
-from kvtier.testing.s3_server import MotoS3Server, ThrottlingProxy, aws_test_environment
 from kvtier.tiers.base import TierError, TierSpec
 from kvtier.tiers.record import RecordCodec
 from kvtier.tiers.s3 import S3Tier, S3TierConfig, chunk_ends, pack_table, runs, table_bytes
+from tests.support.s3_server import MotoS3Server, ThrottlingProxy, aws_test_environment
 
 RECORD = 12 * 1024 + 7
 SECRET = "5e" * 32

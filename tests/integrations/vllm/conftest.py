@@ -124,7 +124,7 @@ DISK_CAPACITY_BYTES = 64 * 8192
 def tiering_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One real ``redis-server`` for the session."""
     pytest.importorskip("redis")
-    from kvtier.testing.redis_server import RedisServer, redis_server_binary
+    from tests.support.redis_server import RedisServer, redis_server_binary
 
     if redis_server_binary() is None:
         pytest.skip("redis-server is not installed")
@@ -149,8 +149,8 @@ def kvtier_tier(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any
 
 @pytest.fixture
 def tiering_engine() -> Iterator[Callable[..., Any]]:
-    """Build :class:`~kvtier.testing.vllm_tiering.TieringEngine` s; each is closed at the end."""
-    from kvtier.testing.vllm_tiering import TieringEngine
+    """Build :class:`~tests.support.vllm_tiering.TieringEngine` s; each is closed at the end."""
+    from tests.support.vllm_tiering import TieringEngine
 
     engines: list[TieringEngine] = []
 

@@ -16,8 +16,8 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 import kvtier.plugins  # noqa: E402
 from kvtier.copy.base import Direction  # noqa: E402
-from kvtier.testing.faults import flaky_copy_registry  # noqa: E402
-from kvtier.testing.vllm_steps import StepsSpec, VllmSteps, write_model_config  # noqa: E402
+from tests.support.faults import flaky_copy_registry  # noqa: E402
+from tests.support.vllm_steps import StepsSpec, VllmSteps, write_model_config  # noqa: E402
 
 pytestmark = pytest.mark.vllm033
 

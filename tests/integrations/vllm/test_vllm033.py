@@ -11,8 +11,8 @@ pytest.importorskip("vllm")
 import kvtier.plugins  # noqa: E402
 from kvtier.integrations.vllm.adapters import VLLM_0_33  # noqa: E402
 from kvtier.integrations.vllm.connector import VLLM  # noqa: E402
-from kvtier.testing.faults import flaky_copy_registry  # noqa: E402
-from kvtier.testing.vllm_steps import StepsSpec, VllmSteps, write_model_config  # noqa: E402
+from tests.support.faults import flaky_copy_registry  # noqa: E402
+from tests.support.vllm_steps import StepsSpec, VllmSteps, write_model_config  # noqa: E402
 
 pytestmark = [
     pytest.mark.vllm033,

@@ -48,7 +48,7 @@ def test_reads_of_a_slow_tier_are_skipped_with_identical_tokens(
     model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvtier.integrations.vllm.offline import shutdown
-    from kvtier.testing.tiers import memory_tier_registry
+    from tests.support.tiers import memory_tier_registry
 
     vanilla = start_engine(model_dir, None, **DEVICE)
     try:
@@ -83,7 +83,7 @@ def test_reads_of_a_fast_tier_all_go_ahead(
     wider_model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvtier.integrations.vllm.offline import shutdown
-    from kvtier.testing.tiers import memory_tier_registry
+    from tests.support.tiers import memory_tier_registry
 
     monkeypatch.setattr(kvtier.plugins, "_default_registry", memory_tier_registry())
     record_bytes = WIDER.kv_bytes_per_token() * BLOCK

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
-from kvtier.testing.served import Server
 from tests.integrations.vllm.conftest import BLOCK
+from tests.support.served import Server
 
 pytest.importorskip("vllm")
 

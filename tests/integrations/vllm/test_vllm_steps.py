@@ -1,6 +1,6 @@
 """kvtier's connector in vLLM's real scheduler, stepped without a model (vLLM 0.32 and 0.33).
 
-:class:`~kvtier.testing.vllm_steps.VllmSteps` runs vLLM's ``Scheduler`` with
+:class:`~tests.support.vllm_steps.VllmSteps` runs vLLM's ``Scheduler`` with
 both halves of the connector over CPU tensors in vLLM's own layouts; every
 block loaded from the tier is checked byte for byte. These tests run with
 whichever supported vLLM is installed: 0.32 in the main environment, 0.33 in
@@ -22,8 +22,8 @@ pytest.importorskip("vllm")
 import kvtier  # noqa: E402
 import kvtier.plugins  # noqa: E402
 from kvtier.copy.base import Direction  # noqa: E402
-from kvtier.testing.faults import flaky_copy_registry  # noqa: E402
-from kvtier.testing.vllm_steps import StepsSpec, VllmSteps, write_model_config  # noqa: E402
+from tests.support.faults import flaky_copy_registry  # noqa: E402
+from tests.support.vllm_steps import StepsSpec, VllmSteps, write_model_config  # noqa: E402
 
 pytestmark = pytest.mark.vllm033
 

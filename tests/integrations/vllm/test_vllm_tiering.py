@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.base import Locality  # noqa: E402
 
 from kvtier.config import ConfigError, load_config  # noqa: E402
 from kvtier.integrations.vllm.tiering import KVTierSecondaryTier, tier_config  # noqa: E402
-from kvtier.testing.vllm_tiering import (  # noqa: E402
+from tests.support.vllm_tiering import (  # noqa: E402
     TIER_CLASS,
     TIER_MODULE,
     chunk_bytes,

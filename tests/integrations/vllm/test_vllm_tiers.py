@@ -69,7 +69,7 @@ def run(
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pytest.importorskip("redis")
-    from kvtier.testing.redis_server import RedisServer, redis_server_binary
+    from tests.support.redis_server import RedisServer, redis_server_binary
 
     if redis_server_binary() is None:
         pytest.skip("redis-server is not installed")
@@ -237,7 +237,7 @@ def test_a_disk_that_fills_up_drops_stores_and_keeps_tokens_right(
 
 @pytest.fixture(scope="module")
 def mooncake_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from kvtier.testing.mooncake_server import MooncakeStore, mooncake_binaries
+    from tests.support.mooncake_server import MooncakeStore, mooncake_binaries
 
     if mooncake_binaries() is None:
         pytest.skip("mooncake_master is not installed; `make install` installs kvtier[mooncake]")
@@ -267,7 +267,7 @@ def test_two_engines_one_after_the_other_share_a_mooncake_store(
 def s3_tier() -> Iterator[dict[str, Any]]:
     """The s3 tier's config on a new bucket of moto's server; credentials in the environment."""
     pytest.importorskip("moto")
-    from kvtier.testing.s3_server import MotoS3Server, aws_test_environment
+    from tests.support.s3_server import MotoS3Server, aws_test_environment
 
     with mock.patch.dict(os.environ, aws_test_environment()):
         server = MotoS3Server().start()

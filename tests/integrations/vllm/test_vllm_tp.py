@@ -3,7 +3,7 @@
 vLLM's CPU build runs TP=2 with the ``mp`` executor and one core per worker
 (``VLLM_CPU_OMP_THREADS_BIND="0|1"``). Workers are spawned processes, so the
 test reads what each rank did from files its copy backend writes
-(:class:`kvtier.testing.faults.RankFaultsBackend`, loaded through an entry
+(:class:`tests.support.faults.RankFaultsBackend`, loaded through an entry
 point the workers find on ``sys.path``); the scheduler, and so the offload
 manager, stays in this process. Outputs are compared with vanilla vLLM at
 TP=2 run the same way.
@@ -20,8 +20,8 @@ import pytest
 
 import kvtier.plugins
 from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
-from kvtier.testing.faults import install_rank_faults, read_rank_counts
 from tests.integrations.vllm.conftest import BLOCK, MIB, manager_of, random_prompts, start_engine
+from tests.support.faults import install_rank_faults, read_rank_counts
 
 pytest.importorskip("vllm")
 

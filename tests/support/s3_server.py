@@ -24,7 +24,7 @@ from typing import Any
 import boto3
 import botocore.config
 
-from kvtier.testing.redis_server import free_port
+from tests.support.redis_server import free_port
 
 START_TIMEOUT_S = 10.0
 REGION = "us-east-1"

@@ -1,6 +1,6 @@
 """``make demo``: vLLM on CPU serving a multi-turn chat workload, without and then with kvtier.
 
-Run it with ``python -m kvtier.integrations.vllm.demo``. It writes a small
+Run it with ``python examples/chat_demo.py``. It writes a small
 random-weight Llama, then runs the same conversations twice in this process:
 once on plain vLLM and once with ``KVTierConnector``. Every conversation
 resends its whole history each turn, and all histories together are several

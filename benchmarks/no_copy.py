@@ -79,5 +79,5 @@ def no_copy_registry() -> Registry:
     from kvtier.plugins import build_plugin_manager, collect
 
     manager = build_plugin_manager()
-    manager.register(_NoCopyPlugin(), name="kvtier-testing-no-copy")
+    manager.register(_NoCopyPlugin(), name="kvtier-benchmarks-no-copy")
     return collect(manager)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from kvtier.testing.redis_server import free_port
+from tests.support.redis_server import free_port
 
 
 def test_free_ports_do_not_follow_the_shared_random_state() -> None:

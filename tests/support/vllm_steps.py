@@ -16,7 +16,7 @@ and runs engine steps by hand, as vLLM's connector unit tests do:
    finished its prefill) and ``Scheduler.update_from_output()``.
 
 The "forward" writes every block a request completes with values derived from
-the block's hash and layer (:func:`kvtier.testing.engine.block_values`), so a
+the block's hash and layer (:func:`tests.support.engine.block_values`), so a
 block loaded from the tier is checked byte for byte against what it must hold
 (:attr:`VllmSteps.mismatches`). It runs on CPU tensors with any vLLM release
 kvtier supports; only ``config.json`` of a model is needed (no weights).
@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from kvtier.integrations.checkpoints import TinyLlamaSpec
-from kvtier.testing.engine import block_values
+from tests.support.engine import block_values
 
 LAYOUT_STRIDES = {
     # (layer stride, block stride) of a dense buffer, in pages (heads: in head pages)

@@ -11,8 +11,8 @@ from kvtier.config import load_config
 from kvtier.copy.base import CopyBatch, CopyError, Direction
 from kvtier.kinds import COPY_BACKEND
 from kvtier.plugins import build_plugin_manager, collect
-from kvtier.testing.faults import NOISE_BYTE, install_rank_faults, read_rank_counts
 from tests.offload.conftest import BLOCK_BYTES, make_layout
+from tests.support.faults import NOISE_BYTE, install_rank_faults, read_rank_counts
 
 
 def test_loads_fail_on_the_rank_named_by_a_file_and_every_batch_is_counted(

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.testing.redis_server import free_port
-from kvtier.testing.served import PortTaken, Server
+from tests.support.redis_server import free_port
+from tests.support.served import PortTaken, Server
 
 
 def test_a_server_whose_port_another_process_listens_on_raises_port_taken(tmp_path: Path) -> None:

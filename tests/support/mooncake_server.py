@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 from typing import IO, Any
 
-from kvtier.testing.redis_server import free_port
+from tests.support.redis_server import free_port
 
 START_TIMEOUT_S = 20.0
 CLEAR_TIMEOUT_S = 5.0

@@ -10,7 +10,7 @@ from kvtier.index.policy import PolicyIndex
 from kvtier.kinds import COPY_BACKEND, LAYOUT_RESOLVER
 from kvtier.layout.base import KVCaches, KVLayout, LayoutResolver
 from kvtier.plugins import default_registry
-from kvtier.testing.engine import (
+from tests.support.engine import (
     LAYOUTS,
     EngineSpec,
     OffloadedEngine,
