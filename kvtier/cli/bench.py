@@ -311,7 +311,6 @@ def _device(text: str) -> torch.device:
     return device
 
 
-
 def _check_memory(args: argparse.Namespace, device: torch.device) -> None:
     """Refuse sizes whose pools cannot fit in this machine's memory, before allocating any."""
     # Each side holds two pools of max(1, total // block) blocks (see _build_rig).

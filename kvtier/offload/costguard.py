@@ -187,9 +187,7 @@ class CostGuard:
             return frozenset()
         host = self.costs[HOST].predict(blocks)
         skipped = frozenset(
-            name
-            for name in self.tier_names
-            if not self._decide(name, blocks, host or 0.0)
+            name for name in self.tier_names if not self._decide(name, blocks, host or 0.0)
         )
         if skipped:
             self.counters.add_tier_counts(

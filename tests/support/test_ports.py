@@ -14,4 +14,3 @@ def test_free_ports_do_not_follow_the_shared_random_state() -> None:
     first = [free_port() for _ in range(4)]
     random.seed(0)
     assert [free_port() for _ in range(4)] != first
-

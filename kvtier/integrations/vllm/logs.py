@@ -76,7 +76,6 @@ def startup_summary(config: KVTierConfig, *, role: str, record_bytes: int, world
     )
 
 
-
 def _shown(path: str, value: object) -> str:
     if path.rsplit(".", 1)[-1].endswith("_bytes") and isinstance(value, int):
         return human_bytes(value)
