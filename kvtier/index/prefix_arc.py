@@ -86,9 +86,11 @@ MAX_MEMORY_FACTOR = 1024.0
 DUEL_LIMIT = 256
 """Bound of the counters of shadow hits, so a change of workload turns a choice within a few
 hundred sampled hits."""
-FORGOTTEN, HELD, IN_B1, IN_B2, IN_HISTORY = range(5)
-"""Where a key's record is: held by the tier; once evicted, remembered in ARC's ghost list ``b1``
-or ``b2`` or in the long history; ``FORGOTTEN`` once it is stored again (a new record holds it)."""
+HELD, IN_B1, IN_B2, IN_HISTORY = range(4)
+"""Where a key is: held by the tier; once evicted, remembered in ARC's ghost list ``b1`` or
+``b2`` or in the long history. A remembered key's place is ``ticket << 2 | list``, with a ticket
+counted per eviction, so that a queue entry left behind when the key was stored again (and
+maybe evicted again since) no longer matches it."""
 
 Admission = Literal["adaptive", "all"]
 Eviction = Literal["adaptive", "arc", "recency"]
@@ -154,33 +156,38 @@ class PrefixARCConfig(PluginConfig):
     )
 
 
-class _Record:
-    """What the policy knows of a key it holds or remembers."""
+class _Memory:
+    """A queue of evicted keys, oldest first, each with the place it had when queued.
 
-    __slots__ = ("key", "parent", "children", "parent_record", "cls", "where", "stamp")
+    Two deques in step instead of one of pairs, so that queueing a key allocates nothing the
+    garbage collector tracks. An entry is live while the key's place (``where``) still equals
+    the one queued with it.
+    """
 
-    def __init__(self, key: BlockKey, parent: BlockKey | None) -> None:
-        self.key = key
-        self.parent = parent
-        # Cached children: none (``None``), one key, or a set of keys.
-        self.children: BlockKey | set[BlockKey] | None = None
-        # The parent's record that lists this key among its cached children.
-        self.parent_record: _Record | None = None
-        # The class of a stored block not reused yet (see reuse learning), else ``None``.
-        self.cls: int | None = None
-        # HELD, then where the key is remembered once evicted, FORGOTTEN once stored again.
-        self.where = HELD
-        # The use stamp of a held key in t1 or t2 (see ``PrefixARCPolicy._t1``).
-        self.stamp = 0
+    __slots__ = ("keys", "places")
 
+    def __init__(self) -> None:
+        self.keys: deque[BlockKey] = deque()
+        self.places: deque[int] = deque()
 
-def _to_history(ghosts: deque[_Record], history: deque[_Record]) -> None:
-    """Move the oldest key a ghost list still remembers to the long history."""
-    record = ghosts.popleft()
-    while record.where == FORGOTTEN:
-        record = ghosts.popleft()
-    record.where = IN_HISTORY
-    history.append(record)
+    def append(self, key: BlockKey, place: int) -> None:
+        self.keys.append(key)
+        self.places.append(place)
+
+    def pop_live(self, where: dict[BlockKey, int]) -> BlockKey:
+        """Remove and return the oldest live key (one must be queued)."""
+        keys, places = self.keys, self.places
+        key, place = keys.popleft(), places.popleft()
+        while where.get(key) != place:
+            key, place = keys.popleft(), places.popleft()
+        return key
+
+    def sweep(self, where: dict[BlockKey, int]) -> None:
+        """Drop the entries that are no longer live."""
+        pairs = zip(self.keys, self.places, strict=True)
+        live = [(key, place) for key, place in pairs if where.get(key) == place]
+        self.keys = deque(key for key, _ in live)
+        self.places = deque(place for _, place in live)
 
 
 class PrefixARCPolicy(EvictionPolicy):
@@ -199,23 +206,31 @@ class PrefixARCPolicy(EvictionPolicy):
         self.num_slots = num_slots
         self.history_size = int(num_slots * history_factor)
         self.target_t1 = 0.0
-        # One record per key the tier holds or remembers (an evicted key's keeps its class only).
-        self._records: dict[BlockKey, _Record] = {}
-        # Values are the keys' records, whose use stamps from ``_clock`` increase along each list;
-        # stamp 0 marks a block put first in line for eviction.
-        self._t1: OrderedDict[BlockKey, _Record] = OrderedDict()
-        self._t2: OrderedDict[BlockKey, _Record] = OrderedDict()
+        # What the policy knows of each key it holds or remembers, in dicts keyed by the key
+        # (no object per key: a step's blocks start no garbage collection). ``_where``: every
+        # such key's place (HELD, or where it is remembered); ``_parent``: a held key's prefix
+        # parent; ``_children``: a held key's cached children (one key, or a set of keys);
+        # ``_cls``: the class of a stored key not reused yet (see reuse learning), kept while
+        # the key is remembered.
+        self._where: dict[BlockKey, int] = {}
+        self._parent: dict[BlockKey, BlockKey | None] = {}
+        self._children: dict[BlockKey, BlockKey | set[BlockKey]] = {}
+        self._cls: dict[BlockKey, int] = {}
+        self._tickets = 0
+        # Values are the keys' use stamps from ``_clock``, increasing along each list; stamp 0
+        # marks a block put first in line for eviction.
+        self._t1: OrderedDict[BlockKey, int] = OrderedDict()
+        self._t2: OrderedDict[BlockKey, int] = OrderedDict()
         self._clock = 0
-        self._orphans: OrderedDict[BlockKey, _Record] = OrderedDict()
+        self._orphans: OrderedDict[BlockKey, None] = OrderedDict()
         # Evicted keys: ARC's ghost lists b1 and b2, and the long history of keys they forget,
-        # each a queue of records, oldest first (so an evicted key's record moves from a ghost
-        # list to the history without a lookup). A key stored again leaves its old record
-        # FORGOTTEN, dropped when its queue gets there or in a sweep once there are more such
-        # records than remembered keys.
-        self._b1: deque[_Record] = deque()
-        self._b2: deque[_Record] = deque()
-        self._history: deque[_Record] = deque()
-        self._b1_len = self._b2_len = self._history_len = 0  # records not FORGOTTEN
+        # each a queue, oldest first. A key stored again leaves its entry behind, dropped when
+        # its queue gets there or in a sweep once there are more such entries than remembered
+        # keys (``_forgotten`` counts them).
+        self._b1 = _Memory()
+        self._b2 = _Memory()
+        self._history = _Memory()
+        self._b1_len = self._b2_len = self._history_len = 0  # live entries
         self._forgotten = 0
         self._incoming_in_b2 = False
         # The chain being touched (root first), how much of it is already ranked leaf first, and
@@ -229,7 +244,7 @@ class PrefixARCPolicy(EvictionPolicy):
         # evicted keys (into t2, at once): the others join t1 in one update.
         self._returned = False
         # Reuse learning: per class, how many keys were stored and reused (a stored key not yet
-        # reused keeps its class in its record while the tier holds or remembers it).
+        # reused keeps its class in ``_cls`` while the tier holds or remembers it).
         self.low_value_ratio = low_value_ratio
         self._stored = [0.0] * NUM_CLASSES
         self._reused = [0.0] * NUM_CLASSES
@@ -292,30 +307,24 @@ class PrefixARCPolicy(EvictionPolicy):
         chain, placed, t1, t2 = self._chain, self._placed, self._t1, self._t2
         clock = self._clock
         end = len(chain)
-        records = self._records
         if placed < end and not self._returned:
             # The blocks stored since the chain was last placed, none of them in t2, join t1
             # deepest first.
             for position in range(end - 1, placed - 1, -1):
-                key = chain[position]
                 clock += 1
-                record = t1[key] = records[key]
-                record.stamp = clock
+                t1[chain[position]] = clock
             end = placed
         for position in range(end - 1, -1, -1):
             key = chain[position]
             clock += 1
-            record = t2.get(key)
-            if record is not None:
+            if key in t2:
                 t2.move_to_end(key)
+                t2[key] = clock
             elif position >= placed:
-                record = t1[key] = records[key]
-            else:
-                record = t1.get(key)
-                if record is None:
-                    continue
+                t1[key] = clock
+            elif key in t1:
                 t1.move_to_end(key)
-            record.stamp = clock
+                t1[key] = clock
         self._clock = clock
         self._ranked = self._placed = len(chain)
         self._returned = False
@@ -331,49 +340,47 @@ class PrefixARCPolicy(EvictionPolicy):
             if len(chain) == 1 and not self._placed and not self._returned:
                 # ``_rank_chain`` of a chain of one new block (a decode step's), inline.
                 self._clock += 1
-                record = t1[chain[0]] = self._records[chain[0]]
-                record.stamp = self._clock
+                t1[chain[0]] = self._clock
             else:
                 self._rank_chain()
             origin = 0
-            if first:
-                root = self._records.get(chain[first])
-                if root is not None and root.where == HELD and root.parent is not None:
-                    origin = TAIL_BUCKETS
+            # (Only a held key has a parent entry.)
+            if first and self._parent.get(chain[first]) is not None:
+                origin = TAIL_BUCKETS
             prior, bar = self._low_value_bar()
             if len(chain) - first == 1:
                 # One new block (a decode step's): its class is the chain's tail.
-                record = t1.get(chain[first])
-                if record is not None:
-                    record.cls = origin
+                key = chain[first]
+                if key in t1:
+                    self._cls[key] = origin
                     low = (reused[origin] + prior) / (stored[origin] + PRIOR_WEIGHT) < bar
                     stored[origin] += 1.0
                     if low:
-                        t1.move_to_end(record.key, last=False)
-                        record.stamp = 0
+                        t1.move_to_end(key, last=False)
+                        t1[key] = 0
             else:
                 demoted = []
                 tested, low = -1, False
+                classes = self._cls
                 # Leaf first, as ranked: a stored block still in t1 (not hit, not gone) gets a
                 # class.
                 for distance, key in enumerate(reversed(chain[first:])):
-                    record = t1.get(key)
-                    if record is not None:
+                    if key in t1:
                         cls = origin + (distance if distance < TAIL_BUCKETS else TAIL_BUCKETS - 1)
                         if cls != tested:
                             # Classes only grow along the walk: each is tested on its counts
                             # from before this chain, the first time it is met.
                             tested = cls
                             low = (reused[cls] + prior) / (stored[cls] + PRIOR_WEIGHT) < bar
-                        record.cls = cls
+                        classes[key] = cls
                         stored[cls] += 1.0
                         if low:
-                            demoted.append(record)
+                            demoted.append(key)
                 # Root first, so that the chain's deepest low-value block ends up first in line.
                 move_to_end = t1.move_to_end
-                for record in reversed(demoted):
-                    move_to_end(record.key, last=False)
-                    record.stamp = 0
+                for key in reversed(demoted):
+                    move_to_end(key, last=False)
+                    t1[key] = 0
             self._since_decay += len(chain) - first
             if self._since_decay >= self._decay_every:
                 self._decay()
@@ -382,21 +389,19 @@ class PrefixARCPolicy(EvictionPolicy):
         self._first_new = None
         self._returned = False
 
-    def _add_child(self, parent: BlockKey, child: _Record) -> None:
-        """List ``child``'s key as a cached child of ``parent``, if this tier holds ``parent``."""
-        link = self._records.get(parent)
-        if link is None or link.where != HELD:
+    def _add_child(self, parent: BlockKey, child: BlockKey) -> None:
+        """List ``child`` as a cached child of ``parent``, if this tier holds ``parent``."""
+        if parent not in self._parent:  # not held
             return
-        child.parent_record = link
-        key = child.key
         # Most blocks have one cached child: store it bare and make a set only for a second one.
-        siblings = link.children
+        children = self._children
+        siblings = children.get(parent)
         if siblings is None:
-            link.children = key
-        elif isinstance(siblings, set):
-            siblings.add(key)
-        elif siblings != key:
-            link.children = {siblings, key}
+            children[parent] = child
+        elif type(siblings) is set:
+            siblings.add(child)
+        elif siblings != child:
+            children[parent] = {siblings, child}
 
     # Reuse learning.
 
@@ -416,11 +421,10 @@ class PrefixARCPolicy(EvictionPolicy):
         self._reused = [count / 2 for count in self._reused]
 
     def _sweep_memory(self) -> None:
-        """Drop the FORGOTTEN records from the queues of evicted keys."""
+        """Drop the entries of keys stored again from the queues of evicted keys."""
+        where = self._where
         for queue in (self._b1, self._b2, self._history):
-            remembered = [record for record in queue if record.where != FORGOTTEN]
-            queue.clear()
-            queue.extend(remembered)
+            queue.sweep(where)
         self._forgotten = 0
 
     # Adaptive admission.
@@ -468,10 +472,8 @@ class PrefixARCPolicy(EvictionPolicy):
         # Keys that left the tier (or were never stored: no free slot, an aborted store) are
         # dropped in a sweep once there are twice as many as slots: O(1) amortized per key.
         if len(sampled) > 2 * self.num_slots:
-            records = self._records
-            sampled.intersection_update(
-                [key for key in sampled if key in records and records[key].where == HELD]
-            )
+            held = self._parent
+            sampled.intersection_update([key for key in sampled if key in held])
 
     def _admit_on_second_sight(self, key: BlockKey, parent: BlockKey | None) -> bool:
         """Whether ``key`` was seen before (and its parent was not just declined)."""
@@ -479,7 +481,7 @@ class PrefixARCPolicy(EvictionPolicy):
             _remember(self._seen, key, self._seen_size)
             self._declined = key
             return False
-        if key in self._records:
+        if key in self._where:
             self._declined = None
             return True
         if _seen_before(self._seen, key, self._seen_size):
@@ -497,12 +499,12 @@ class PrefixARCPolicy(EvictionPolicy):
             self._end_chain()
         # As in ARC, a ghost hit moves the target before the victim for ``key`` is chosen; reuse
         # after a gap longer than the ghost lists remember also argues for a larger t2. A key
-        # offered for a slot is not held: a record says where it is remembered.
-        record = self._records.get(key)
-        if record is None:
+        # offered for a slot is not held: its place says where it is remembered.
+        place = self._where.get(key)
+        if place is None:
             self._incoming_in_b2 = False
         else:
-            where = record.where
+            where = place & 3
             self._incoming_in_b2 = where == IN_B2
             self.target_t1 = adapted_target_t1(
                 self.target_t1,
@@ -521,26 +523,25 @@ class PrefixARCPolicy(EvictionPolicy):
         self.inserted_all((key,), (parent,))
 
     def inserted_all(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
-        records, chain, t2 = self._records, self._chain, self._t2
+        where, held, children, classes = self._where, self._parent, self._children, self._cls
+        chain, t2 = self._chain, self._t2
         for key, parent in zip(keys, parents, strict=True):
-            remembered = records.get(key)
-            record = records[key] = _Record(key, parent)
+            remembered = where.get(key)
+            where[key] = HELD
+            held[key] = parent
             if remembered is not None:
-                self._forget(remembered)
+                self._forget(remembered & 3)
             # A parent this tier does not hold may sit in a faster tier (a lazy store writes a
             # chain leaf first, as the engine evicts it): only a parent evicted from here
             # orphans. (``_add_child``, inline: this runs per block stored.)
-            if parent is not None:
-                link = records.get(parent)
-                if link is not None and link.where == HELD:
-                    record.parent_record = link
-                    siblings = link.children
-                    if siblings is None:
-                        link.children = key
-                    elif type(siblings) is set:
-                        siblings.add(key)
-                    elif siblings != key:
-                        link.children = {siblings, key}
+            if parent is not None and parent in held:
+                siblings = children.get(parent)
+                if siblings is None:
+                    children[parent] = key
+                elif type(siblings) is set:
+                    siblings.add(key)
+                elif siblings != key:
+                    children[parent] = {siblings, key}
             if chain:
                 if parent != chain[-1]:
                     self._end_chain()
@@ -553,18 +554,16 @@ class PrefixARCPolicy(EvictionPolicy):
             if remembered is None:
                 # A new block joins the recency list when its chain is ranked (leaf first).
                 continue
-            cls = remembered.cls
+            cls = classes.pop(key, None)
             if cls is not None:
                 self._reused[cls] += 1.0
             self._clock += 1
-            record.stamp = self._clock
-            t2[key] = record
+            t2[key] = self._clock
             self._returned = True
 
-    def _forget(self, remembered: _Record) -> None:
-        """Drop an evicted key's record from the memory of evicted keys: it is stored again."""
-        where = remembered.where
-        remembered.where = FORGOTTEN
+    def _forget(self, where: int) -> None:
+        """An evicted key remembered in list ``where`` is stored again: its queue entry is left
+        behind, no longer live."""
         if where == IN_B1:
             self._b1_len -= 1
         elif where == IN_B2:
@@ -582,14 +581,14 @@ class PrefixARCPolicy(EvictionPolicy):
         if not keys:
             return
         # One pin or touch is one request's chain, or the next part of it.
-        chain, records = self._chain, self._records
-        if chain and records[keys[0]].parent != chain[-1]:
+        chain, held = self._chain, self._parent
+        if chain and held[keys[0]] != chain[-1]:
             self._end_chain()
         elif self._placed != len(chain):
             self._rank_chain()
         chain.extend(keys)
         # Hits go to the frequency list leaf first, so that a chain of hits alone is ranked.
-        sampled, t1, t2 = self._sampled, self._t1, self._t2
+        sampled, t1, t2, classes = self._sampled, self._t1, self._t2, self._cls
         move_to_end = t2.move_to_end
         clock = self._clock
         for key in reversed(keys):
@@ -599,22 +598,17 @@ class PrefixARCPolicy(EvictionPolicy):
             try:
                 move_to_end(key)
             except KeyError:
-                record = t1.pop(key, None)
-                if record is None:
+                if t1.pop(key, None) is None:
                     # A hit on an orphan means its parent was stored again: it is reachable again.
-                    record = self._orphans.pop(key)
-                    parent = record.parent
+                    del self._orphans[key]
+                    parent = held[key]
                     if parent is not None:
-                        self._add_child(parent, record)
+                        self._add_child(parent, key)
                 # A first hit: the block's class was reused (only blocks never hit have one).
-                cls = record.cls
+                cls = classes.pop(key, None)
                 if cls is not None:
                     self._reused[cls] += 1.0
-                    record.cls = None
-                t2[key] = record
-                record.stamp = clock
-            else:
-                t2[key].stamp = clock
+            t2[key] = clock
         self._clock = clock
         self._placed = len(chain)
         self._returned = False
@@ -624,55 +618,65 @@ class PrefixARCPolicy(EvictionPolicy):
     def removed(self, key: BlockKey) -> None:
         if self._ranked != len(self._chain):
             self._rank_chain()
-        t1, t2, records = self._t1, self._t2, self._records
+        t1, t2, where = self._t1, self._t2, self._where
         b1_len, b2_len, history_len = self._b1_len, self._b2_len, self._history_len
-        record = t1.pop(key, None)
-        if record is not None:
-            record.where = IN_B1
-            self._b1.append(record)
+        parent = self._parent.pop(key)
+        if t1.pop(key, None) is not None:
+            self._tickets += 1
+            place = where[key] = self._tickets << 2 | IN_B1
+            self._b1.append(key, place)
             b1_len += 1
+        elif t2.pop(key, None) is not None:
+            self._tickets += 1
+            place = where[key] = self._tickets << 2 | IN_B2
+            self._b2.append(key, place)
+            b2_len += 1
         else:
-            record = t2.pop(key, None)
-            if record is not None:
-                record.where = IN_B2
-                self._b2.append(record)
-                b2_len += 1
-            else:
-                record = self._orphans.pop(key)
-                del records[key]
-        orphaned, link = record.children, record.parent_record
-        # The parent's record that listed the key has no children left if evicted since.
-        if link is not None:
-            siblings = link.children
+            del self._orphans[key]
+            del where[key]
+            self._cls.pop(key, None)
+        # The parent that listed the key among its cached children, if it still does.
+        children = self._children
+        if parent is not None:
+            siblings = children.get(parent)
             if siblings == key:
-                link.children = None
-            elif isinstance(siblings, set):
+                del children[parent]
+            elif type(siblings) is set:
                 siblings.discard(key)
+        orphaned = children.pop(key, None)
         if orphaned is not None:
             orphans = self._orphans
-            for child in orphaned if isinstance(orphaned, set) else (orphaned,):
+            for child in orphaned if type(orphaned) is set else (orphaned,):
                 t1.pop(child, None)
                 t2.pop(child, None)
-                orphans[child] = records[child]
-        record.parent = record.children = record.parent_record = None
+                orphans[child] = None
         # As in ARC, t1 and b1 hold at most a tier's worth of keys and the four lists twice that;
         # keys the ghost lists forget move to the long history, which forgets its oldest (each
-        # queue skips the FORGOTTEN records it meets on the way).
+        # queue skips the entries of keys stored again that it meets on the way).
         num_slots, history = self.num_slots, self._history
         if len(t1) + b1_len > num_slots and b1_len:
-            _to_history(self._b1, history)
+            self._to_history(self._b1)
             b1_len -= 1
             history_len += 1
         if b2_len and len(t1) + len(t2) + b1_len + b2_len > 2 * num_slots:
-            _to_history(self._b2, history)
+            self._to_history(self._b2)
             b2_len -= 1
             history_len += 1
+        keys, places = history.keys, history.places
         while history_len > self.history_size:
-            forgotten = history.popleft()
-            if forgotten.where != FORGOTTEN:
-                del records[forgotten.key]
+            forgotten, place = keys.popleft(), places.popleft()
+            if where.get(forgotten) == place:
+                del where[forgotten]
+                self._cls.pop(forgotten, None)
                 history_len -= 1
         self._b1_len, self._b2_len, self._history_len = b1_len, b2_len, history_len
+
+    def _to_history(self, ghosts: _Memory) -> None:
+        """Move the oldest key a ghost list still remembers to the long history."""
+        key = ghosts.pop_live(self._where)
+        self._tickets += 1
+        place = self._where[key] = self._tickets << 2 | IN_HISTORY
+        self._history.append(key, place)
 
     def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
         if self._orphans:
@@ -684,7 +688,7 @@ class PrefixARCPolicy(EvictionPolicy):
         t1, t2 = self._t1, self._t2
         if self.recency:
             # The list whose first key was used less recently gives the victim, else the other.
-            from_t1 = bool(t1) and (not t2 or t1[next(iter(t1))].stamp <= t2[next(iter(t2))].stamp)
+            from_t1 = bool(t1) and (not t2 or t1[next(iter(t1))] <= t2[next(iter(t2))])
         else:
             from_t1 = arc_prefers_t1(len(t1), self.target_t1, self._incoming_in_b2)
         first, second = (t1, t2) if from_t1 else (t2, t1)
