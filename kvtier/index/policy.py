@@ -76,6 +76,20 @@ class EvictionPolicy(ABC):
         """Return whether ``key`` (whose prefix parent is ``parent``) is worth a slot."""
         return True
 
+    def admit_all(self, keys: Sequence[BlockKey], parent: BlockKey | None) -> list[bool]:
+        """Return whether each of a chain of keys is worth a slot, in order.
+
+        ``keys[0]``'s prefix parent is ``parent``, each next key's the one before it. Asked
+        only while a free slot is left for every key, so no victim is chosen between two of
+        them, and only of a policy that ignores :meth:`offered`. Calls :meth:`admit` per
+        key; a policy may do the same work in one pass.
+        """
+        admitted = []
+        for key in keys:
+            admitted.append(self.admit(key, parent))
+            parent = key
+        return admitted
+
     def aborted(self, key: BlockKey) -> None:  # noqa: B027 (a notification; the default ignores it)
         """The store of admitted ``key`` failed or was cancelled; it never became readable."""
 
@@ -303,6 +317,15 @@ class PolicyIndex(BlockIndex, PrioritizedEviction, PushesEvictions):
     ) -> list[int | None]:
         readable, writing, discarded = self._readable, self._writing, self._discarded
         free, parents = self._free, self._parents
+        if (
+            len(free) >= len(keys)
+            and not self._policy_hears_offers
+            and readable.keys().isdisjoint(keys)
+            and writing.keys().isdisjoint(keys)
+            and (not discarded or discarded.keys().isdisjoint(keys))
+            and len(dict.fromkeys(keys)) == len(keys)
+        ):
+            return self._reserve_free(keys, parent)
         policy = self.policy
         # Most policies ignore offers: skip the call per key for them.
         offered = policy.offered if self._policy_hears_offers else None
@@ -341,6 +364,36 @@ class PolicyIndex(BlockIndex, PrioritizedEviction, PushesEvictions):
                     parents[slot] = parent  # type: ignore[index]
         if self._evicted:
             self._evicted_now()
+        return slots
+
+    def _reserve_free(self, keys: Sequence[BlockKey], parent: BlockKey | None) -> list[int | None]:
+        """:meth:`reserve` of distinct keys the tier lacks, with a free slot for each: the policy
+        is asked about the chain in one call, and the slots are granted counting up."""
+        admitted = self.policy.admit_all(keys, parent)
+        count = sum(admitted)
+        if not count:
+            return [None] * len(keys)
+        free = self._free
+        granted = free[-count:]
+        del free[-count:]
+        granted.sort()
+        parents, writing = self._parents, self._writing
+        if count == len(keys):
+            writing.update(zip(keys, granted, strict=True))
+            parents[granted[0]] = parent
+            for slot, key_parent in zip(granted[1:], keys, strict=False):
+                parents[slot] = key_parent
+            return granted  # type: ignore[return-value]
+        slots: list[int | None] = []
+        next_slot = iter(granted).__next__
+        for key, admit in zip(keys, admitted, strict=True):
+            if admit:
+                slot = writing[key] = next_slot()
+                parents[slot] = parent
+                slots.append(slot)
+            else:
+                slots.append(None)
+            parent = key
         return slots
 
     def commit(self, keys: Sequence[BlockKey]) -> None:

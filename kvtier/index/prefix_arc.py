@@ -60,6 +60,8 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from itertools import compress, pairwise
+from operator import ne
 from typing import Literal
 from zlib import crc32
 
@@ -310,9 +312,10 @@ class PrefixARCPolicy(EvictionPolicy):
         if placed < end and not self._returned:
             # The blocks stored since the chain was last placed, none of them in t2, join t1
             # deepest first.
-            for position in range(end - 1, placed - 1, -1):
-                clock += 1
-                t1[chain[position]] = clock
+            joining = chain[placed:end]
+            joining.reverse()
+            t1.update(zip(joining, range(clock + 1, clock + 1 + len(joining)), strict=True))
+            clock += len(joining)
             end = placed
         for position in range(end - 1, -1, -1):
             key = chain[position]
@@ -360,22 +363,29 @@ class PrefixARCPolicy(EvictionPolicy):
                         t1[key] = 0
             else:
                 demoted = []
-                tested, low = -1, False
                 classes = self._cls
                 # Leaf first, as ranked: a stored block still in t1 (not hit, not gone) gets a
-                # class.
-                for distance, key in enumerate(reversed(chain[first:])):
+                # class: one per distance from the leaf for the last few, then one for the rest.
+                walk = chain[first:]
+                walk.reverse()
+                deep = TAIL_BUCKETS - 1
+                for distance, key in enumerate(walk[:deep]):
                     if key in t1:
-                        cls = origin + (distance if distance < TAIL_BUCKETS else TAIL_BUCKETS - 1)
-                        if cls != tested:
-                            # Classes only grow along the walk: each is tested on its counts
-                            # from before this chain, the first time it is met.
-                            tested = cls
-                            low = (reused[cls] + prior) / (stored[cls] + PRIOR_WEIGHT) < bar
+                        cls = origin + distance
+                        # Classes only grow along the walk: each is tested on its counts from
+                        # before this chain, the first time it is met.
+                        low = (reused[cls] + prior) / (stored[cls] + PRIOR_WEIGHT) < bar
                         classes[key] = cls
                         stored[cls] += 1.0
                         if low:
                             demoted.append(key)
+                rest = [key for key in walk[deep:] if key in t1]
+                if rest:
+                    cls = origin + deep
+                    classes.update(dict.fromkeys(rest, cls))
+                    if (reused[cls] + prior) / (stored[cls] + PRIOR_WEIGHT) < bar:
+                        demoted += rest
+                    stored[cls] += len(rest)
                 # Root first, so that the chain's deepest low-value block ends up first in line.
                 move_to_end = t1.move_to_end
                 for key in reversed(demoted):
@@ -493,73 +503,107 @@ class PrefixARCPolicy(EvictionPolicy):
     # EvictionPolicy.
 
     def admit(self, key: BlockKey, parent: BlockKey | None) -> bool:
+        return self.admit_all((key,), parent)[0]
+
+    def admit_all(self, keys: Sequence[BlockKey], parent: BlockKey | None) -> list[bool]:
         # A store that starts a new chain ends the previous one before any victim is chosen.
         chain = self._chain
         if chain and parent != chain[-1]:
             self._end_chain()
-        # As in ARC, a ghost hit moves the target before the victim for ``key`` is chosen; reuse
-        # after a gap longer than the ghost lists remember also argues for a larger t2. A key
-        # offered for a slot is not held: its place says where it is remembered.
-        place = self._where.get(key)
-        if place is None:
-            self._incoming_in_b2 = False
-        else:
-            where = place & 3
-            self._incoming_in_b2 = where == IN_B2
-            self.target_t1 = adapted_target_t1(
-                self.target_t1,
-                self.num_slots,
-                self._b1_len,
-                self._b2_len,
-                in_b1=where == IN_B1,
-                toward_t2=where != IN_B1,
-            )
-        if self._sampling and crc32(key) & SAMPLE_MASK < self._sample_below:
-            self._shadow_reference(key)
-            self._note_sampled(key)
-        return not self.second_sight or self._admit_on_second_sight(key, parent)
+        where, sampling, sample_below = self._where, self._sampling, self._sample_below
+        admitted = []
+        for key in keys:
+            # As in ARC, a ghost hit moves the target before the victim for ``key`` is chosen;
+            # reuse after a gap longer than the ghost lists remember also argues for a larger
+            # t2. A key offered for a slot is not held: its place says where it is remembered.
+            place = where.get(key)
+            if place is None:
+                self._incoming_in_b2 = False
+            else:
+                remembered = place & 3
+                self._incoming_in_b2 = remembered == IN_B2
+                self.target_t1 = adapted_target_t1(
+                    self.target_t1,
+                    self.num_slots,
+                    self._b1_len,
+                    self._b2_len,
+                    in_b1=remembered == IN_B1,
+                    toward_t2=remembered != IN_B1,
+                )
+            if sampling and crc32(key) & SAMPLE_MASK < sample_below:
+                self._shadow_reference(key)
+                self._note_sampled(key)
+            admitted.append(not self.second_sight or self._admit_on_second_sight(key, parent))
+            parent = key
+        return admitted
 
     def inserted(self, key: BlockKey, parent: BlockKey | None) -> None:
-        self.inserted_all((key,), (parent,))
+        self._insert_one(key, parent)
 
     def inserted_all(self, keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]) -> None:
+        # A commit is a few chains, each often long: find where each starts (a key whose parent
+        # is not the key before it), and insert the rest of a chain of new keys in bulk.
+        count = len(keys)
+        if count != len(parents):
+            raise ValueError(f"{count} keys but {len(parents)} parents")
+        if not count:
+            return
+        starts = [0, *compress(range(1, count), map(ne, parents[1:], keys[:-1])), count]
+        where = self._where
+        for start, stop in pairwise(starts):
+            self._insert_one(keys[start], parents[start])
+            if stop - start > 1:
+                rest = keys[start + 1 : stop]
+                if where.keys().isdisjoint(rest):
+                    # Each key's parent is the key before it, just inserted and held; none
+                    # was remembered: nothing but the chain's own links changes.
+                    linked = keys[start : stop - 1]
+                    where.update(dict.fromkeys(rest, HELD))
+                    self._parent.update(zip(rest, linked, strict=True))
+                    self._children.update(zip(linked, rest, strict=True))
+                    self._chain.extend(rest)
+                else:
+                    for key, parent in zip(rest, parents[start + 1 : stop], strict=True):
+                        self._insert_one(key, parent)
+
+    def _insert_one(self, key: BlockKey, parent: BlockKey | None) -> None:
+        """:meth:`inserted` of one key."""
         where, held, children, classes = self._where, self._parent, self._children, self._cls
         chain, t2 = self._chain, self._t2
-        for key, parent in zip(keys, parents, strict=True):
-            remembered = where.get(key)
-            where[key] = HELD
-            held[key] = parent
-            if remembered is not None:
-                self._forget(remembered & 3)
-            # A parent this tier does not hold may sit in a faster tier (a lazy store writes a
-            # chain leaf first, as the engine evicts it): only a parent evicted from here
-            # orphans. (``_add_child``, inline: this runs per block stored.)
-            if parent is not None and parent in held:
-                siblings = children.get(parent)
-                if siblings is None:
-                    children[parent] = key
-                elif type(siblings) is set:
-                    siblings.add(key)
-                elif siblings != key:
-                    children[parent] = {siblings, key}
-            if chain:
-                if parent != chain[-1]:
-                    self._end_chain()
-                    self._first_new = 0
-                elif self._first_new is None:
-                    self._first_new = len(chain)
-            else:
+        remembered = where.get(key)
+        where[key] = HELD
+        held[key] = parent
+        if remembered is not None:
+            self._forget(remembered & 3)
+        # A parent this tier does not hold may sit in a faster tier (a lazy store writes a
+        # chain leaf first, as the engine evicts it): only a parent evicted from here
+        # orphans. (``_add_child``, inline: this runs per block stored.)
+        if parent is not None and parent in held:
+            siblings = children.get(parent)
+            if siblings is None:
+                children[parent] = key
+            elif type(siblings) is set:
+                siblings.add(key)
+            elif siblings != key:
+                children[parent] = {siblings, key}
+        if chain:
+            if parent != chain[-1]:
+                self._end_chain()
                 self._first_new = 0
-            chain.append(key)
-            if remembered is None:
-                # A new block joins the recency list when its chain is ranked (leaf first).
-                continue
-            cls = classes.pop(key, None)
-            if cls is not None:
-                self._reused[cls] += 1.0
-            self._clock += 1
-            t2[key] = self._clock
-            self._returned = True
+            elif self._first_new is None:
+                self._first_new = len(chain)
+        else:
+            self._first_new = 0
+        chain.append(key)
+        if remembered is None:
+            # A new block joins the recency list when its chain is ranked (leaf first).
+            return
+        cls = classes.pop(key, None)
+        if cls is not None:
+            self._reused[cls] += 1.0
+        self._clock += 1
+        t2[key] = self._clock
+        self._returned = True
 
     def _forget(self, where: int) -> None:
         """An evicted key remembered in list ``where`` is stored again: its queue entry is left

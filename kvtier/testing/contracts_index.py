@@ -561,3 +561,49 @@ class EvictionPolicyContract(BlockIndexContract):
         assert index.reserve(chain("m", 2)) == [None, None]  # present: offered, not admitted
         index.request_finished("r2")
         assert index.stats().readable == 2 and index.stats().free == 0
+
+    def test_batch_calls_answer_as_the_calls_per_key(self, make_policy: PolicyFactory) -> None:
+        """``admit_all`` and ``inserted_all`` of a chain leave the policy as ``admit`` and
+        ``inserted`` of each of its keys in order (the defaults do exactly that; a policy that
+        does the work in one pass must keep it)."""
+        runs = [_batch_or_per_key_run(make_policy(6), batched=flag) for flag in (True, False)]
+        assert runs[0] == runs[1]
+
+
+def _batch_or_per_key_run(policy: EvictionPolicy, *, batched: bool) -> list[object]:
+    """Chains that come back and evict each other, offered and stored in one call each or key by
+    key (a small tier: the caller evicts down to 6 keys); every answer and victim, in order."""
+    held: list[BlockKey] = []
+    seen: list[object] = []
+    for round_ in range(40):
+        name, length = f"c{round_ * 7 % 5}", 2 + round_ % 4
+        parent = f"c{round_ % 3}/9".encode() if round_ % 4 == 3 else None
+        keys = [key for key in chain(name, length) if key not in held]
+        if len(keys) != length:
+            continue  # partly stored: a chain offered must be new in full
+        if batched:
+            admitted = policy.admit_all(keys, parent)
+        else:
+            admitted, before = [], parent
+            for key in keys:
+                admitted.append(policy.admit(key, before))
+                before = key
+        seen.append(admitted)
+        stored = keys[: admitted.index(False)] if False in admitted else keys
+        parents = [parent, *stored[:-1]]
+        if batched:
+            policy.inserted_all(stored, parents)
+        else:
+            for key, before in zip(stored, parents, strict=True):
+                policy.inserted(key, before)
+        held.extend(stored)
+        if round_ % 5 == 4:
+            policy.accessed_all(held[-2:])
+        while len(held) > 6:
+            victim = policy.victim(lambda key: key in held)
+            assert victim is not None, "a victim must be found among the held keys"
+            policy.removed(victim)
+            held.remove(victim)
+            seen.append(victim)
+    seen.append(policy.state())
+    return seen

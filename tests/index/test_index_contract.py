@@ -14,7 +14,12 @@ from kvtier.index.policy import PolicyIndex
 from kvtier.index.push import EvictionPushAdapter, push_evictions
 from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
-from kvtier.testing.contracts_index import BlockIndexContract, IndexFactory
+from kvtier.testing.contracts_index import (
+    BlockIndexContract,
+    EvictionPolicyContract,
+    IndexFactory,
+    PolicyFactory,
+)
 
 REGISTERED = sorted(default_registry().of_kind(BLOCK_INDEX))
 
@@ -29,6 +34,23 @@ class TestRegisteredIndexes(BlockIndexContract):
 
         def build(num_slots: int) -> BlockIndex:
             return registration.factory(config, num_slots)
+
+        return build
+
+
+class TestBuiltInPolicies(EvictionPolicyContract):
+    """The built-in eviction policies on their own: their batch calls (``admit_all``,
+    ``inserted_all``, ``accessed_all``) against the per-key ones, and the policy rules."""
+
+    @pytest.fixture(params=["lru", "arc", "s3fifo", "prefix_arc"])
+    def make_policy(self, request: pytest.FixtureRequest) -> PolicyFactory:
+        registration = default_registry().get(BLOCK_INDEX, request.param)
+        config: PluginConfig = registration.config_model()
+
+        def build(num_slots: int) -> Any:
+            index = registration.factory(config, num_slots)
+            assert isinstance(index, PolicyIndex)
+            return index.policy
 
         return build
 
