@@ -16,7 +16,9 @@ diagram in the eviction-policies page of the docs):
    with whether the store is eager or lazy); for a key not stored yet
    :meth:`~EvictionPolicy.admit`; and if it is admitted and no slot is free,
    :meth:`~EvictionPolicy.victim` then :meth:`~EvictionPolicy.removed` for the
-   key evicted to make room, before the next key of the chain is offered.
+   key evicted to make room, before the next key of the chain is offered. A
+   reserve of new keys that all fit in free slots, by a policy that ignores
+   offers, asks :meth:`~EvictionPolicy.admit_all` for the chain at once.
 4. When the copy ends: :meth:`~EvictionPolicy.inserted_all` for the keys a
    commit made readable, in order (the base implementation calls
    :meth:`~EvictionPolicy.inserted` per key), or :meth:`~EvictionPolicy.aborted`

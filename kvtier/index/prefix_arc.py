@@ -163,7 +163,7 @@ class _Memory:
 
     Two deques in step instead of one of pairs, so that queueing a key allocates nothing the
     garbage collector tracks. An entry is live while the key's place (``where``) still equals
-    the one queued with it.
+    the one queued with it. The policy's hot path appends to both deques itself.
     """
 
     __slots__ = ("keys", "places")
@@ -172,17 +172,15 @@ class _Memory:
         self.keys: deque[BlockKey] = deque()
         self.places: deque[int] = deque()
 
-    def append(self, key: BlockKey, place: int) -> None:
-        self.keys.append(key)
-        self.places.append(place)
-
-    def pop_live(self, where: dict[BlockKey, int]) -> BlockKey:
-        """Remove and return the oldest live key (one must be queued)."""
+    def move_oldest(self, other: _Memory, where: dict[BlockKey, int], place: int) -> None:
+        """Move the oldest live key to the end of ``other``, whose list ``place`` names."""
         keys, places = self.keys, self.places
-        key, place = keys.popleft(), places.popleft()
-        while where.get(key) != place:
-            key, place = keys.popleft(), places.popleft()
-        return key
+        key, queued = keys.popleft(), places.popleft()
+        while where.get(key) != queued:
+            key, queued = keys.popleft(), places.popleft()
+        where[key] = place
+        other.keys.append(key)
+        other.places.append(place)
 
     def sweep(self, where: dict[BlockKey, int]) -> None:
         """Drop the entries that are no longer live."""
@@ -190,6 +188,92 @@ class _Memory:
         live = [(key, place) for key, place in pairs if where.get(key) == place]
         self.keys = deque(key for key, _ in live)
         self.places = deque(place for _, place in live)
+
+
+class _Duels:
+    """The shadow caches of adaptive admission and eviction, fed a hashed sample of the keys,
+    and the choices their duels make (see the module docstring)."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        history_factor: float,
+        first_sight_memory_factor: float,
+        sample_rate: float,
+        admission: Admission,
+        eviction: Eviction,
+    ) -> None:
+        self.num_slots = num_slots
+        self.adaptive = admission == "adaptive"
+        self.second_sight = False
+        # A shadow of a few slots only measures noise: small tiers sample more of their keys.
+        sample_rate = max(sample_rate, min(1.0, MIN_SHADOW_SLOTS / num_slots))
+        self.sample_below = max(1, round(sample_rate * SAMPLE_SPACE))
+        self.slots = max(1, round(num_slots * sample_rate))
+        self.seen_size = max(1, int(self.slots * first_sight_memory_factor))
+        self.every: OrderedDict[BlockKey, None] = OrderedDict()
+        self.second: OrderedDict[BlockKey, None] = OrderedDict()
+        self.seen: OrderedDict[BlockKey, None] = OrderedDict()
+        # Sampled keys that may be in the tier, so that a hit needs no hashing to be sampled.
+        self.sampled: set[BlockKey] = set()
+        self.duel = 0
+        # Adaptive eviction: the same ARC on the sampled keys, against ``every`` (LRU); the tier
+        # starts on recency and follows ARC's target while its shadow is ahead.
+        self.recency = eviction != "arc"
+        self.rule_duel = 0
+        self.arc = (
+            ARCShadow(self.slots, int(self.slots * history_factor))
+            if eviction == "adaptive"
+            else None
+        )
+        self.sampling = self.adaptive or self.arc is not None
+
+    def reference(self, key: BlockKey) -> bool:
+        """Replay a use of sampled ``key``; return whether victims just turned from recency to
+        ARC's target."""
+        limit = self.slots
+        every = self.every
+        every_hit = key in every
+        if every_hit:
+            every.move_to_end(key)
+        else:
+            every[key] = None
+            if len(every) > limit:
+                every.popitem(last=False)
+        if self.adaptive:
+            # The second-sight shadow stores a key only when its memory of keys seen once
+            # remembers it.
+            second = self.second
+            if key in second:
+                second.move_to_end(key)
+                score = every_hit - 1
+            else:
+                score = int(every_hit)
+                if _seen_before(self.seen, key, self.seen_size):
+                    second[key] = None
+                    if len(second) > limit:
+                        second.popitem(last=False)
+            if score:
+                self.duel = max(-DUEL_LIMIT, min(DUEL_LIMIT, self.duel + score))
+                self.second_sight = self.duel < 0
+        if self.arc is not None and self.arc.reference(key) != every_hit:
+            self.rule_duel = max(-DUEL_LIMIT, min(DUEL_LIMIT, self.rule_duel + 2 * every_hit - 1))
+            if self.recency and self.rule_duel < 0:
+                self.recency = False
+                return True
+            if not self.recency and self.rule_duel > 0:
+                self.recency = True
+        return False
+
+    def note_sampled(self, key: BlockKey, held: dict[BlockKey, BlockKey | None]) -> None:
+        """Remember that ``key``, about to be stored, is sampled (its hits go to the shadows);
+        ``held``: the keys the tier holds."""
+        sampled = self.sampled
+        sampled.add(key)
+        # Keys that left the tier (or were never stored: no free slot, an aborted store) are
+        # dropped in a sweep once there are twice as many as slots: O(1) amortized per key.
+        if len(sampled) > 2 * self.num_slots:
+            sampled.intersection_update([key for key in sampled if key in held])
 
 
 class PrefixARCPolicy(EvictionPolicy):
@@ -253,32 +337,23 @@ class PrefixARCPolicy(EvictionPolicy):
         self._decay_every = max(1, self.history_size + 2 * num_slots)
         self._since_decay = 0
         # Adaptive admission: keys seen once and not stored, the last key declined (its
-        # descendants are declined too), and the two shadow caches with their hit counter.
-        self.adaptive = admission == "adaptive"
-        self.second_sight = False
+        # descendants are declined too); the shadow caches and their choices.
         self._seen: OrderedDict[BlockKey, None] = OrderedDict()
         self._seen_size = max(1, int(num_slots * first_sight_memory_factor))
         self._declined: BlockKey | None = None
-        # A shadow of a few slots only measures noise: small tiers sample more of their keys.
-        sample_rate = max(sample_rate, min(1.0, MIN_SHADOW_SLOTS / num_slots))
-        self._sample_below = max(1, round(sample_rate * SAMPLE_SPACE))
-        self._shadow_slots = max(1, round(num_slots * sample_rate))
-        self._shadow_seen_size = max(1, int(self._shadow_slots * first_sight_memory_factor))
-        self._shadow_all: OrderedDict[BlockKey, None] = OrderedDict()
-        self._shadow_second: OrderedDict[BlockKey, None] = OrderedDict()
-        self._shadow_seen: OrderedDict[BlockKey, None] = OrderedDict()
-        # Sampled keys that may be in the tier, so that a hit needs no hashing to be sampled.
-        self._sampled: set[BlockKey] = set()
-        self._duel = 0
-        # Adaptive eviction: the same ARC on the sampled keys, against ``_shadow_all`` (LRU);
-        # the tier starts on recency and follows ARC's target while its shadow is ahead.
-        self.adaptive_eviction = eviction == "adaptive"
-        self.recency = eviction != "arc"
-        self._rule_duel = 0
-        if self.adaptive_eviction:
-            shadow_history = int(self._shadow_slots * history_factor)
-            self._shadow_arc = ARCShadow(self._shadow_slots, shadow_history)
-        self._sampling = self.adaptive or self.adaptive_eviction
+        self._duels = _Duels(
+            num_slots, history_factor, first_sight_memory_factor, sample_rate, admission, eviction
+        )
+
+    @property
+    def second_sight(self) -> bool:
+        """Whether adaptive admission stores only blocks seen before, now."""
+        return self._duels.second_sight
+
+    @property
+    def recency(self) -> bool:
+        """Whether victims follow recency alone now (else ARC's target)."""
+        return self._duels.recency
 
     def state(self) -> dict[str, float]:
         """ARC's target and lists, and the two duels: ``second_sight`` (admission on second
@@ -290,12 +365,12 @@ class PrefixARCPolicy(EvictionPolicy):
             "orphans": len(self._orphans),
             "history": self._history_len,
             "second_sight": float(self.second_sight),
-            "admission_duel": self._duel,
+            "admission_duel": self._duels.duel,
             "recency": float(self.recency),
-            "eviction_duel": self._rule_duel,
+            "eviction_duel": self._duels.rule_duel,
         }
-        if self.adaptive_eviction:
-            counters["shadow_arc_target_t1"] = self._shadow_arc.target_t1
+        if self._duels.arc is not None:
+            counters["shadow_arc_target_t1"] = self._duels.arc.target_t1
         return counters
 
     # Chain ranking.
@@ -350,7 +425,7 @@ class PrefixARCPolicy(EvictionPolicy):
             # (Only a held key has a parent entry.)
             if first and self._parent.get(chain[first]) is not None:
                 origin = TAIL_BUCKETS
-            prior, bar = self._low_value_bar()
+            prior, bar = _low_value_bar(stored, reused, self.low_value_ratio)
             if len(chain) - first == 1:
                 # One new block (a decode step's): its class is the chain's tail.
                 key = chain[first]
@@ -415,75 +490,19 @@ class PrefixARCPolicy(EvictionPolicy):
 
     # Reuse learning.
 
-    def _low_value_bar(self) -> tuple[float, float]:
-        """The prior pseudo-reuses of a class, and the bar under which its reuse rate is low.
-
-        A class is of low value when ``(reused + prior) / (stored + PRIOR_WEIGHT) < bar``: its
-        reuse rate, pulled towards the overall rate, is under ``low_value_ratio`` of it.
-        """
-        overall = (sum(self._reused) + 1.0) / (sum(self._stored) + 2.0)
-        return PRIOR_WEIGHT * overall, self.low_value_ratio * overall
-
     def _decay(self) -> None:
         """Halve the class counts every few tiers' worth of stores, so they follow the workload."""
         self._since_decay = 0
         self._stored = [count / 2 for count in self._stored]
         self._reused = [count / 2 for count in self._reused]
 
-    def _sweep_memory(self) -> None:
-        """Drop the entries of keys stored again from the queues of evicted keys."""
-        where = self._where
-        for queue in (self._b1, self._b2, self._history):
-            queue.sweep(where)
-        self._forgotten = 0
-
     # Adaptive admission.
 
     def _shadow_reference(self, key: BlockKey) -> None:
         """Replay a use of sampled ``key`` in the shadow caches; update the choices."""
-        limit = self._shadow_slots
-        every = self._shadow_all
-        every_hit = key in every
-        if every_hit:
-            every.move_to_end(key)
-        else:
-            every[key] = None
-            if len(every) > limit:
-                every.popitem(last=False)
-        if self.adaptive:
-            # The second-sight shadow stores a key only when its memory of keys seen once
-            # remembers it.
-            second = self._shadow_second
-            if key in second:
-                second.move_to_end(key)
-                score = every_hit - 1
-            else:
-                score = int(every_hit)
-                if _seen_before(self._shadow_seen, key, self._shadow_seen_size):
-                    second[key] = None
-                    if len(second) > limit:
-                        second.popitem(last=False)
-            if score:
-                self._duel = max(-DUEL_LIMIT, min(DUEL_LIMIT, self._duel + score))
-                self.second_sight = self._duel < 0
-        if self.adaptive_eviction and self._shadow_arc.reference(key) != every_hit:
-            self._rule_duel = max(-DUEL_LIMIT, min(DUEL_LIMIT, self._rule_duel + 2 * every_hit - 1))
-            if self.recency and self._rule_duel < 0:
-                # ARC's target starts from the split that recency left.
-                self.recency = False
-                self.target_t1 = float(len(self._t1))
-            elif not self.recency and self._rule_duel > 0:
-                self.recency = True
-
-    def _note_sampled(self, key: BlockKey) -> None:
-        """Remember that ``key``, about to be stored, is sampled (its hits go to the shadows)."""
-        sampled = self._sampled
-        sampled.add(key)
-        # Keys that left the tier (or were never stored: no free slot, an aborted store) are
-        # dropped in a sweep once there are twice as many as slots: O(1) amortized per key.
-        if len(sampled) > 2 * self.num_slots:
-            held = self._parent
-            sampled.intersection_update([key for key in sampled if key in held])
+        if self._duels.reference(key):
+            # ARC's target starts from the split that recency left.
+            self.target_t1 = float(len(self._t1))
 
     def _admit_on_second_sight(self, key: BlockKey, parent: BlockKey | None) -> bool:
         """Whether ``key`` was seen before (and its parent was not just declined)."""
@@ -510,7 +529,8 @@ class PrefixARCPolicy(EvictionPolicy):
         chain = self._chain
         if chain and parent != chain[-1]:
             self._end_chain()
-        where, sampling, sample_below = self._where, self._sampling, self._sample_below
+        where, duels = self._where, self._duels
+        sampling, sample_below = duels.sampling, duels.sample_below
         admitted = []
         for key in keys:
             # As in ARC, a ghost hit moves the target before the victim for ``key`` is chosen;
@@ -532,8 +552,8 @@ class PrefixARCPolicy(EvictionPolicy):
                 )
             if sampling and crc32(key) & SAMPLE_MASK < sample_below:
                 self._shadow_reference(key)
-                self._note_sampled(key)
-            admitted.append(not self.second_sight or self._admit_on_second_sight(key, parent))
+                duels.note_sampled(key, self._parent)
+            admitted.append(not duels.second_sight or self._admit_on_second_sight(key, parent))
             parent = key
         return admitted
 
@@ -616,7 +636,10 @@ class PrefixARCPolicy(EvictionPolicy):
             self._history_len -= 1
         self._forgotten += 1
         if self._forgotten > self._b1_len + self._b2_len + self._history_len:
-            self._sweep_memory()
+            # Drop the entries of keys stored again from the queues of evicted keys.
+            for queue in (self._b1, self._b2, self._history):
+                queue.sweep(self._where)
+            self._forgotten = 0
 
     def accessed(self, key: BlockKey) -> None:
         self.accessed_all((key,))
@@ -632,7 +655,7 @@ class PrefixARCPolicy(EvictionPolicy):
             self._rank_chain()
         chain.extend(keys)
         # Hits go to the frequency list leaf first, so that a chain of hits alone is ranked.
-        sampled, t1, t2, classes = self._sampled, self._t1, self._t2, self._cls
+        sampled, t1, t2, classes = self._duels.sampled, self._t1, self._t2, self._cls
         move_to_end = t2.move_to_end
         clock = self._clock
         for key in reversed(keys):
@@ -668,12 +691,16 @@ class PrefixARCPolicy(EvictionPolicy):
         if t1.pop(key, None) is not None:
             self._tickets += 1
             place = where[key] = self._tickets << 2 | IN_B1
-            self._b1.append(key, place)
+            queue = self._b1
+            queue.keys.append(key)
+            queue.places.append(place)
             b1_len += 1
         elif t2.pop(key, None) is not None:
             self._tickets += 1
             place = where[key] = self._tickets << 2 | IN_B2
-            self._b2.append(key, place)
+            queue = self._b2
+            queue.keys.append(key)
+            queue.places.append(place)
             b2_len += 1
         else:
             del self._orphans[key]
@@ -698,12 +725,14 @@ class PrefixARCPolicy(EvictionPolicy):
         # keys the ghost lists forget move to the long history, which forgets its oldest (each
         # queue skips the entries of keys stored again that it meets on the way).
         num_slots, history = self.num_slots, self._history
-        if len(t1) + b1_len > num_slots and b1_len:
-            self._to_history(self._b1)
+        if b1_len and len(t1) + b1_len > num_slots:
+            self._tickets += 1
+            self._b1.move_oldest(history, where, self._tickets << 2 | IN_HISTORY)
             b1_len -= 1
             history_len += 1
         if b2_len and len(t1) + len(t2) + b1_len + b2_len > 2 * num_slots:
-            self._to_history(self._b2)
+            self._tickets += 1
+            self._b2.move_oldest(history, where, self._tickets << 2 | IN_HISTORY)
             b2_len -= 1
             history_len += 1
         keys, places = history.keys, history.places
@@ -715,13 +744,6 @@ class PrefixARCPolicy(EvictionPolicy):
                 history_len -= 1
         self._b1_len, self._b2_len, self._history_len = b1_len, b2_len, history_len
 
-    def _to_history(self, ghosts: _Memory) -> None:
-        """Move the oldest key a ghost list still remembers to the long history."""
-        key = ghosts.pop_live(self._where)
-        self._tickets += 1
-        place = self._where[key] = self._tickets << 2 | IN_HISTORY
-        self._history.append(key, place)
-
     def victim(self, evictable: Callable[[BlockKey], bool]) -> BlockKey | None:
         if self._orphans:
             key = first_evictable(self._orphans, evictable)
@@ -730,7 +752,7 @@ class PrefixARCPolicy(EvictionPolicy):
         if self._ranked != len(self._chain):
             self._rank_chain()
         t1, t2 = self._t1, self._t2
-        if self.recency:
+        if self._duels.recency:
             # The list whose first key was used less recently gives the victim, else the other.
             from_t1 = bool(t1) and (not t2 or t1[next(iter(t1))] <= t2[next(iter(t2))])
         else:
@@ -741,6 +763,16 @@ class PrefixARCPolicy(EvictionPolicy):
             if evictable(key):
                 return key
         return first_evictable(second, evictable)
+
+
+def _low_value_bar(stored: list[float], reused: list[float], ratio: float) -> tuple[float, float]:
+    """The prior pseudo-reuses of a class, and the bar under which its reuse rate is low.
+
+    A class is of low value when ``(reused + prior) / (stored + PRIOR_WEIGHT) < bar``: its
+    reuse rate, pulled towards the overall rate, is under ``ratio`` of it.
+    """
+    overall = (sum(reused) + 1.0) / (sum(stored) + 2.0)
+    return PRIOR_WEIGHT * overall, ratio * overall
 
 
 def _remember(seen: OrderedDict[BlockKey, None], key: BlockKey, size: int) -> None:
