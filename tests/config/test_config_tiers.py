@@ -249,6 +249,7 @@ REMOTE = {
     "queue_depth": 64,
     "write_policy": "write_through",
     "get_deadline_s": 1.0,
+    "fault_memory_s": 60.0,
     "reconnect_backoff_s": 0.5,
     "reconnect_max_backoff_s": 30.0,
 }

@@ -205,6 +205,34 @@ def test_a_writer_without_the_key_cannot_plant_a_record(
         client.close()
 
 
+def test_a_damaged_record_is_deleted_so_a_put_can_replace_it(
+    mooncake: MooncakeStore, tiers: Callable[..., MooncakeTier], key_file: Path
+) -> None:
+    """The store keeps the first object put under a name: a damaged record would miss for
+    good unless the tier that finds it deletes it."""
+    mooncake.clear()
+    tier = tiers(**mooncake.tier_settings(), key_file=key_file)
+    keys = tier.keys.keys(block_hashes("damaged", 2))
+    records = payloads(2, RECORD)
+    store(tier, keys, records)
+    client = mooncake.client()
+    try:
+        name = f"kvtier:{keys[0].hex()}"
+        damaged = bytearray(client.get(name))
+        damaged[-1] ^= 1
+        assert client.upsert_batch([name], [bytes(damaged)]) == 0
+        assert fetch(tier, keys) == [None, records[1]]
+        deadline = time.monotonic() + 5
+        while client.is_exist(name) == 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.is_exist(name) == 0, "the damaged record is deleted"
+    finally:
+        client.close()
+    store(tier, keys[:1], records[:1])
+    assert fetch(tier, keys) == records
+    assert tier.stats().errors == {"auth": 1}
+
+
 def test_soft_pinned_records_are_pinned_in_the_store(
     mooncake: MooncakeStore, tiers: Callable[..., MooncakeTier]
 ) -> None:
