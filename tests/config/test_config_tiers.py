@@ -286,7 +286,7 @@ BUILT_IN_TIER_KEYS = {
         "local_hostname": "127.0.0.1",
         "global_segment_bytes": 0,
         "local_buffer_bytes": 64 << 20,
-        "put_batch_bytes": 16 << 20,
+        "put_batch_bytes": 4 << 20,
         "replicas": 1,
         "soft_pin_ttl_s": None,
         "io_threads": 2,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -231,6 +232,42 @@ def test_a_damaged_record_is_deleted_so_a_put_can_replace_it(
     store(tier, keys[:1], records[:1])
     assert fetch(tier, keys) == records
     assert tier.stats().errors == {"auth": 1}
+
+
+def _listening_hosts() -> set[tuple[str, int]]:
+    """(local address in /proc's hex, port) of each TCP socket this process listens on."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    listening = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and inode in inodes:  # LISTEN
+                    host, port = local.split(":")
+                    listening.add((host, int(port, 16)))
+    return listening
+
+
+def test_the_client_listens_on_every_interface_whatever_local_hostname_says(
+    mooncake: MooncakeStore, tiers: Callable[..., MooncakeTier]
+) -> None:
+    """docs/tiers/mooncake.md says that the store client cannot be kept on loopback: with
+    local_hostname 127.0.0.1 its transfer engine still binds every interface. Once a client
+    release honours local_hostname this fails, and the page must change."""
+    before = _listening_hosts()
+    tiers(**mooncake.tier_settings(), local_hostname="127.0.0.1")
+    opened = _listening_hosts() - before
+    assert opened, "the client listens on no port"
+    wildcard = {"00000000", "0" * 32}
+    assert {host for host, _ in opened} <= wildcard, opened
 
 
 def test_soft_pinned_records_are_pinned_in_the_store(
