@@ -24,6 +24,17 @@ met, and the model's OpenMP threads then spread over every core, competing
 with the scheduler and the API server. So on the CPU build ``kvtier serve``
 sets ``VLLM_CPU_NUM_OF_RESERVED_CPU`` to what vLLM reserves without a
 connector, unless it is set already, and says so in one line at start-up.
+
+Shutdown: vLLM's default ``--shutdown-timeout 0`` aborts on Ctrl-C or
+``SIGTERM`` and kills the engine processes at once, before kvtier's workers
+write the host tier's blocks to the ``write_back`` tiers that lack them (the
+flush of a graceful shutdown). When a tier writes back and the command line
+sets no ``--shutdown-timeout``, ``kvtier serve`` passes one that covers the
+flush: ``close_timeout_s + flush_deadline_s`` and a 2 s margin, rounded up
+(16 s by default), and says so in one line at start-up. vLLM then drains: it
+lets requests in flight finish within the same window, and returns as soon as
+its processes exit. A ``--shutdown-timeout`` given is kept, with a warning
+when it is shorter than that.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import platform
 import shlex
@@ -39,7 +51,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvtier.config import CONFIG_FILE_KEY, load_config
+from kvtier.config import CONFIG_FILE_KEY, KVTierConfig, load_config
+from kvtier.models import write_policy_of
 
 CONNECTOR_NAME = "KVTierConnector"
 CONNECTOR_MODULE = "kvtier.integrations.vllm"
@@ -50,6 +63,10 @@ EXIT_USAGE = 2
 RESERVED_CPU_VARIABLE = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 CPU_BUILD_DISTRIBUTION = "vllm-cpu"
 _ONE_CORE_PER_RANK_MACHINES = ("x86_64", "amd64", "aarch64", "arm64", "riscv64")
+SHUTDOWN_TIMEOUT_FLAG = "--shutdown-timeout"
+SHUTDOWN_MARGIN_S = 2.0
+"""Seconds of ``--shutdown-timeout`` beyond the workers' close and flush, for the engine's
+own teardown."""
 
 
 def transfer_config_fields(kvtier_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -126,8 +143,57 @@ def transfer_config_given(vllm_args: Sequence[str]) -> bool:
     )
 
 
-def server_command(vllm_args: Sequence[str], config_file: str | None) -> list[str]:
-    """Check kvtier's config for this server, then return the command line that starts it.
+def flush_shutdown_timeout_s(config: KVTierConfig) -> int | None:
+    """Seconds of vLLM's ``--shutdown-timeout`` that a graceful stop needs for the write-back
+    flush; ``None`` when no tier writes back or ``flush_deadline_s`` is 0."""
+    if not config.flush_deadline_s or not any(
+        write_policy_of(tier) == "write_back" for tier in config.tiers
+    ):
+        return None
+    return math.ceil(config.close_timeout_s + config.flush_deadline_s + SHUTDOWN_MARGIN_S)
+
+
+def given_shutdown_timeout(vllm_args: Sequence[str]) -> str | None:
+    """The ``--shutdown-timeout`` that ``vllm_args`` set, as given; ``None`` when none."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument(SHUTDOWN_TIMEOUT_FLAG)
+    known, _ = parser.parse_known_args(list(vllm_args))
+    return known.shutdown_timeout  # type: ignore[no-any-return]
+
+
+def shutdown_arguments(config: KVTierConfig, vllm_args: Sequence[str]) -> tuple[list[str], str]:
+    """vLLM arguments that give the write-back flush time to run at a graceful stop, and a
+    line for the start-up log ("" when there is nothing to say)."""
+    needed = flush_shutdown_timeout_s(config)
+    if needed is None:
+        return [], ""
+    given = given_shutdown_timeout(vllm_args)
+    why = (
+        f"the write-back flush needs {needed} s (close_timeout_s {config.close_timeout_s:g} + "
+        f"flush_deadline_s {config.flush_deadline_s:g} + {SHUTDOWN_MARGIN_S:g})"
+    )
+    if given is None:
+        return [SHUTDOWN_TIMEOUT_FLAG, str(needed)], (
+            f"kvtier serve: {SHUTDOWN_TIMEOUT_FLAG} {needed}: vLLM's default 0 kills the engine "
+            f"on Ctrl-C before the host tier's blocks reach the write_back tiers, and {why}; "
+            "requests in flight may finish within it too; pass "
+            f"{SHUTDOWN_TIMEOUT_FLAG} to choose"
+        )
+    try:
+        enough = float(given) >= needed
+    except ValueError:
+        enough = True  # vLLM's own parser reports it
+    if enough:
+        return [], ""
+    return [], (
+        f"kvtier serve: {SHUTDOWN_TIMEOUT_FLAG} {given} from the command line, kept; {why}, "
+        "so a stop may kill the engine before it wrote the host tier's blocks down"
+    )
+
+
+def server_command(vllm_args: Sequence[str], config_file: str | None) -> tuple[list[str], str]:
+    """Check kvtier's config for this server, then return the command line that starts it,
+    and a line for the start-up log about its shutdown ("" for none).
 
     Args:
         vllm_args: vLLM's server arguments, without a transfer config (see
@@ -142,6 +208,7 @@ def server_command(vllm_args: Sequence[str], config_file: str | None) -> list[st
     config = load_config(config_file=config_file)
     world_size = world_size_of(vllm_args)
     config.check_host_memory(world_size, ranks=world_size)
+    shutdown, line = shutdown_arguments(config, vllm_args)
     extra = {CONFIG_FILE_KEY: os.path.abspath(config_file)} if config_file is not None else {}
     transfer = json.dumps(transfer_config_fields(extra))
     args = list(vllm_args)
@@ -149,9 +216,9 @@ def server_command(vllm_args: Sequence[str], config_file: str | None) -> list[st
         # `vllm serve MODEL` takes the model first; the server module only reads --model.
         args = ["--model", *args]
     return [
-        sys.executable, "-m", VLLM_SERVER_MODULE, *args, TRANSFER_CONFIG_FLAG, transfer,
-        "--middleware", MIDDLEWARE,
-    ]  # fmt: skip
+        sys.executable, "-m", VLLM_SERVER_MODULE, *args, *shutdown, TRANSFER_CONFIG_FLAG,
+        transfer, "--middleware", MIDDLEWARE,
+    ], line  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -194,7 +261,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
-    command = server_command(args.vllm_args, args.kvtier_config)
+    command, shutdown_line = server_command(args.vllm_args, args.kvtier_config)
+    if shutdown_line:
+        print(shutdown_line, file=sys.stderr)
     if args.print_command:
         print(shlex.join(command))
         return 0

@@ -160,6 +160,16 @@ class RemoteTierConfig(RecordKeyConfig):
             f"as long as the store's client does. At most {MAX_DURATION_S:g}."
         ),
     )
+    fault_memory_s: float = Field(
+        60.0,
+        ge=0,
+        le=MAX_DURATION_S,
+        description=(
+            "Seconds a key whose record failed its checks is answered as a miss without "
+            "reading it again (a put of the key ends it sooner); 0 reads it every time. "
+            f"At most 65536 keys are remembered. At most {MAX_DURATION_S:g}."
+        ),
+    )
     reconnect_backoff_s: float = Field(
         0.5,
         gt=0,

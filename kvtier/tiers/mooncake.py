@@ -166,11 +166,7 @@ class MooncakeTier(RemoteTier):
         found: list[memoryview | None] = []
         for key, buffer, code in zip(keys, buffers, codes, strict=True):
             if code >= 0:
-                payload = self._codec.decode(key, memoryview(buffer)[:code])
-                if isinstance(payload, RecordFault):
-                    self._count_error(payload)
-                    payload = None
-                found.append(payload)
+                found.append(self._checked(key, memoryview(buffer)[:code]))
                 continue
             if code == INVALID_PARAMS:  # longer than a record of this layout
                 self._count_error(RecordFault.LENGTH)

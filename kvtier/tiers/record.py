@@ -393,6 +393,21 @@ class RecordCodec:
             b"".join((view[:_SEAL_OFFSET], key)),
         )
 
+    def sealed_here(self, data: memoryview | bytes) -> bool:
+        """Whether ``data`` starts with a header of this format that names this codec's
+        scheme and, for a keyed scheme, one of its keys.
+
+        Such a record that fails its checks is damaged or forged: every engine
+        holding these keys rejects it alike. One that names another format, scheme
+        or key may be a valid record of a writer this codec cannot read.
+        """
+        if len(data) < HEADER_FIXED_BYTES:
+            return False
+        magic, version, *_, scheme, key_id, _, _ = _FIXED.unpack_from(data)
+        if (magic, version, scheme) != (MAGIC, FORMAT_VERSION, self.scheme):
+            return False
+        return self.keys is None or self.keys.mac_key(key_id) is not None
+
     def unseal(
         self, key: BlockKey, header: RecordHeader | RecordFault, body: memoryview | bytes
     ) -> memoryview | RecordFault:

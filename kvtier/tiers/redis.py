@@ -48,7 +48,6 @@ from redis.retry import Retry
 
 from kvtier.index.base import BlockKey
 from kvtier.tiers.base import Cause, TierSpec
-from kvtier.tiers.record import RecordFault
 from kvtier.tiers.redis_config import RedisTierConfig
 from kvtier.tiers.remote import RemoteTier
 
@@ -353,12 +352,7 @@ class RedisTier(RemoteTier):
                 self._count_error(self._cause_of(reply))
                 found.append(None)
             else:
-                payload = self._codec.decode(key, reply)
-                if isinstance(payload, RecordFault):
-                    self._count_error(payload)
-                    found.append(None)
-                else:
-                    found.append(payload)
+                found.append(self._checked(key, reply))
         return found
 
     def _staging(self, count: int) -> list[bytearray]:

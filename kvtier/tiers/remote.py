@@ -21,22 +21,42 @@ them:
    window; the first answer closes it. A tier that calls the store several
    times per batch uses :meth:`~RemoteTier._backing_off` and
    :meth:`~RemoteTier._store_failed` itself.
-4. :meth:`RemoteTier._count_stored` counts the records a write stored.
-5. ``_release`` closes the client.
+4. :meth:`RemoteTier._checked` turns a record read from the store into its
+   payload, or into a miss when it fails its checks: the fault is counted,
+   the key remembered (:class:`FaultyRecords`) so that reads answer it as a
+   miss without reading it again for ``fault_memory_s``, and the record is
+   deleted when it names this tier's format, scheme and one of its keys (every
+   engine holding those keys would reject it too). A record of another format
+   or sealed with a key this tier lacks (an engine mid-rotation, another
+   version) is left to its writer. A put of the key forgets it.
+5. :meth:`RemoteTier._count_stored` counts the records a write stored.
+6. ``_release`` closes the client.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, ClassVar, TypeVar
 
 from kvtier.index.base import BlockKey
 from kvtier.tiers.backoff import Backoff
-from kvtier.tiers.base import Cause, TierError, TierSpec
+from kvtier.tiers.base import (
+    Buffer,
+    Cause,
+    ContainsResult,
+    GetResult,
+    PutResult,
+    TierError,
+    TierSpec,
+)
 from kvtier.tiers.configs import RemoteTierConfig
-from kvtier.tiers.queued import QueuedTier
-from kvtier.tiers.record import tier_codec
+from kvtier.tiers.queued import QueuedTier, _Op, _Request
+from kvtier.tiers.record import RecordFault, tier_codec
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +64,51 @@ T = TypeVar("T")
 
 _UNREACHABLE = (Cause.CONNECTION, Cause.TIMEOUT)
 """Causes that mean the store did not answer: the tier backs off."""
+
+FAULTY_KEYS = 65536
+"""Most keys a tier remembers as faulty; beyond it the oldest is forgotten first."""
+
+
+class FaultyRecords:
+    """Keys whose record failed its checks, each remembered for ``ttl_s`` seconds.
+
+    At most :data:`FAULTY_KEYS` are kept, the oldest forgotten first; a ``ttl_s``
+    of 0 remembers nothing. Safe to use from several threads.
+    """
+
+    def __init__(self, ttl_s: float) -> None:
+        self._ttl_s = ttl_s
+        self._until: OrderedDict[BlockKey, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, key: BlockKey) -> None:
+        """Remember ``key`` from now for ``ttl_s``."""
+        if not self._ttl_s:
+            return
+        with self._lock:
+            self._until.pop(key, None)
+            self._until[key] = time.monotonic() + self._ttl_s
+            while len(self._until) > FAULTY_KEYS:
+                self._until.popitem(last=False)
+
+    def forget(self, keys: Sequence[BlockKey]) -> None:
+        """Forget ``keys`` (a put is writing them anew)."""
+        if not self._until:
+            return
+        with self._lock:
+            for key in keys:
+                self._until.pop(key, None)
+
+    def known(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each of ``keys`` is remembered and its time is not over."""
+        if not self._until:
+            return [False] * len(keys)
+        now = time.monotonic()
+        with self._lock:
+            # Kept in the order remembered, with one ttl: the expired ones lead.
+            while self._until and next(iter(self._until.values())) <= now:
+                self._until.popitem(last=False)
+            return [key in self._until for key in keys]
 
 
 class RemoteTier(QueuedTier):
@@ -102,6 +167,7 @@ class RemoteTier(QueuedTier):
         self._backoff = Backoff(
             name, where, config.reconnect_backoff_s, config.reconnect_max_backoff_s
         )
+        self._faulty = FaultyRecords(config.fault_memory_s)
         self._client: Any = None
 
     def _open(self, connect: Callable[[], str | None], summary: str) -> None:
@@ -164,6 +230,47 @@ class RemoteTier(QueuedTier):
             return None
         self._backoff.answered()
         return result
+
+    def _checked(self, key: BlockKey, record: memoryview | bytes) -> memoryview | None:
+        """The payload of ``record``, read from the store for ``key``; ``None`` when it fails
+        its checks (counted, remembered, and deleted when this tier sealed it; see the
+        module docstring)."""
+        payload = self._codec.decode(key, record)
+        if not isinstance(payload, RecordFault):
+            return payload
+        self._count_error(payload)
+        self._faulty.remember(key)
+        if self._codec.sealed_here(record):
+            try:
+                self.delete([key])
+            except RuntimeError:  # closing: the next engine to read the record deletes it
+                logger.debug("%s tier: closed before a faulty record was deleted", self.name)
+        return None
+
+    def put(self, keys: Sequence[BlockKey], records: Sequence[Buffer]) -> Future[PutResult]:
+        self._faulty.forget(keys)
+        return super().put(keys, records)
+
+    def _run(self, request: _Request) -> Any:
+        """Run ``request``; a read answers the keys remembered as faulty as misses without
+        asking the store for them."""
+        if request.op not in (_Op.GET, _Op.CONTAINS):
+            return super()._run(request)
+        known = self._faulty.known(request.keys)
+        if not any(known):
+            return super()._run(request)
+        asked = _Request(
+            request.op,
+            tuple(key for key, faulty in zip(request.keys, known, strict=True) if not faulty),
+            (),
+            None,
+            None,
+        )
+        if request.op is _Op.GET:
+            found = iter(super()._run(asked).records if asked.keys else ())
+            return GetResult(request.keys, tuple(None if bad else next(found) for bad in known))
+        present = iter(super()._run(asked).present if asked.keys else ())
+        return ContainsResult(request.keys, tuple(not bad and next(present) for bad in known))
 
     def _count_stored(self, stored: list[bool]) -> list[bool]:
         """Count the records of a write that ``stored`` says were stored; return it."""

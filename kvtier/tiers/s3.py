@@ -417,12 +417,7 @@ class S3Tier(RemoteTier):
                 payloads.append(None)
                 continue
             _, data, (start, end) = found[key]
-            payload = self._codec.decode(key, memoryview(data)[start:end])
-            if isinstance(payload, RecordFault):
-                self._count_error(payload)
-                payloads.append(None)
-            else:
-                payloads.append(payload)
+            payloads.append(self._checked(key, memoryview(data)[start:end]))
         return payloads
 
     def _exists(self, keys: Sequence[BlockKey]) -> list[bool]:

@@ -249,6 +249,7 @@ REMOTE = {
     "queue_depth": 64,
     "write_policy": "write_through",
     "get_deadline_s": 1.0,
+    "fault_memory_s": 60.0,
     "reconnect_backoff_s": 0.5,
     "reconnect_max_backoff_s": 30.0,
 }
@@ -285,7 +286,7 @@ BUILT_IN_TIER_KEYS = {
         "local_hostname": "127.0.0.1",
         "global_segment_bytes": 0,
         "local_buffer_bytes": 64 << 20,
-        "put_batch_bytes": 16 << 20,
+        "put_batch_bytes": 4 << 20,
         "replicas": 1,
         "soft_pin_ttl_s": None,
         "io_threads": 2,

@@ -157,3 +157,46 @@ def test_the_cpu_build_starts_with_vanillas_thread_layout(
     assert os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] == str(vanilla_reserved_cpus(2))
     (line,) = capsys.readouterr().err.splitlines()
     assert "the cores vLLM reserves without a connector" in line
+
+
+def _printed_command(
+    config: Path, capsys: pytest.CaptureFixture[str], *vllm_args: str
+) -> tuple[list[str], str]:
+    assert main(["serve", "--kvtier-config", str(config), "--print-command", *vllm_args]) == 0
+    out, err = capsys.readouterr()
+    return shlex.split(out), err
+
+
+def test_a_write_back_tier_gets_the_shutdown_timeout_its_flush_needs(
+    tmp_path: Path, exec_calls: list[list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's default --shutdown-timeout 0 kills the engine before the write-back flush."""
+    config = tmp_path / "kvtier.yaml"
+    disk = f"{{type: disk, path: {tmp_path / 'disk'}, capacity_bytes: 1MiB}}"
+    config.write_text(f"cpu_bytes: 64MiB\nflush_deadline_s: 7.5\ntiers: [{disk}]\n")
+    command, err = _printed_command(config, capsys, "m")
+    flag = command.index("--shutdown-timeout")
+    assert command[flag + 1] == "20", "close_timeout_s 10 + flush_deadline_s 7.5 + 2, rounded up"
+    (line,) = err.splitlines()
+    assert line.startswith("kvtier serve: --shutdown-timeout 20: vLLM's default 0 kills")
+    command, err = _printed_command(config, capsys, "m", "--shutdown-timeout=60")
+    assert command.count("--shutdown-timeout=60") == 1 and "--shutdown-timeout" not in command
+    assert err == ""
+    command, err = _printed_command(config, capsys, "m", "--shutdown-timeout", "3")
+    assert command.count("--shutdown-timeout") == 1
+    assert (
+        "--shutdown-timeout 3 from the command line, kept; the write-back flush needs 20 s" in err
+    )
+
+
+def test_no_write_back_tier_leaves_vllms_shutdown_alone(
+    tmp_path: Path, exec_calls: list[list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "kvtier.yaml"
+    disk = f"{{type: disk, path: {tmp_path / 'disk'}, capacity_bytes: 1MiB}}"
+    config.write_text(f"cpu_bytes: 64MiB\ntiers: [{disk}]\nflush_deadline_s: 0\n")
+    command, err = _printed_command(config, capsys, "m")
+    assert "--shutdown-timeout" not in command and err == ""
+    config.write_text("cpu_bytes: 64MiB\n")
+    command, err = _printed_command(config, capsys, "m")
+    assert "--shutdown-timeout" not in command and err == ""

@@ -51,6 +51,8 @@ TIER_CLASS = "KVTierSecondaryTier"
 TIER_MODULE = "kvtier.integrations.vllm.tiering"
 CHUNK_BYTES = 4096
 """Bytes of one chunk (one block of the made-up model, on its one worker)."""
+TOKENS_PER_CHUNK = 16
+"""Tokens of one chunk of the made-up model."""
 
 _STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
@@ -85,6 +87,7 @@ class TieringEngine:
         cpu_chunks: int = 16,
         model: str = "kvtier-test/tiny",
         step_timeout_s: float = 10.0,
+        kv_events: bool = False,
     ) -> None:
         """Build vLLM's spec and manager.
 
@@ -93,18 +96,23 @@ class TieringEngine:
             cpu_chunks: Chunks the CPU primary tier holds.
             model: The model name, which goes into every key.
             step_timeout_s: How long :meth:`settle` and :meth:`lookup` step before failing.
+            kv_events: Turn vLLM's KV-cache events on (``--kv-events-config``).
         """
         config = OffloadingConfig(
-            groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+            groups=(
+                OffloadingGroupConfig(
+                    tokens_per_block=TOKENS_PER_CHUNK, layer_names=("l0",), group_id=0
+                ),
+            ),
             worker_kv_bytes_per_block=CHUNK_BYTES,
-            enable_kv_cache_events=False,
+            enable_kv_cache_events=kv_events,
             extra_config={
                 "cpu_bytes_to_use": cpu_chunks * CHUNK_BYTES,
                 "secondary_tiers": [dict(tier) for tier in secondary_tiers],
             },
             engine_id=f"kvtier-test-{uuid.uuid4().hex[:12]}",
             model=OffloadingModelConfig(name=model, dtype="float16"),
-            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+            cache=OffloadingCacheConfig(tokens_per_hash=TOKENS_PER_CHUNK, blocks_per_chunk=1),
             parallel=OffloadingParallelConfig(
                 rank=0,
                 world_size=1,
@@ -144,15 +152,21 @@ class TieringEngine:
             time.sleep(0.005)
 
     def store(self, keys: Sequence[OffloadKey]) -> None:
-        """Store ``keys``' chunks in the CPU tier for a new request, then let them cascade."""
+        """Store ``keys``' chunks in the CPU tier for a new request, then let them cascade.
+
+        As vLLM's scheduler does, the request records each key's position (the
+        token its chunk ends at), and the finished store names its keys as a set.
+        """
         context = self._new_request()
+        for position, key in enumerate(keys, 1):
+            context.set_offload_key_position(key, position * TOKENS_PER_CHUNK)
         prepared = self.manager.prepare_store(keys, context)
         assert prepared is not None, "the CPU tier has no room for the chunks"
         spec = prepared.store_spec
         assert isinstance(spec, CPULoadStoreSpec)
         for key, chunk_id in zip(prepared.keys_to_store, spec.chunk_ids, strict=True):
             self._row(int(chunk_id))[:] = chunk_bytes(key)
-        self.manager.complete_store(keys, context)
+        self.manager.complete_store(set(keys), context)
         self.manager.on_request_finished(context)
         self.settle()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -203,6 +204,70 @@ def test_a_writer_without_the_key_cannot_plant_a_record(
                 assert tier.stats().errors == {"auth": 2, "key": 1}
     finally:
         client.close()
+
+
+def test_a_damaged_record_is_deleted_so_a_put_can_replace_it(
+    mooncake: MooncakeStore, tiers: Callable[..., MooncakeTier], key_file: Path
+) -> None:
+    """The store keeps the first object put under a name: a damaged record would miss for
+    good unless the tier that finds it deletes it."""
+    mooncake.clear()
+    tier = tiers(**mooncake.tier_settings(), key_file=key_file)
+    keys = tier.keys.keys(block_hashes("damaged", 2))
+    records = payloads(2, RECORD)
+    store(tier, keys, records)
+    client = mooncake.client()
+    try:
+        name = f"kvtier:{keys[0].hex()}"
+        damaged = bytearray(client.get(name))
+        damaged[-1] ^= 1
+        assert client.upsert_batch([name], [bytes(damaged)]) == 0
+        assert fetch(tier, keys) == [None, records[1]]
+        deadline = time.monotonic() + 5
+        while client.is_exist(name) == 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.is_exist(name) == 0, "the damaged record is deleted"
+    finally:
+        client.close()
+    store(tier, keys[:1], records[:1])
+    assert fetch(tier, keys) == records
+    assert tier.stats().errors == {"auth": 1}
+
+
+def _listening_hosts() -> set[tuple[str, int]]:
+    """(local address in /proc's hex, port) of each TCP socket this process listens on."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    listening = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                local, state, inode = fields[1], fields[3], fields[9]
+                if state == "0A" and inode in inodes:  # LISTEN
+                    host, port = local.split(":")
+                    listening.add((host, int(port, 16)))
+    return listening
+
+
+def test_the_client_listens_on_every_interface_whatever_local_hostname_says(
+    mooncake: MooncakeStore, tiers: Callable[..., MooncakeTier]
+) -> None:
+    """docs/tiers/mooncake.md says that the store client cannot be kept on loopback: with
+    local_hostname 127.0.0.1 its transfer engine still binds every interface. Once a client
+    release honours local_hostname this fails, and the page must change."""
+    before = _listening_hosts()
+    tiers(**mooncake.tier_settings(), local_hostname="127.0.0.1")
+    opened = _listening_hosts() - before
+    assert opened, "the client listens on no port"
+    wildcard = {"00000000", "0" * 32}
+    assert {host for host, _ in opened} <= wildcard, opened
 
 
 def test_soft_pinned_records_are_pinned_in_the_store(

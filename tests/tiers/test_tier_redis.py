@@ -554,6 +554,35 @@ def test_rotating_keys_keeps_the_records_of_the_old_one(
     assert after.stats().errors == {"auth": 1}
 
 
+def test_a_record_that_fails_its_checks_is_read_once(
+    server: RedisServer, tiers: Callable[..., RedisTier], key_file: Path
+) -> None:
+    """A damaged record sealed with the tier's key is deleted; one sealed with a key the tier
+    lacks (another engine's, mid-rotation) stays, but is not read again until a put."""
+    server.client().flushall()
+    tier = tiers(url=server.url, key_file=key_file)
+    keys = tier.keys.keys(block_hashes("faulty", 3))
+    records = payloads(3, RECORD)
+    store(tier, keys, records)
+    client = server.client()
+    names = [b"kvtier:" + key.hex().encode() for key in keys]
+    damaged = bytearray(client.get(names[0]))
+    damaged[-1] ^= 1
+    client.set(names[0], bytes(damaged))
+    other = RecordCodec(tier.keys.layout_fingerprint, RECORD, keys=RecordKeys.parse(OLD_SECRET))
+    client.set(names[1], other.encode(keys[1], records[1]))
+    for _ in range(3):
+        assert fetch(tier, keys) == [None, None, records[2]]
+    assert tier.stats().errors == {"auth": 2}, "each faulty record is read once"
+    deadline = time.monotonic() + 5
+    while client.exists(names[0]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not client.exists(names[0]), "the damaged record is deleted"
+    assert client.exists(names[1]), "another key's record is left to its writer"
+    store(tier, keys[1:2], records[1:2])
+    assert fetch(tier, keys) == [None, records[1], records[2]]
+
+
 def test_an_unkeyed_shared_tier_warns_once_and_require_key_refuses_to_start(
     server: RedisServer,
     tiers: Callable[..., RedisTier],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
@@ -12,7 +13,6 @@ from kvtier.index.base import BlockKey
 from kvtier.testing.contracts_tier import block_hashes, make_spec, payloads
 from kvtier.tiers.base import Cause, TierError
 from kvtier.tiers.configs import RemoteTierConfig
-from kvtier.tiers.record import RecordFault
 from kvtier.tiers.remote import RemoteTier
 
 RECORD = 64
@@ -64,8 +64,7 @@ class DictTier(RemoteTier):
         found = self._call_store(keys, lambda: client.call(lambda: [0] * len(keys)))
         if found is None:
             return [None] * len(keys)
-        payloads = [self._codec.decode(key, client.records[key]) for key in keys]
-        return [None if isinstance(payload, RecordFault) else payload for payload in payloads]
+        return [self._checked(key, client.records[key]) for key in keys]
 
     def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
         client: DictClient = self._client
@@ -178,3 +177,21 @@ def test_stores_are_counted_and_codes_name_their_cause(
     stats = tier.stats()
     assert (stats.stores, stats.bytes_written, stats.drops) == (2, 2 * RECORD, 1)
     assert stats.errors == {"no_space": 1}
+
+
+@pytest.mark.parametrize("memory_s", [0.0, 0.3])
+def test_a_record_of_another_writer_is_not_read_again_for_fault_memory_s(
+    tiers: Callable[..., DictTier], client: DictClient, memory_s: float
+) -> None:
+    tier = tiers(fault_memory_s=memory_s)
+    keys = tier.keys.keys(block_hashes("foreign", 2))
+    client.records[keys[0]] = b"a value of some other format"
+    tier.put(keys[1:], payloads(1, RECORD)).result()
+    for _ in range(3):
+        assert tier.get(keys).result().hits == 1
+        assert tier.contains(keys).result().present == (memory_s == 0, True)
+    assert tier.stats().errors == {"version": 3 if memory_s == 0 else 1}
+    time.sleep(memory_s)
+    assert tier.get(keys).result().hits == 1
+    assert tier.stats().errors == {"version": 4 if memory_s == 0 else 2}
+    assert keys[0] in client.records, "a record this tier did not seal is left to its writer"

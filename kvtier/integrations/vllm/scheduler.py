@@ -107,6 +107,28 @@ def publishes_kv_events(vllm_config: VllmConfig) -> bool:
     return bool(events is not None and events.enable_kv_cache_events)
 
 
+def publisher_connects(endpoint: str) -> bool:
+    """Whether vLLM's ZMQ event publisher connects to ``endpoint`` rather than binding it:
+    it binds a wildcard host (``tcp://*:5557``, ``tcp://[::]:5557``) and ``ipc://`` or
+    ``inproc://`` addresses, and connects to every other (``tcp://10.0.0.5:5557``)."""
+    wildcard = "*" in endpoint or "::" in endpoint
+    return not wildcard and not endpoint.startswith(("ipc://", "inproc://"))
+
+
+def warn_if_publisher_connects(vllm_config: VllmConfig) -> None:
+    """Log a warning when vLLM's KV-event publisher will connect to its endpoint, where
+    a subscriber that connects too hears nothing and no error says why."""
+    events = vllm_config.kv_events_config
+    if events is None or events.publisher != "zmq" or not publisher_connects(events.endpoint):
+        return
+    logger.warning(
+        "KV events: vLLM's publisher connects to %s (an address with a host) instead of "
+        "binding it, so the subscriber must bind that address; for the engine to bind, "
+        "use a wildcard host such as tcp://*:<port>",
+        events.endpoint,
+    )
+
+
 LAZY_HEADROOM = 2
 """Lazy mode keeps the first this-many steps' worth of blocks of vLLM's free queue stored."""
 
@@ -202,6 +224,8 @@ class KVTierScheduler:
             logger.info("kvtier sets kv_load_failure_policy to 'recompute'")
             transfer_config.kv_load_failure_policy = "recompute"
         self.record_events = publishes_kv_events(vllm_config)
+        if self.record_events:
+            warn_if_publisher_connects(vllm_config)
         self.config = config
         self.block_tokens = block_tokens
         self.record_bytes = record_bytes

@@ -12,7 +12,9 @@ vLLM's CPU tier. One entry of ``secondary_tiers`` names one kvtier tier::
 
 ``tier`` is validated by the tier's own config model (one line per problem,
 as everywhere in kvtier); ``namespace`` (optional) is the tenant namespace of
-kvtier's config; ``locality`` and ``backpressure`` are vLLM's own settings.
+kvtier's config; ``locality``, ``backpressure`` and ``enable_kv_events`` are
+vLLM's own settings, as its ``fs`` and ``obj`` tiers take them. Any other key
+of the entry is a config error line, like a bad key inside ``tier``.
 
 vLLM calls a secondary tier in its scheduler process only, and every call must
 return at once. The primitives, in the order vLLM calls them:
@@ -21,14 +23,20 @@ return at once. The primitives, in the order vLLM calls them:
    yet is ``RETRY``, and the checks queued during a step run together on a
    thread (vLLM's ``AsyncLookupManager``) after ``on_schedule_end``.
 2. ``submit_store(job)`` hands the job's primary-tier chunks to the kvtier
-   tier's ``put`` (vLLM keeps them pinned until the job finishes).
+   tier's ``put`` (vLLM keeps them pinned until the job finishes), in prefix
+   order: vLLM hands a job's keys as a set, and records each key's position
+   in the request, which orders them (a tier that packs neighbours, as the
+   ``s3`` tier does, then cuts every engine's prefix at the same keys).
 3. ``submit_load(job)`` queues a ``get``; the tier's I/O thread copies each
    record it returns into the job's primary-tier chunk. A record that fails
    its header checks, or its MAC under the tier's keys, is a miss and is
    never copied; the job then reports the keys it did load.
 4. ``get_finished_jobs()`` returns the jobs whose futures completed;
    ``drain_jobs()`` waits for all of them.
-5. ``get_stats()`` reports the kvtier tier's counters as vLLM tiering metrics.
+5. ``get_stats()`` reports the kvtier tier's counters as vLLM tiering metrics;
+   with ``enable_kv_events`` (and vLLM's KV-cache events on),
+   ``take_events()`` returns a stored event of the keys of each store job the
+   tier stored.
 6. ``shutdown()`` waits for the jobs, then closes the tier.
 
 Each record holds one primary-tier chunk: the bytes of every worker's share
@@ -56,6 +64,7 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
     OffloadingCounterMetadata,
+    OffloadingEvent,
     OffloadingMetricMetadata,
     OffloadKey,
     ReqContext,
@@ -156,6 +165,34 @@ def _locality(locality: str | None, tier_type: str) -> Locality | None:
     return Locality(locality)
 
 
+ENTRY_KEYS = (
+    "type",
+    "module_path",
+    "tier",
+    "namespace",
+    "locality",
+    "backpressure",
+    "enable_kv_events",
+)
+"""The keys of one entry of vLLM's ``secondary_tiers`` that runs a kvtier tier."""
+
+
+def _no_other_keys(unknown: Mapping[str, Any], tier_type: str) -> None:
+    """Raise a config error line for each key of the entry it does not take."""
+    if unknown:
+        raise ConfigError(
+            [
+                Problem(
+                    _source(tier_type),
+                    name,
+                    f"unknown key; valid keys here: {', '.join(ENTRY_KEYS)}",
+                    value,
+                )
+                for name, value in unknown.items()
+            ]
+        )
+
+
 def _vllm_path(path: str) -> str:
     """``tiers[0].path`` (kvtier's config) as ``tier.path`` (this entry of vLLM's config)."""
     for kvtier_path in ("tiers[0]", "tiers"):
@@ -225,6 +262,8 @@ class KVTierSecondaryTier(SecondaryTierManager):
         namespace: str = "",
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
+        enable_kv_events: bool = False,
+        **unknown: Any,
     ) -> None:
         """Validate ``tier``, then build the kvtier tier for this engine's chunks.
 
@@ -237,14 +276,20 @@ class KVTierSecondaryTier(SecondaryTierManager):
             locality: ``LOCAL`` or ``REMOTE``; by default ``REMOTE`` for a tier other
                 processes share (Redis), ``LOCAL`` otherwise.
             backpressure_detector: vLLM's detector, built from this entry's ``backpressure``.
+            enable_kv_events: Publish a stored event for the chunks each store job
+                stored, when vLLM's KV-cache events are on.
+            unknown: Any other key of the entry: each is a config error line.
 
         Raises:
-            kvtier.config.ConfigError: ``tier`` or ``namespace`` is invalid.
+            kvtier.config.ConfigError: ``tier``, ``namespace``, ``locality`` or
+                ``enable_kv_events`` is invalid, or the entry has another key.
             kvtier.tiers.TierError: The tier cannot start.
         """
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        _no_other_keys(unknown, tier_type)
         config = tier_config(tier, namespace, tier_type)
         self.locality = _locality(locality, tier_type)
+        self._events = _events(enable_kv_events, offloading_spec, tier_type)
         keys = KeyNamespace(
             offloading_spec.config.model.name,
             chunk_layout_fingerprint(offloading_spec, self.block_size_bytes),
@@ -263,7 +308,7 @@ class KVTierSecondaryTier(SecondaryTierManager):
         self._primary = primary_kv_view.cast("B")
         self._done_lock = threading.Condition()
         self._in_flight = 0
-        self._finished: list[tuple[JobResult, Sequence[OffloadKey]]] = []
+        self._finished: list[tuple[JobResult, Sequence[OffloadKey], Sequence[OffloadKey]]] = []
         self._lookups = _PresenceChecks(self)
         logger.info(
             "kvtier %s tier runs below vLLM's CPU tier as secondary tier %s (%s, %d-byte chunks)",
@@ -282,12 +327,14 @@ class KVTierSecondaryTier(SecondaryTierManager):
         return LookupResult.HIT if present else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
-        records = [self._chunk(chunk_id) for chunk_id in job_metadata.chunk_ids]
+        keys, chunk_ids = _prefix_order(job_metadata)
+        records = [self._chunk(chunk_id) for chunk_id in chunk_ids]
         started = time.monotonic()
         future = self._start(lambda: self.tier.put(self.tier_keys(keys), records))
         future.add_done_callback(
-            lambda done: self._finish(self._stored(job_metadata.job_id, done, started), ())
+            lambda done: self._finish(
+                self._stored(job_metadata.job_id, done, started), (), self._stored_keys(keys, done)
+            )
         )
 
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -302,12 +349,27 @@ class KVTierSecondaryTier(SecondaryTierManager):
     def get_finished_jobs(self) -> Iterable[JobResult]:
         with self._done_lock:
             finished, self._finished = self._finished, []
-        for _, failed_keys in finished:
+        for _, failed_keys, stored_keys in finished:
             if failed_keys:
                 # The presence check said yes but the record did not come back (damaged,
                 # forged, evicted): stop offering it, or vLLM would promote it again.
                 self._lookups.mark_miss(failed_keys)
-        return [result for result, _ in finished]
+            if stored_keys and self._events is not None:
+                self._events.append(
+                    OffloadingEvent(
+                        keys=list(stored_keys),
+                        medium=self.medium,
+                        removed=False,
+                        locality=self.locality,
+                    )
+                )
+        return [result for result, _, _ in finished]
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events is None:
+            return ()
+        events, self._events = self._events, []
+        return events
 
     def has_pending_work(self) -> bool:
         with self._done_lock:
@@ -378,9 +440,14 @@ class KVTierSecondaryTier(SecondaryTierManager):
                 self._in_flight -= 1
             raise
 
-    def _finish(self, result: JobResult, failed_keys: Sequence[OffloadKey]) -> None:
+    def _finish(
+        self,
+        result: JobResult,
+        failed_keys: Sequence[OffloadKey],
+        stored_keys: Sequence[OffloadKey] = (),
+    ) -> None:
         with self._done_lock:
-            self._finished.append((result, failed_keys))
+            self._finished.append((result, failed_keys, stored_keys))
             self._in_flight -= 1
             self._done_lock.notify_all()
 
@@ -392,6 +459,14 @@ class KVTierSecondaryTier(SecondaryTierManager):
             transfer_time=time.monotonic() - started,
             transfer_bytes=sum(stored) * self.block_size_bytes,
         )
+
+    def _stored_keys(
+        self, keys: Sequence[OffloadKey], done: Future[PutResult]
+    ) -> Sequence[OffloadKey]:
+        """The keys of a store job that the tier stored, when events are published."""
+        if self._events is None:
+            return ()
+        return [key for key, stored in zip(keys, done.result().stored, strict=True) if stored]
 
     def _loaded(
         self,
@@ -429,3 +504,43 @@ class KVTierSecondaryTier(SecondaryTierManager):
             ),
             failed,
         )
+
+
+def _events(
+    enabled: object, offloading_spec: OffloadingSpec, tier_type: str
+) -> list[OffloadingEvent] | None:
+    """The list a tier collects its events in; ``None`` when it publishes none.
+
+    Raises:
+        ConfigError: ``enabled`` is not a boolean.
+    """
+    if not isinstance(enabled, bool):
+        raise ConfigError(
+            [Problem(_source(tier_type), "enable_kv_events", "expected true or false", enabled)]
+        )
+    if not enabled:
+        return None
+    if not offloading_spec.kv_events_config.enable_kv_cache_events:
+        logger.warning(
+            "vLLM secondary tier %s: enable_kv_events is set but vLLM's KV-cache events are "
+            "off (--kv-events-config); the tier publishes no events",
+            tier_type,
+        )
+        return None
+    return []
+
+
+def _prefix_order(job: TransferJob) -> tuple[list[OffloadKey], list[int]]:
+    """A store job's keys and chunks in prefix order: by kv-cache group, then by the position
+    vLLM recorded for each key in its request (a key without one keeps its place after
+    those with one)."""
+    paired = list(zip(job.keys, job.chunk_ids, strict=True))
+    context = job.req_context
+    last = float("inf")
+
+    def place(pair: tuple[OffloadKey, int]) -> tuple[int, float]:
+        position = context.get_offload_key_position(pair[0])
+        return get_offload_group_idx(pair[0]), last if position is None else position
+
+    paired.sort(key=place)
+    return [key for key, _ in paired], [int(chunk_id) for _, chunk_id in paired]

@@ -9,9 +9,11 @@ Redis, and out of the disk tier when it fills up.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -140,3 +142,41 @@ def test_a_router_sees_a_prefix_move_from_host_memory_to_disk_and_redis(
     assert set(hashes) <= router.removed(HOST), "a block reaches the lower tiers when evicted"
     assert set(hashes) <= router.removed(DISK), "the disk tier made room for later prompts"
     assert not router.removed(REDIS), "Redis evicts without telling: no removal is invented"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "connects"),
+    [
+        ("tcp://*:5557", False),
+        ("tcp://[::]:5557", False),
+        ("ipc:///tmp/kv-events", False),
+        ("tcp://127.0.0.1:5557", True),
+        ("tcp://0.0.0.0:5557", True),
+        ("tcp://router.internal:5557", True),
+    ],
+)
+def test_an_endpoint_with_a_host_warns_that_vllm_connects_to_it(
+    endpoint: str, connects: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's publisher connects to a tcp:// address with a host; a subscriber that connects
+    too hears nothing, so kvtier says so at start-up."""
+    from vllm.config import KVEventsConfig
+
+    from kvtier.integrations.vllm.scheduler import warn_if_publisher_connects
+
+    events = KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint)
+    with caplog.at_level(logging.WARNING, logger="kvtier.integrations.vllm.scheduler"):
+        warn_if_publisher_connects(SimpleNamespace(kv_events_config=events))  # type: ignore[arg-type]
+    warned = [
+        record.getMessage()
+        for record in caplog.records
+        if record.name == "kvtier.integrations.vllm.scheduler"
+    ]
+    if connects:
+        assert warned == [
+            f"KV events: vLLM's publisher connects to {endpoint} (an address with a host) "
+            "instead of binding it, so the subscriber must bind that address; for the engine "
+            "to bind, use a wildcard host such as tcp://*:<port>"
+        ]
+    else:
+        assert warned == []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +18,16 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm.v1.kv_offload.base import Locality  # noqa: E402
+from vllm.v1.kv_offload.base import Locality, Medium  # noqa: E402
 
 from kvtier.config import ConfigError, load_config  # noqa: E402
-from kvtier.integrations.vllm.tiering import KVTierSecondaryTier, tier_config  # noqa: E402
+from kvtier.integrations.vllm.tiering import (  # noqa: E402
+    ENTRY_KEYS,
+    KVTierSecondaryTier,
+    tier_config,
+)
+from kvtier.tiers.s3 import chunk_ends  # noqa: E402
+from tests.support.s3_server import MotoS3Server, aws_test_environment  # noqa: E402
 from tests.support.vllm_tiering import (  # noqa: E402
     TIER_CLASS,
     TIER_MODULE,
@@ -196,6 +202,76 @@ def test_a_missing_tier_says_what_to_give(tiering_engine: Engine) -> None:
         tiering_engine(entry)
     (line,) = caught.value.lines
     assert line.startswith("vLLM secondary tier KVTierSecondaryTier: tier: required")
+
+
+def test_an_unknown_entry_key_is_a_config_line(tiering_engine: Engine, tmp_path: Path) -> None:
+    disk = {"type": "disk", "path": str(tmp_path), "capacity_bytes": "1MiB"}
+    with pytest.raises(ConfigError) as caught:
+        tiering_engine(secondary_tier(disk, namspace="tenant-a", enable_kv_events="yes"))
+    assert sorted(caught.value.lines) == [
+        "vLLM secondary tier KVTierSecondaryTier: namspace: unknown key; valid keys here: "
+        f"{', '.join(ENTRY_KEYS)} (got 'tenant-a')",
+    ]
+    with pytest.raises(ConfigError) as caught:
+        tiering_engine(secondary_tier(disk, enable_kv_events="yes"))
+    assert caught.value.lines == [
+        "vLLM secondary tier KVTierSecondaryTier: enable_kv_events: expected true or false "
+        "(got 'yes')"
+    ]
+
+
+def test_enable_kv_events_publishes_the_stored_chunks(
+    tiering_engine: Engine, kvtier_tier: dict[str, Any]
+) -> None:
+    engine = tiering_engine(secondary_tier(kvtier_tier, enable_kv_events=True), kv_events=True)
+    keys = chunk_keys(4, "events")
+    engine.store(keys)
+    stored = [event for event in engine.manager.take_events() if event.medium is Medium.STORAGE]
+    assert [(sorted(event.keys), event.removed) for event in stored] == [(sorted(keys), False)]
+    assert stored[0].locality is _tier(engine).locality
+    other = {**kvtier_tier, "path": kvtier_tier["path"] + "-2"} if "path" in kvtier_tier else None
+    quiet = tiering_engine(secondary_tier(other or kvtier_tier), kv_events=True)
+    quiet.store(chunk_keys(2, "quiet"))
+    assert not [event for event in quiet.manager.take_events() if event.medium is Medium.STORAGE]
+
+
+@pytest.fixture(scope="module")
+def s3_server() -> Iterator[MotoS3Server]:
+    started = MotoS3Server().start()
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def test_s3_objects_follow_prefix_order_so_a_shared_half_is_found(
+    tiering_engine: Engine, s3_server: MotoS3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM hands a store job's keys as a set; the s3 tier must still cut objects along the
+    prefix, or a request sharing only the first half of it finds little of it."""
+    for name, value in aws_test_environment().items():
+        monkeypatch.setenv(name, value)
+    chunk_blocks = 4
+    s3 = {
+        "type": "s3",
+        "bucket": s3_server.create_bucket("kvtier-tiering-prefix"),
+        "endpoint_url": s3_server.url,
+        "addressing_style": "path",
+        "chunk_blocks": chunk_blocks,
+        "timeout_s": 10.0,
+        "get_deadline_s": 10.0,
+    }
+    engine = tiering_engine(secondary_tier(s3), cpu_chunks=32)
+    keys = chunk_keys(24, "halves")
+    engine.store(keys)
+    engine.evict_cpu_tier()
+    ends = chunk_ends(_tier(engine).tier_keys(keys[:12]), chunk_blocks)
+    # Found: every chunk up to the last chunk end among the first 12 (the rest of the
+    # first half shares an object with chunks after it).
+    found = max(position + 1 for position, end in enumerate(ends) if end)
+    assert found >= 6, "the seed gives the shared half several chunk ends"
+    assert engine.lookup(keys[:12]) == found
+    assert engine.load(keys[:found]) == [chunk_bytes(key) for key in keys[:found]]
 
 
 DOCS_PAGE = Path(__file__).resolve().parents[3] / "docs" / "vllm-native.md"
