@@ -47,9 +47,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import kvtier
 from kvtier.tiers.disk import HEADER_AREA_BYTES, SUPERBLOCK_BYTES, DiskTier
 from kvtier.tiers.record import RecordCodec, RecordFault
 
+KVTIER_ROOT = str(Path(kvtier.__file__).resolve().parents[1])
 PHASES = ("write-back", "promotion", "shutdown")
 MARK = "@crash "
 """Start of the child's protocol lines on its standard output (vLLM logs there too)."""
@@ -209,7 +211,9 @@ def run_child(
     durations: dict[str, float], tmp: Path,
 ) -> dict[str, Any]:  # fmt: skip
     """Run one child; SIGKILL it ``kill_fraction`` of ``kill_phase``'s duration into it."""
-    env = {**os.environ, **ENGINE_ENVIRONMENT, "TMPDIR": str(tmp)}
+    # The child imports the kvtier this process imported, wherever the script is run from.
+    path = os.pathsep.join(filter(None, (KVTIER_ROOT, os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, **ENGINE_ENVIRONMENT, "TMPDIR": str(tmp), "PYTHONPATH": path}
     command = [sys.executable, __file__, "--child", json.dumps(spec)]
     events: list[dict[str, Any]] = []
     killed: dict[str, Any] = {}
