@@ -140,6 +140,25 @@ _RANK_FILE = re.compile(r"rank\d+-of(\d+)\.kvtier")
 """Names of rank files (:func:`rank_file`); the group is the world size."""
 
 
+def lock_holder(status: os.stat_result) -> str | None:
+    """``pid N, NAME`` of the process holding the file of ``status`` locked with ``flock``,
+    from ``/proc/locks``; ``None`` where that cannot be told."""
+    device = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            pids = [
+                fields[4]
+                for fields in (line.split() for line in locks)
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == device
+            ]
+        if not pids:
+            return None
+        with open(f"/proc/{pids[0]}/comm") as comm:
+            return f"pid {pids[0]}, {comm.read().strip()}"
+    except OSError:
+        return None
+
+
 def rank_file(config: DiskTierConfig, spec: TierSpec) -> Path:
     """The file of the rank ``spec`` names, in the tier's directory."""
     return Path(config.path) / f"rank{spec.keys.rank}-of{spec.keys.world_size}.kvtier"
@@ -258,10 +277,12 @@ class DiskTier(QueuedTier, RemovalLog):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
+                holder = lock_holder(os.fstat(fd))
                 os.close(fd)
                 raise TierError(
-                    f"disk tier: {self.file} is in use by another kvtier process; give each "
-                    "engine its own path"
+                    f"disk tier: {self.file} is in use by another kvtier process"
+                    f"{f' ({holder})' if holder else ''}; give each engine its own path, or "
+                    "stop that process if its engine is gone"
                 ) from None
             try:
                 self._remove_other_engines_files(dir_fd, shared)

@@ -206,8 +206,11 @@ def test_a_second_process_on_the_directory_is_refused_until_the_first_is_killed(
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
         message = refusal(open_tier)
+        # The holder is named, so that an engine left running by a killed one can be found.
+        name = Path(sys.executable).name[:15]  # the kernel's name of the process
         assert message.endswith(
-            "is in use by another kvtier process; give each engine its own path"
+            f"is in use by another kvtier process (pid {holder.pid}, {name}); give each "
+            "engine its own path, or stop that process if its engine is gone"
         )
     finally:
         holder.kill()
