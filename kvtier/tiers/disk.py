@@ -1,9 +1,11 @@
 """The ``disk`` tier: block records in one preallocated file per rank, with warm restart.
 
 Each rank owns one file, ``<path>/rank<R>-of<W>.kvtier``, locked against a second
-process, and opens only a regular file of one name that it may have made: never through
-a link, never a FIFO or device, and in a directory other users can write only a sticky
-one, and only its own file there. The file is a 4 KiB superblock (magic, format version,
+process; rank files of another world size that no process holds are left from an earlier
+run and deleted at start, and one that is held refuses the directory. A rank opens only
+a regular file of one name that it may have made: never through a link, never a FIFO or
+device, and in a directory other users can write only a sticky one, and only its own file
+there. The file is a 4 KiB superblock (magic, format version,
 record and slot sizes, slot count) followed by fixed-size slots; a slot is a 4 KiB
 header area (the record header of :mod:`kvtier.tiers.record`, zero-padded) and the
 payload, padded to a multiple of 4 KiB so every record starts on a page. Records are
@@ -36,7 +38,8 @@ reads the header area of every slot, keeps the records whose header is intact
 and written for its layout fingerprint and key namespace (counting the others
 by fault), and indexes them in the order they were written. Payload checksums
 are checked on every read, so a torn or corrupted record is a miss. A
-different record size starts the file afresh.
+different record size starts the file afresh. A smaller capacity shrinks the file and
+keeps the records of the slots it still has; a larger one keeps them all and adds slots.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import stat
 import struct
 import threading
@@ -132,6 +136,29 @@ def _cause_of(exc: OSError) -> Cause:
     return Cause.IO
 
 
+_RANK_FILE = re.compile(r"rank\d+-of(\d+)\.kvtier")
+"""Names of rank files (:func:`rank_file`); the group is the world size."""
+
+
+def lock_holder(status: os.stat_result) -> str | None:
+    """``pid N, NAME`` of the process holding the file of ``status`` locked with ``flock``,
+    from ``/proc/locks``; ``None`` where that cannot be told."""
+    device = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            pids = [
+                fields[4]
+                for fields in (line.split() for line in locks)
+                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == device
+            ]
+        if not pids:
+            return None
+        with open(f"/proc/{pids[0]}/comm") as comm:
+            return f"pid {pids[0]}, {comm.read().strip()}"
+    except OSError:
+        return None
+
+
 def rank_file(config: DiskTierConfig, spec: TierSpec) -> Path:
     """The file of the rank ``spec`` names, in the tier's directory."""
     return Path(config.path) / f"rank{spec.keys.rank}-of{spec.keys.world_size}.kvtier"
@@ -156,7 +183,8 @@ class DiskTier(QueuedTier, RemovalLog):
         Raises:
             TierError: The directory cannot be created or written, it or the
                 file is one the tier may not have made (see :meth:`_open`), the
-                file is in use by another process, the disk has no room for it,
+                file (or a rank file of another world size in the directory) is in use
+                by another process, the disk has no room for it,
                 or ``o_direct`` is set and the filesystem refuses ``O_DIRECT``.
         """
         super().__init__(
@@ -246,17 +274,70 @@ class DiskTier(QueuedTier, RemovalLog):
         try:
             shared = self._check_directory(directory, os.fstat(dir_fd))
             fd = self._open_file(dir_fd, shared)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = lock_holder(os.fstat(fd))
+                os.close(fd)
+                raise TierError(
+                    f"disk tier: {self.file} is in use by another kvtier process"
+                    f"{f' ({holder})' if holder else ''}; give each engine its own path, or "
+                    "stop that process if its engine is gone"
+                ) from None
+            try:
+                self._remove_other_engines_files(dir_fd, shared)
+            except BaseException:
+                if os.fstat(fd).st_size == 0:  # made just now: leave no file behind
+                    os.unlink(self.file.name, dir_fd=dir_fd)
+                os.close(fd)
+                raise
         finally:
             os.close(dir_fd)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise TierError(
-                f"disk tier: {self.file} is in use by another kvtier process; give each "
-                "engine its own path"
-            ) from None
         return fd
+
+    def _remove_other_engines_files(self, dir_fd: int, shared: bool) -> None:
+        """Delete the rank files an engine of another world size left in the directory, so
+        that it holds no more than ``capacity_bytes``; refuse the directory while such an
+        engine still holds one.
+
+        Each rank holds its own file locked, so a file of another world size that can be
+        locked is left from an earlier run (say, before the tensor-parallel size changed).
+        Only regular files of one name are touched, and in a directory other users can
+        write only this user's (see :meth:`_open`).
+        """
+        for name in sorted(os.listdir(dir_fd)):
+            match = _RANK_FILE.fullmatch(name)
+            if match is None or int(match[1]) == self.keys.world_size:
+                continue
+            try:
+                status = os.lstat(name, dir_fd=dir_fd)
+                if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
+                    continue
+                if shared and status.st_uid != os.geteuid():
+                    continue
+                fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            except OSError:
+                continue
+            try:
+                if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != (status.st_dev, status.st_ino):
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    raise TierError(
+                        f"disk tier: {self.file.parent} is in use by an engine of "
+                        f"{match[1]} rank(s) ({name} is locked), and this one has "
+                        f"{self.keys.world_size}; give each engine its own path"
+                    ) from None
+                os.unlink(name, dir_fd=dir_fd)
+                logger.info(
+                    "disk tier: removed %s, left by an engine of %s rank(s) (this one has %d)",
+                    self.file.parent / name,
+                    match[1],
+                    self.keys.world_size,
+                )
+            finally:
+                os.close(fd)
 
     def _check_directory(self, directory: Path, status: os.stat_result) -> bool:
         """Whether users other than this one can write ``directory``; refuse it unless sticky.

@@ -5,7 +5,10 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import random
 import resource
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -189,6 +192,75 @@ def test_one_file_serves_one_process(open_tier: Callable[..., DiskTier]) -> None
         open_tier()
 
 
+def test_a_second_process_on_the_directory_is_refused_until_the_first_is_killed(
+    open_tier: Callable[..., DiskTier], tmp_path: Path
+) -> None:
+    """The lock is the kernel's: a SIGKILLed holder leaves no stale lock behind, and the next
+    engine finds what it wrote."""
+    keys = make_spec(record_bytes=RECORD).keys.keys(block_hashes("held", 2))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path / "tier"), str(capacity_for(8)), str(RECORD)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "ready\n"
+        message = refusal(open_tier)
+        # The holder is named, so that an engine left running by a killed one can be found.
+        name = Path(sys.executable).name[:15]  # the kernel's name of the process
+        assert message.endswith(
+            f"is in use by another kvtier process (pid {holder.pid}, {name}); give each "
+            "engine its own path, or stop that process if its engine is gone"
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    tier = open_tier()
+    assert fetch(tier, keys) == payloads(2, RECORD)
+
+
+HOLDER = """
+import sys, time
+from kvtier.testing.contracts_tier import block_hashes, make_spec, payloads, store
+from kvtier.tiers.disk import DiskTierConfig, build_disk_tier
+path, capacity, record = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+config = DiskTierConfig(path=path, capacity_bytes=capacity)
+tier = build_disk_tier(config, make_spec(record_bytes=record))
+store(tier, tier.keys.keys(block_hashes("held", 2)), payloads(2, record))
+print("ready", flush=True)
+time.sleep(600)
+"""
+"""A process that holds a disk tier open under ``path`` after storing two records."""
+
+
+def test_files_of_an_engine_of_another_world_size_are_removed_at_start(
+    open_tier: Callable[..., DiskTier], tmp_path: Path
+) -> None:
+    """A restart with another tensor-parallel size finds no records (the keys name the
+    rank), so the old files only took room: the directory keeps to ``capacity_bytes``."""
+    open_tier().close()
+    directory = tmp_path / "tier"
+    assert [p.name for p in directory.iterdir()] == ["rank0-of1.kvtier"]
+    for rank in (0, 1):
+        open_tier(
+            make_spec(rank=rank, world_size=2, record_bytes=RECORD), capacity_bytes=capacity_for(16)
+        )
+    assert sorted(p.name for p in directory.iterdir()) == ["rank0-of2.kvtier", "rank1-of2.kvtier"]
+
+
+def test_an_engine_of_another_world_size_on_the_directory_is_refused(
+    open_tier: Callable[..., DiskTier], tmp_path: Path
+) -> None:
+    open_tier()
+    message = refusal(open_tier, spec=make_spec(world_size=2, record_bytes=RECORD))
+    assert message == (
+        f"disk tier: {tmp_path / 'tier'} is in use by an engine of 1 rank(s) (rank0-of1.kvtier "
+        "is locked), and this one has 2; give each engine its own path"
+    )
+    # The refused engine leaves no file of its own behind.
+    assert [p.name for p in (tmp_path / "tier").iterdir()] == ["rank0-of1.kvtier"]
+
+
 # ------------------------------------------------------------------ files kvtier did not make
 
 OTHER_UID = 65534
@@ -346,6 +418,49 @@ def test_a_larger_capacity_keeps_the_records_and_adds_slots(
     store(bigger, keys[2:], records[2:])
     assert fetch(bigger, keys) == records
     assert bigger.stats().evictions == 0
+
+
+@pytest.mark.parametrize("preallocate", [True, False])
+def test_a_smaller_capacity_shrinks_the_file_and_keeps_the_records_that_still_fit(
+    open_tier: Callable[..., DiskTier], preallocate: bool
+) -> None:
+    """Records in the slots past the smaller file's end are dropped, and do not come back
+    when the capacity grows again."""
+    tier = open_tier(capacity_bytes=capacity_for(8), preallocate=preallocate)
+    keys = tier.keys.keys(block_hashes("shrink", 8))
+    records = payloads(8, RECORD)
+    store(tier, keys, records)
+    tier.close()
+    smaller = open_tier(capacity_bytes=capacity_for(4), preallocate=preallocate)
+    assert smaller.file.stat().st_size <= capacity_for(4)
+    found = fetch(smaller, keys)
+    kept = [key for key, record in zip(keys, found, strict=True) if record is not None]
+    assert len(kept) == smaller.stats().records == 4
+    assert [r for r in found if r is not None] == [
+        record for record, got in zip(records, found, strict=True) if got is not None
+    ]
+    more = tier.keys.keys(block_hashes("shrink-more", 3))
+    store(smaller, more, payloads(3, RECORD, seed=1))
+    assert smaller.stats().records == 4 and smaller.file.stat().st_size <= capacity_for(4)
+    smaller.close()
+    larger = open_tier(capacity_bytes=capacity_for(8), preallocate=preallocate)
+    assert larger.stats().records == 4
+
+
+def test_capacity_holds_across_restarts_of_every_size(open_tier: Callable[..., DiskTier]) -> None:
+    """Restarts at random capacities, each storing more than fits: the tier never counts
+    more records than its slots, nor its file more bytes than its capacity."""
+    rng = random.Random(3)
+    for restart in range(8):
+        slots = rng.choice((2, 3, 5, 8))
+        tier = open_tier(capacity_bytes=capacity_for(slots), preallocate=rng.random() < 0.5)
+        keys = tier.keys.keys(block_hashes(f"restart-{restart}", 6))
+        for key, record in zip(keys, payloads(6, RECORD, seed=restart), strict=True):
+            store(tier, [key], [record])
+        assert tier.stats().records == slots
+        assert tier.file.stat().st_size <= capacity_for(slots)
+        assert fetch(tier, keys[-1:]) == payloads(6, RECORD, seed=restart)[-1:]
+        tier.close()
 
 
 def test_another_record_size_starts_the_file_empty(open_tier: Callable[..., DiskTier]) -> None:

@@ -45,6 +45,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.config import ConfigError, KVTierConfig, Problem, load_config
+from kvtier.integrations.lifeline import stop_with_parent
 from kvtier.integrations.vllm.adapters import VllmAdapter, adapter_for
 from kvtier.integrations.vllm.logs import join_vllm_logging, startup_summary
 from kvtier.integrations.vllm.scheduler import KVTierScheduler, publishes_kv_events
@@ -196,6 +197,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = KVTierScheduler(
                 self.config, vllm_config, kv_cache_config, record_bytes=record_bytes
             )
+            # A killed API server leaves vLLM's engine core running, its workers holding
+            # the disk tier's files: stop it, so that the next engine can start.
+            stop_with_parent("vLLM's engine core")
         else:
             self.worker = KVTierWorker(
                 self.config,
