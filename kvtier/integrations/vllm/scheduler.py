@@ -1,5 +1,9 @@
 """The scheduler half of the vLLM connector: vLLM's requests and blocks in, manager calls out.
 
+When vLLM adds a request to its queue, :meth:`KVTierScheduler.on_new_request`
+starts reading its blocks held below the host tier (a prefetch,
+:mod:`kvtier.offload.prefetch`), while it waits to be scheduled.
+
 Call sequence in one engine step, inside ``Scheduler.schedule()``:
 
 1. :meth:`KVTierScheduler.get_num_new_matched_tokens` — for a waiting request
@@ -238,6 +242,11 @@ class KVTierScheduler:
         self._block_pool = gpu_block_pool
         if self.config.store_mode == "lazy":
             self._frontier = FreeQueueFrontier(gpu_block_pool, self._frontier_blocks)
+
+    def on_new_request(self, request: Request) -> None:
+        """vLLM added the request to its queue: read its blocks below the host tier ahead."""
+        control = self._control(request) if request.kv_transfer_params else None
+        self.session.arrived(request.request_id, request.block_hashes, request.num_tokens, control)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
