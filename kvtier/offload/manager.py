@@ -151,12 +151,15 @@ class OffloadManager:
         )  # fmt: skip
 
     @wakes
-    def arrived(self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int) -> None:
-        """A request entered the engine's queue: start reading its blocks held below the host
-        tier into host slots while it waits (:mod:`~kvtier.offload.prefetch`); what it wants
-        is what :meth:`lookup` wants with no prefix hit of the engine's."""
+    def arrived(
+        self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int,
+        num_tokens: int,
+    ) -> None:  # fmt: skip
+        """A request entered the engine's queue: start reading the blocks :meth:`lookup` would
+        want now that sit below the host tier into it (:mod:`~kvtier.offload.prefetch`)."""
         if self.moves.prefetches.enabled and self.setup.lower_tiers:
-            self.moves.prefetch(request_id, *self.requests.hits(block_hashes, 0, num_tokens)[1:])
+            _, wanted, hits = self.requests.hits(block_hashes, num_computed_tokens, num_tokens)
+            self.moves.prefetch(request_id, wanted, hits)
 
     @wakes
     def lookup(
@@ -316,8 +319,7 @@ class OffloadManager:
 
     def step_timed(self, computed_tokens: int, seconds: float) -> None:
         """The engine computed ``computed_tokens`` tokens in a step of ``seconds``: the cost
-        guard's measure of its prefill speed (which counts only when a lookup asks the guard,
-        so :attr:`quiet` stays as it is)."""
+        guard's measure of its prefill speed (used by lookups; :attr:`quiet` stays as it is)."""
         self.guard.step_timed(computed_tokens, seconds)
 
     def take_events(self) -> list[IndexEvent]:

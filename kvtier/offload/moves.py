@@ -137,9 +137,7 @@ class LowerTierMoves:
         if count == 0:
             del self._promoting[request_id]  # its first lookup promotes as without prefetch
             return
-        batch_ids = self._promoting[request_id]
-        capped = count < len(wanted) - hits
-        prefetches.started(request_id, batch_ids, count * self.setup.num_groups, capped)
+        prefetches.started(request_id, self._promoting[request_id], count * self.setup.num_groups)
 
     def forget(self, request_id: str, *, finished: bool = False) -> None:
         """The request was allocated, preempted or ``finished``: its next lookup may promote

@@ -52,11 +52,11 @@ class Prefetch:
     """Its promotions (one per kv-cache group) not reported by every rank yet."""
     slots: int
     """Host slots it counts against the share: reserved for reads in flight, or pinned."""
-    capped: bool
-    """Fewer blocks were reserved than the tiers were asked for (share or index full)."""
     pinned: list[BlockKey] = field(default_factory=list)
     short: bool = False
     """Some rank found fewer blocks than were reserved: the tiers hold no more of the prefix."""
+    rest_asked: bool = False
+    """Its request's lookup promoted what it still missed."""
     read_at: float | None = None
     """When its last read was reported."""
     looked_up: bool = False
@@ -88,9 +88,9 @@ class Prefetches:
         """Host slots a new prefetch may still take."""
         return self.share - self.reserved
 
-    def started(self, request_id: str, batch_ids: Iterable[int], slots: int, capped: bool) -> None:
+    def started(self, request_id: str, batch_ids: Iterable[int], slots: int) -> None:
         """Reads of ``slots`` reserved slots were planned for the arriving ``request_id``."""
-        self.waiting[request_id] = Prefetch(self.setup.clock(), set(batch_ids), slots, capped)
+        self.waiting[request_id] = Prefetch(self.setup.clock(), set(batch_ids), slots)
         self.reserved += slots
         self.counters.add("prefetches_started", 1)
 
@@ -144,12 +144,13 @@ class Prefetches:
         return False
 
     def rest_wanted(self, request_id: str) -> bool:
-        """Whether the request's lookup should promote the blocks its prefetch had no room for
-        (asked once: it is then answered as any promotion)."""
+        """Whether a lookup that still misses blocks past its host hits should promote them:
+        those the prefetch had no room for, or that left the engine's or the host tier's
+        cache since. Once, and not after a read that found the tiers hold no more."""
         prefetch = self.waiting.get(request_id)
-        if prefetch is None or not prefetch.capped or prefetch.short or prefetch.batches:
+        if prefetch is None or prefetch.short or prefetch.batches or prefetch.rest_asked:
             return False
-        prefetch.capped = False
+        prefetch.rest_asked = True
         return True
 
     def release(self, request_id: str, *, cancelled: bool) -> bool:

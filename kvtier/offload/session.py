@@ -116,16 +116,21 @@ class OffloadSession:
         block_hashes: Sequence[bytes],
         num_tokens: int,
         control: RequestControl | None = None,
+        *,
+        num_computed_tokens: int = 0,
     ) -> None:
         """The request entered the engine's queue with ``num_tokens`` tokens: read its blocks
         held below the host tier ahead (:meth:`OffloadManager.arrived
         <kvtier.offload.OffloadManager.arrived>`), unless ``control`` refuses loads; ``control``
-        counts from now on, as from a first lookup."""
+        counts from now on, as from a first lookup. ``num_computed_tokens``: the tokens of the
+        blocks the engine's own prefix cache holds now (a multiple of the block size)."""
         if request_id not in self.requests:
             self.requests[request_id] = RequestSession(control)
         if control is None or control.load:
             # an engine that recomputes the last token wants the full block holding it
-            self.manager.arrived(request_id, block_hashes, num_tokens + self.last_block)
+            self.manager.arrived(
+                request_id, block_hashes, num_computed_tokens, num_tokens + self.last_block
+            )
 
     def lookup(
         self,

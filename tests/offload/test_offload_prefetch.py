@@ -65,7 +65,7 @@ def read_all(manager: OffloadManager) -> None:
 def test_an_arriving_request_is_read_ahead_and_its_first_lookup_is_a_host_hit() -> None:
     manager, clock = manager_with()
     hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
-    manager.arrived("r", hashes, TOKENS)
+    manager.arrived("r", hashes, 0, TOKENS)
     assert manager.stats().prefetches_started == 1
     clock.now = 0.25
     read_all(manager)
@@ -104,7 +104,7 @@ def test_what_a_lookup_answers_while_the_prefetch_is_read(
 ) -> None:
     manager, clock = manager_with(policy)
     hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
-    manager.arrived("r", hashes, TOKENS)
+    manager.arrived("r", hashes, 0, TOKENS)
     plan = manager.build_plan()
     clock.now = 1.0
     first = manager.lookup("r", hashes, 0, TOKENS)
@@ -123,8 +123,8 @@ def test_what_a_lookup_answers_while_the_prefetch_is_read(
 def test_prefetches_take_at_most_their_share_and_the_lookup_reads_the_rest() -> None:
     manager, _ = manager_with(slots=8, share=0.25)  # 2 slots for waiting requests
     first, second = (hash_token_blocks(prompt(seed), BLOCK_TOKENS) for seed in (1, 2))
-    manager.arrived("a", first, TOKENS)
-    manager.arrived("b", second, TOKENS)  # no room left
+    manager.arrived("a", first, 0, TOKENS)
+    manager.arrived("b", second, 0, TOKENS)  # no room left
     assert manager.stats().prefetches_started == 1
     (promotion,) = manager.build_plan().promotions
     assert promotion.block_hashes == tuple(first[:2])
@@ -142,7 +142,7 @@ def test_prefetches_take_at_most_their_share_and_the_lookup_reads_the_rest() -> 
 def test_a_prefetch_that_found_fewer_blocks_ends_the_search() -> None:
     manager, _ = manager_with(slots=8, share=0.25)
     hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
-    manager.arrived("r", hashes, TOKENS)
+    manager.arrived("r", hashes, 0, TOKENS)
     (promotion,) = manager.build_plan().promotions
     manager.process(WorkerReport(promoted={promotion.batch_id: (1, 1)}))
     assert manager.lookup("r", hashes, 0, TOKENS) == BLOCK_TOKENS
@@ -152,10 +152,10 @@ def test_a_prefetch_that_found_fewer_blocks_ends_the_search() -> None:
 def test_an_aborted_request_cancels_its_prefetch_and_keeps_no_slot() -> None:
     manager, _ = manager_with(share=1.0)
     first, second = (hash_token_blocks(prompt(seed), BLOCK_TOKENS) for seed in (1, 2))
-    manager.arrived("planned", first, TOKENS)
-    manager.arrived("unplanned", second, TOKENS)
+    manager.arrived("planned", first, 0, TOKENS)
+    manager.arrived("unplanned", second, 0, TOKENS)
     plan = manager.build_plan()
-    manager.arrived("never-planned", hash_token_blocks(prompt(3), BLOCK_TOKENS), TOKENS)
+    manager.arrived("never-planned", hash_token_blocks(prompt(3), BLOCK_TOKENS), 0, TOKENS)
     assert manager.finished("never-planned") is False
     assert manager.finished("planned") is False
     # reads no plan carried are dropped with their slots
@@ -174,10 +174,10 @@ def test_an_aborted_request_cancels_its_prefetch_and_keeps_no_slot() -> None:
 def test_prefetched_blocks_evicted_before_use_are_counted_as_wasted() -> None:
     manager, _ = manager_with(slots=8, share=1.0)
     first, second = (hash_token_blocks(prompt(seed), BLOCK_TOKENS) for seed in (1, 2))
-    manager.arrived("a", first, TOKENS)
+    manager.arrived("a", first, 0, TOKENS)
     read_all(manager)
     manager.finished("a")  # aborted: its blocks are ordinary, unpinned ones
-    manager.arrived("b", second, TOKENS)  # evicts a's to make room
+    manager.arrived("b", second, 0, TOKENS)  # evicts a's to make room
     read_all(manager)
     stats = manager.stats()
     assert stats.prefetched_blocks == 2 * PROMPT_BLOCKS
@@ -188,9 +188,9 @@ def test_prefetched_blocks_evicted_before_use_are_counted_as_wasted() -> None:
 def test_pinned_blocks_and_blocks_being_written_are_never_evicted_for_a_prefetch() -> None:
     manager, _ = manager_with(slots=8, share=1.0)
     first, second = (hash_token_blocks(prompt(seed), BLOCK_TOKENS) for seed in (1, 2))
-    manager.arrived("a", first, TOKENS)
+    manager.arrived("a", first, 0, TOKENS)
     read_all(manager)  # a's blocks are pinned for it while it waits
-    manager.arrived("b", second, TOKENS)
+    manager.arrived("b", second, 0, TOKENS)
     (promotion,) = manager.build_plan().promotions
     assert len(promotion.block_hashes) == 8 - PROMPT_BLOCKS
     assert manager.index.lookup(manager.namespace.keys(first)) == PROMPT_BLOCKS
@@ -199,7 +199,7 @@ def test_pinned_blocks_and_blocks_being_written_are_never_evicted_for_a_prefetch
 def test_prefetched_blocks_are_announced_as_stores() -> None:
     manager, _ = manager_with(record_events=True)
     hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
-    manager.arrived("r", hashes, TOKENS)
+    manager.arrived("r", hashes, 0, TOKENS)
     read_all(manager)
     events = manager.take_events()
     assert [event.kind for event in events] == [EventKind.STORED] * PROMPT_BLOCKS
@@ -208,7 +208,7 @@ def test_prefetched_blocks_are_announced_as_stores() -> None:
 
 def test_off_reads_nothing_before_the_lookup() -> None:
     manager, _ = manager_with("off")
-    manager.arrived("r", hash_token_blocks(prompt(1), BLOCK_TOKENS), TOKENS)
+    manager.arrived("r", hash_token_blocks(prompt(1), BLOCK_TOKENS), 0, TOKENS)
     assert manager.build_plan().promotions == ()
     assert manager.stats().prefetches_started == 0
 
@@ -266,3 +266,24 @@ def test_a_queued_request_is_promoted_before_it_is_admitted_byte_for_byte() -> N
     assert second.stats.verified_blocks == 4 * PROMPT_BLOCKS and second.mismatches == []
     assert [op for op, _ in tier.batches].count("read") == 3, "no read at a lookup"
     second.close()
+
+
+def test_blocks_the_engine_holds_at_arrival_are_not_read() -> None:
+    manager, _ = manager_with()
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("r", hashes, 2 * BLOCK_TOKENS, TOKENS)
+    (promotion,) = manager.build_plan().promotions
+    assert promotion.block_hashes == tuple(hashes[2:PROMPT_BLOCKS])
+
+
+def test_a_lookup_reads_again_what_left_the_engine_while_it_waited() -> None:
+    manager, _ = manager_with()
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("r", hashes, 2 * BLOCK_TOKENS, TOKENS)
+    read_all(manager)
+    # the engine evicted the first two blocks meanwhile: the lookup promotes them
+    assert manager.lookup("r", hashes, 0, TOKENS) is None
+    (rest,) = manager.build_plan().promotions
+    assert rest.block_hashes == tuple(hashes[:2])
+    manager.process(found_all(TransferPlan(promotions=(rest,))))
+    assert manager.lookup("r", hashes, 0, TOKENS) == FULL_HIT
