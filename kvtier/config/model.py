@@ -141,6 +141,11 @@ class PrefetchConfig(KVTierModel):
         ),
     )
 
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
     @model_validator(mode="after")
     def _timeout_needs_its_policy(self) -> PrefetchConfig:
         if "timeout_s" in self.model_fields_set and self.policy != "timeout":
