@@ -173,7 +173,8 @@ def start(
     port = free_port()
     config = work / f"kvtier-{arm}-{port}.yaml"
     disk = work / f"disk-{arm}-{port}"
-    disk.mkdir()
+    if arm.startswith("disk-"):
+        disk.mkdir()
     config.write_text(kvtier_config(arm, disk, redis_url))
     command = [*server_command(arm, model, port, config), *server_args]
     return Server.start(command, work / f"{arm}-{port}.log", port, model, SERVER_ENVIRONMENT)
