@@ -115,7 +115,7 @@ class LowerTierMoves:
         """
         waiting = self._promoting.get(request_id)
         if waiting is None:
-            return hits < len(wanted) and self._promote(request_id, wanted, hits) > 0
+            return hits < len(wanted) and bool(self._promote(request_id, wanted, hits))
         missing = hits < len(wanted)
         prefetches = self.prefetches
         if request_id in prefetches.waiting:
@@ -123,7 +123,7 @@ class LowerTierMoves:
                 return True
             waiting.clear()  # reads it stopped waiting for land as ordinary blocks
             if missing and prefetches.rest_wanted(request_id):
-                return self._promote(request_id, wanted, hits) > 0
+                return bool(self._promote(request_id, wanted, hits))
         return missing and bool(waiting)
 
     def prefetch(self, request_id: str, wanted: Sequence[bytes], hits: int) -> None:
@@ -134,6 +134,8 @@ class LowerTierMoves:
         if room <= 0 or hits >= len(wanted) or request_id in self._promoting:
             return
         count = self._promote(request_id, wanted, hits, limit=room)
+        if count is None:
+            return  # the cost guard decided for the request: its lookups answer from the host
         if count == 0:
             del self._promoting[request_id]  # its first lookup promotes as without prefetch
             return
@@ -163,9 +165,10 @@ class LowerTierMoves:
 
     def _promote(
         self, request_id: str, wanted: Sequence[bytes], hits: int, limit: int | None = None
-    ) -> int:
+    ) -> int | None:
         """Reserve host slots for ``wanted[hits:]`` (at most ``limit`` blocks per group, for
-        a prefetch) and plan their promotion; how many blocks per group were."""
+        a prefetch) and plan their promotion; how many blocks per group were (``None``: the
+        cost guard found no tier worth reading)."""
         setup = self.setup
         index, namespace = setup.index, setup.namespace
         self._promoting[request_id] = set()
@@ -174,7 +177,7 @@ class LowerTierMoves:
         missing = wanted[hits:] if limit is None else wanted[hits : hits + limit]
         skip = self.guard.skipped_tiers(len(missing))
         if skip and len(skip) == len(self.guard.tier_names):
-            return 0
+            return None
         reserved: list[tuple[int, list[BlockKey], list[int | None]]] = []
         count = len(missing)
         for group in range(setup.num_groups):
