@@ -1,19 +1,24 @@
 """vLLM's own serving benchmark (``vllm bench serve``) against vanilla vLLM and ``kvtier serve``.
 
-Each pair starts vLLM's OpenAI server twice on 127.0.0.1 (random free ports): vanilla
-(``python -m vllm.entrypoints.openai.api_server``) and ``kvtier serve`` with a host tier, both
+Each pair starts vLLM's OpenAI server once per arm on 127.0.0.1 (random free ports): vanilla
+(``python -m vllm.entrypoints.openai.api_server``) and ``kvtier serve`` with a host tier, all
 serving the same random-weight Llama with its tokenizer, with the same small device cache, the
-same thread layout (``VLLM_CPU_NUM_OF_RESERVED_CPU`` set alike on both) and the same flags. The
-two start together, then vLLM's benchmark client (run as a library, unmodified) sends each
-prefix-heavy dataset to one and then the other, the order swapped from pair to pair, and both are
-stopped however the run ends. Datasets: ``prefix-repetition`` (a few long prefixes, each shared by
-several prompts; more prefixes than the device cache holds, so repeats come back from kvtier) and
-``shared-prefix`` (random prompts behind one shared prefix, which stays in vLLM's own cache: what
-kvtier costs when it has nothing to add). The JSON report holds per arm and dataset the client's
-TTFT mean/median/p99 and throughput, kvtier's hit tokens from its metrics, and the kvtier/vanilla
-ratios with a 95% interval over the pairs; greedy texts of the two arms are compared.
+same thread layout (``VLLM_CPU_NUM_OF_RESERVED_CPU`` set alike on all) and the same flags. They
+start together, then vLLM's benchmark client (run as a library, unmodified) sends each
+prefix-heavy dataset to one after the other, the order rotated from pair to pair, and all are
+stopped however the run ends. ``--arms`` adds arms whose host tier is too small for the
+prefixes, with a disk tier or a Redis server (started for the pair) below it, under each
+prefetch policy (``disk-wait_complete``, ``redis-off``, ...); ``--max-num-seqs`` below
+``--max-concurrency`` makes requests queue. Datasets: ``prefix-repetition`` (a few long
+prefixes, each shared by several prompts; more prefixes than the device cache holds, so
+repeats come back from kvtier) and ``shared-prefix`` (random prompts behind one shared prefix,
+which stays in vLLM's own cache: what kvtier costs when it has nothing to add). The JSON report
+holds per arm and dataset the client's TTFT mean/median/p99 and throughput, where the hits came
+from (vLLM's cache, the host tier, a lower tier, a prefetch) from the servers' metrics, each
+arm's ratios to vanilla (and, for the lower-tier arms, to the ``kvtier`` arm's host-tier hits)
+with a 95% interval over the pairs; greedy texts of every arm are compared with vanilla's.
 
-    python benchmarks/serve_bench.py [--pairs 4] [--num-prompts 64] [--output FILE]
+    python benchmarks/serve_bench.py [--pairs 4] [--num-prompts 64] [--arms ...] [--output FILE]
 
 Progress and the client's tables go to stderr; the report to stdout (or ``--output``).
 """
@@ -43,10 +48,22 @@ from kvtier.integrations.serve import (
     VLLM_SERVER_MODULE,
     vanilla_reserved_cpus,
 )
-from tests.support.redis_server import free_port
+from tests.support.redis_server import RedisServer, free_port
 from tests.support.served import PortTaken, Server
 
 ARMS = ("vanilla", "kvtier")
+"""The default arms: vanilla vLLM, and kvtier with a host tier that holds every prefix."""
+PREFETCH_POLICIES = ("off", "wait_complete", "timeout", "best_effort")
+LOWER_TIER_ARMS = tuple(
+    f"{tier}-{policy}" for tier in ("disk", "redis") for policy in PREFETCH_POLICIES
+)
+"""Arms with a host tier too small for the prefixes and a disk tier or Redis below it, named
+``<tier>-<prefetch policy>``."""
+ALL_ARMS = (*ARMS, *LOWER_TIER_ARMS)
+SMALL_HOST_BYTES = 48 * 32 * 1024
+"""The lower-tier arms' host tier: 48 blocks of the float32 model (32 KiB each), fewer than a
+run's prefixes, more than the requests queued at once."""
+PREFETCH_TIMEOUT_S = 0.1
 BLOCK = 32
 PREFIX_TOKENS = 256
 SUFFIX_TOKENS = 32
@@ -123,34 +140,80 @@ def server_command(arm: str, model: str, port: int, config: Path) -> list[str]:
     return [sys.executable, "-m", "kvtier", "serve", "--kvtier-config", str(config), model, *common]
 
 
-def start(arm: str, model: str, work: Path) -> Server:
-    config = work / "kvtier.yaml"
-    config.write_text(KVTIER_CONFIG)
+def kvtier_config(arm: str, disk: Path | str, redis_url: str | None) -> str:
+    """The kvtier config of an arm: ``kvtier``'s, or a lower-tier arm's (its own ``disk``
+    directory, or its own namespace in the shared Redis, so arms never see each other's
+    records)."""
+    if arm in ARMS:
+        return KVTIER_CONFIG
+    tier, policy = arm.split("-", 1)
+    lines = [
+        f"cpu_bytes: {SMALL_HOST_BYTES}",
+        "store_mode: eager",
+        f"namespace: {arm}",
+        "prefetch:",
+        f"  policy: '{policy}'",
+    ]
+    if policy == "timeout":
+        lines.append(f"  timeout_s: {PREFETCH_TIMEOUT_S}")
+    if tier == "disk":
+        lines += ["tiers:", f"  - {{type: disk, path: '{disk}', capacity_bytes: 256MiB}}"]
+    else:
+        lines += ["tiers:", f"  - {{type: redis, url: '{redis_url}'}}"]
+    return "\n".join(lines) + "\n"
+
+
+def start(
+    arm: str,
+    model: str,
+    work: Path,
+    redis_url: str | None = None,
+    server_args: Sequence[str] = (),
+) -> Server:
     port = free_port()
-    command = server_command(arm, model, port, config)
+    config = work / f"kvtier-{arm}-{port}.yaml"
+    disk = work / f"disk-{arm}-{port}"
+    if arm.startswith("disk-"):
+        disk.mkdir()
+    config.write_text(kvtier_config(arm, disk, redis_url))
+    command = [*server_command(arm, model, port, config), *server_args]
     return Server.start(command, work / f"{arm}-{port}.log", port, model, SERVER_ENVIRONMENT)
 
 
 @contextlib.contextmanager
-def both_servers(model: str, work: Path) -> Iterator[dict[str, Server]]:
-    """Both arms' servers, started together so their start-ups overlap; stopped on exit. A server
-    whose port another process took first starts again on another port."""
+def arm_servers(
+    model: str, work: Path, arms: Sequence[str], server_args: Sequence[str] = ()
+) -> Iterator[dict[str, Server]]:
+    """The arms' servers (and a Redis server for the ``redis-`` arms), started together so their
+    start-ups overlap; stopped on exit. A server whose port another process took first starts
+    again on another port."""
     started: dict[str, Server] = {}
+    redis = None
     try:
-        for arm in ARMS:
-            started[arm] = start(arm, model, work)
+        if any(arm.startswith("redis-") for arm in arms):
+            redis = RedisServer(work / f"redis-{time.monotonic_ns()}").start()
+        redis_url = redis.url if redis is not None else None
+        for arm in arms:
+            started[arm] = start(arm, model, work, redis_url, server_args)
         deadline = time.monotonic() + START_TIMEOUT_S
-        for arm in ARMS:
+        for arm in arms:
             while True:
                 try:
                     started[arm].wait_ready(deadline)
                     break
                 except PortTaken:
-                    started[arm] = start(arm, model, work)
+                    started[arm] = start(arm, model, work, redis_url, server_args)
         yield started
     finally:
         for server in started.values():
             server.stop()
+        if redis is not None:
+            redis.stop()
+
+
+def both_servers(model: str, work: Path) -> contextlib.AbstractContextManager[dict[str, Server]]:
+    """The default arms' servers (:data:`ARMS`), as :func:`arm_servers` starts them."""
+    return arm_servers(model, work, ARMS)
 
 
 ServerPair = Callable[[str, Path], contextlib.AbstractContextManager[dict[str, Server]]]
@@ -237,24 +300,38 @@ def measure(server: Server, dataset: str, num_prompts: int, concurrency: int) ->
     return run
 
 
-def ratios(runs: dict[str, list[dict[str, Any]]], field: str) -> dict[str, Any]:
-    """kvtier / vanilla of ``field``, per pair, with their median and a 95% interval."""
-    per_pair = [k[field] / v[field] for k, v in zip(runs["kvtier"], runs["vanilla"], strict=True)]
+def ratios(
+    runs: dict[str, list[dict[str, Any]]], field: str, arm: str, base: str
+) -> dict[str, Any]:
+    """``arm`` / ``base`` of ``field``, per pair, with their median and a 95% interval."""
+    per_pair = [a[field] / b[field] for a, b in zip(runs[arm], runs[base], strict=True)]
     interval = median_ci(per_pair)
     return {"pairs": per_pair, "median": interval["median"], "ci95": interval["ci95"]}
 
 
 RATIO_FIELDS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "output_throughput")
 
+HIT_COUNTERS = {
+    "device_hit_tokens": "prefix_cache_hits_total",
+    "host_hit_tokens": "kvtier_hit_tokens_total",
+    "tier_hit_records": "kvtier_tier_hits_total",
+    "promoted_blocks": "kvtier_promoted_blocks_total",
+    "prefetched_blocks": "kvtier_prefetched_blocks_total",
+    "prefetched_used_blocks": "kvtier_prefetched_used_blocks_total",
+    "prefetched_unused_blocks": "kvtier_prefetched_unused_blocks_total",
+    "prefetches_expired": "kvtier_prefetches_expired_total",
+}
+"""Where an arm's hits came from, per run, by the counter that says it: vLLM's own cache, loads
+from kvtier's host tier (those read from a lower tier first included), records read from the
+lower tier, and what prefetches read and what became of it."""
+
 
 def report(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
-    """Per dataset: each arm's runs (greedy texts left out), the ratios and text agreement."""
+    """Per dataset: each arm's runs (greedy texts left out), where its hits came from, its
+    ratios to vanilla (and to the ``kvtier`` arm, for the lower-tier arms), text agreement."""
     datasets: dict[str, Any] = {}
     for dataset, arms in runs.items():
-        same_text = all(
-            k["generated_texts"] == v["generated_texts"]
-            for k, v in zip(arms["kvtier"], arms["vanilla"], strict=True)
-        )
+        others = [arm for arm in arms if arm != "vanilla"]
         datasets[dataset] = {
             "arms": {
                 arm: [
@@ -263,11 +340,29 @@ def report(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
                 ]
                 for arm, arm_runs in arms.items()
             },
-            "kvtier_over_vanilla": {field: ratios(arms, field) for field in RATIO_FIELDS},
-            "kvtier_hit_tokens": [
-                run["counters"].get("kvtier_hit_tokens_total", 0.0) for run in arms["kvtier"]
-            ],
-            "same_greedy_text": same_text,
+            "hits": {
+                arm: {
+                    name: [run["counters"].get(counter, 0.0) for run in arms[arm]]
+                    for name, counter in HIT_COUNTERS.items()
+                }
+                for arm in others
+            },
+            "over_vanilla": {
+                arm: {field: ratios(arms, field, arm, "vanilla") for field in RATIO_FIELDS}
+                for arm in others
+            },
+            "over_host_tier": {
+                arm: {field: ratios(arms, field, arm, "kvtier") for field in RATIO_FIELDS}
+                for arm in others
+                if arm in LOWER_TIER_ARMS and "kvtier" in arms
+            },
+            "same_greedy_text": {
+                arm: all(
+                    a["generated_texts"] == v["generated_texts"]
+                    for a, v in zip(arms[arm], arms["vanilla"], strict=True)
+                )
+                for arm in others
+            },
         }
     return datasets
 
@@ -280,14 +375,16 @@ def run_pairs(
     num_prompts: int,
     concurrency: int,
     servers: ServerPair = both_servers,
+    arms: Sequence[str] = ARMS,
 ) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Alternated pairs: a pair of servers from ``servers`` (fresh ones) each, the arm measured
-    first swapped each pair."""
+    """Rotated pairs: a set of servers from ``servers`` (fresh ones) each, the arm measured
+    first rotated each pair."""
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        dataset: {arm: [] for arm in ARMS} for dataset in datasets
+        dataset: {arm: [] for arm in arms} for dataset in datasets
     }
     for pair in range(pairs):
-        order = ARMS if pair % 2 == 0 else ARMS[::-1]
+        shift = pair % len(arms)
+        order = [*arms[shift:], *arms[:shift]]
         with servers(model, work) as running:
             for dataset in datasets:
                 for arm in order:
@@ -314,22 +411,53 @@ def arguments() -> argparse.ArgumentParser:
         default=list(DATASETS),
         help="datasets to run (default both)",
     )
+    parser.add_argument(
+        "--arms",
+        nargs="+",
+        choices=ALL_ARMS,
+        default=list(ARMS),
+        help="arms to run; vanilla is always one (default: vanilla kvtier)",
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="vLLM's --max-num-seqs on every server (default: vLLM's); below --max-concurrency "
+        "requests queue",
+    )
     parser.add_argument("--output", type=Path, help="write the JSON here (default stdout)")
     return parser
 
 
-def main(argv: Sequence[str] | None = None, servers: ServerPair = both_servers) -> int:
+def main(argv: Sequence[str] | None = None, servers: ServerPair | None = None) -> int:
     args = arguments().parse_args(argv)
+    arms = tuple(dict.fromkeys(["vanilla", *args.arms]))
+    server_args = [] if args.max_num_seqs is None else ["--max-num-seqs", str(args.max_num_seqs)]
+    if servers is None:
+
+        def servers(model: str, work: Path) -> contextlib.AbstractContextManager[dict[str, Server]]:
+            return arm_servers(model, work, arms, server_args)
+
     with tempfile.TemporaryDirectory(prefix="kvtier-serve-bench-") as scratch:
         work = Path(scratch)
         model = str(write_tiny_llama(work / "tiny-llama", TinyLlamaSpec()))
         runs = run_pairs(
-            model, work, args.pairs, args.datasets, args.num_prompts, args.max_concurrency, servers
+            model,
+            work,
+            args.pairs,
+            args.datasets,
+            args.num_prompts,
+            args.max_concurrency,
+            servers,
+            arms,
         )
     result = {
         "command": "python benchmarks/serve_bench.py " + " ".join(argv or sys.argv[1:]),
         "cpus": os.cpu_count(),
-        "server": {"args": SERVER_ARGS, "environment": SERVER_ENVIRONMENT, "kvtier": KVTIER_CONFIG},
+        "server": {
+            "args": [*SERVER_ARGS, *server_args],
+            "environment": SERVER_ENVIRONMENT,
+            "kvtier": {arm: kvtier_config(arm, "<directory>", "<redis>") for arm in arms[1:]},
+        },
         "datasets": report(runs),
     }
     text = json.dumps(result, indent=2)

@@ -17,6 +17,7 @@ from pydantic_core import PydanticUndefined
 
 from kvtier.config.model import SECTIONS, TIERS_FIELD, KVTierConfig
 from kvtier.kinds import STORAGE_TIER
+from kvtier.models import KVTierModel
 from kvtier.plugins import Registry
 
 _SECTION_FIELDS = {section.field: section for section in SECTIONS}
@@ -34,6 +35,9 @@ def render_config_reference(registry: Registry, *, distribution: str | None = No
         Markdown with one table per model: key, type, default, description.
     """
     lines = ["## Top level", "", *_fields_table(KVTierConfig.model_fields, "")]
+    for name, model in _nested_models().items():
+        doc = " ".join((model.__doc__ or "").strip().split("\n\n")[0].split())
+        lines += ["", f"## `{name}`", "", doc, "", *_fields_table(model.model_fields, f"{name}.")]
     for section in SECTIONS:
         title = section.kind.title
         lines += [
@@ -86,13 +90,24 @@ def render_storage_tier_reference(registry: Registry, *, distribution: str | Non
     return "\n".join(lines)
 
 
+def _nested_models() -> dict[str, type[KVTierModel]]:
+    """The top-level fields that hold a settings model of their own (not a plugin's)."""
+    return {
+        name: info.annotation
+        for name, info in KVTierConfig.model_fields.items()
+        if isinstance(info.annotation, type)
+        and issubclass(info.annotation, KVTierModel)
+        and name not in _SECTION_FIELDS
+    }
+
+
 def _fields_table(fields: dict[str, FieldInfo], prefix: str) -> list[str]:
     rows = ["| Key | Type | Default | Description |", "| --- | --- | --- | --- |"]
     for name, info in fields.items():
         if prefix and name == "type":
             continue
         description = (info.description or "").replace("|", "\\|").replace("\n", " ")
-        is_section = not prefix and name in _SECTION_FIELDS
+        is_section = not prefix and (name in _SECTION_FIELDS or name in _nested_models())
         if not prefix and name == TIERS_FIELD:
             type_text = "list of storage tiers (below)"
         else:
@@ -124,5 +139,7 @@ def _default_text(name: str, info: FieldInfo) -> str:
     if section is not None:
         return f"`{section.default}`"
     if info.default is PydanticUndefined:
+        if isinstance(info.annotation, type) and issubclass(info.annotation, KVTierModel):
+            return "see below"
         return "required" if info.default_factory is None else "computed"
     return f"`{info.default!r}`"

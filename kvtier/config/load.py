@@ -36,6 +36,7 @@ from kvtier.config.sources import (
     shape_problem,
 )
 from kvtier.kinds import STORAGE_TIER
+from kvtier.models import KVTierModel
 
 if TYPE_CHECKING:
     from kvtier.plugins import Registry
@@ -238,4 +239,8 @@ def _allowed_keys(
         registered = registry.of_kind(section.kind)
         if name in registered:
             return sorted(registered[name].config_model.model_fields)
+    nested = KVTierConfig.model_fields.get(str(parent[0]))
+    if len(parent) == 1 and nested is not None and isinstance(nested.annotation, type):
+        if issubclass(nested.annotation, KVTierModel):
+            return sorted(nested.annotation.model_fields)
     return ["(see kvtier config schema)"]

@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, PrivateAttr, SerializeAsAny, ValidationInfo, field_validator
+from pydantic import (
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SerializeAsAny,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from kvtier.config.bounds import MAX_DURATION_S, MAX_TIERS
 from kvtier.config.errors import ConfigError, Problem
@@ -36,6 +44,8 @@ MEMINFO = "/proc/meminfo"
 DEFAULT_SAME_STEP_LOAD_BYTES = 16 << 20
 DEFAULT_PIN_SHARE = 0.25
 DEFAULT_PIN_MAX_S = 600.0
+DEFAULT_PREFETCH_TIMEOUT_S = 1.0
+DEFAULT_PREFETCH_HOST_SHARE = 0.5
 DEFAULT_SOURCE = "default"
 """What :meth:`KVTierConfig.source_of` answers for a value no source set."""
 
@@ -90,6 +100,60 @@ class SectionConfig(PluginConfig):
     """
 
     model_config = ConfigDict(extra="allow")
+
+
+PrefetchPolicy = Literal["off", "best_effort", "wait_complete", "timeout"]
+"""What a request's first lookup answers while the blocks read for it at arrival are still
+being read (see :mod:`kvtier.offload.prefetch`)."""
+
+
+class PrefetchConfig(KVTierModel):
+    """Reads from the tiers below the host tier started when a request arrives, while it waits."""
+
+    policy: PrefetchPolicy = Field(
+        "wait_complete",
+        description=(
+            "'off': a request's blocks held below the host tier are read at its first lookup, "
+            "which asks the engine to try again until they are. Otherwise they start being "
+            "read when the request arrives, and its first lookup, while they are still being "
+            "read, waits for them ('wait_complete'), waits at most until timeout_s after "
+            "arrival ('timeout'), or answers with the host tier's hits at once "
+            "('best_effort'); a read it stopped waiting for is a miss."
+        ),
+    )
+    timeout_s: float = Field(
+        DEFAULT_PREFETCH_TIMEOUT_S,
+        gt=0,
+        le=MAX_DURATION_S,
+        description=(
+            "With policy 'timeout': seconds after a request's arrival past which its lookup "
+            f"stops waiting for its prefetch. At most {MAX_DURATION_S:g}."
+        ),
+    )
+    max_host_share: float = Field(
+        DEFAULT_PREFETCH_HOST_SHARE,
+        gt=0,
+        le=1,
+        description=(
+            "Share of the host tier's slots that prefetches of waiting requests may reserve "
+            "or keep pinned at once; a prefetch past it reads fewer blocks, and the request's "
+            "first lookup reads the rest."
+        ),
+    )
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
+    @model_validator(mode="after")
+    def _timeout_needs_its_policy(self) -> PrefetchConfig:
+        if "timeout_s" in self.model_fields_set and self.policy != "timeout":
+            raise ValueError(
+                f"timeout_s applies only to policy 'timeout' (policy is {self.policy!r}); "
+                "set policy: timeout or leave timeout_s out"
+            )
+        return self
 
 
 class RootSettings(KVTierModel):
@@ -196,6 +260,13 @@ class RootSettings(KVTierModel):
         description=(
             "The longest pin a request gets: a longer pin_s in its kv_transfer_params is cut "
             f"to this many seconds. At most {MAX_DURATION_S:g}."
+        ),
+    )
+    prefetch: PrefetchConfig = Field(
+        default_factory=PrefetchConfig,
+        description=(
+            "Reading a request's blocks from the tiers below the host tier as it arrives, "
+            "while it waits in the engine's queue (see the `prefetch` section below)."
         ),
     )
     close_timeout_s: float = Field(

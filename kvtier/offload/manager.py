@@ -42,7 +42,7 @@ from kvtier.offload.setup import GroupBlockIds, ManagerSetup, StoreMode
 from kvtier.offload.stats import Counters, Observations, OffloadStats
 
 if TYPE_CHECKING:
-    from kvtier.config.model import KVTierConfig
+    from kvtier.config.model import KVTierConfig, PrefetchConfig
     from kvtier.offload.control import RequestControl
     from kvtier.plugins import Registry
 
@@ -76,6 +76,7 @@ class OffloadManager:
         cost_guard: bool = False,
         cost_guard_margin: float = 1.0,
         tier_names: Sequence[str] = (),
+        prefetch: PrefetchConfig | None = None,
     ) -> None:
         """Create a manager over ``index``, the directory of the host tier.
 
@@ -83,7 +84,7 @@ class OffloadManager:
         name but ``record_observations`` (keep what :meth:`take_observations` returns;
         take it regularly), ``cost_guard`` and ``cost_guard_margin`` (the config's, see
         :mod:`~kvtier.offload.costguard`) and ``tier_names`` (the lower tiers, in lookup
-        order, as :func:`~kvtier.tiers.chain.tier_names` names them).
+        order, as :func:`~kvtier.tiers.chain.tier_names` names them) and ``prefetch``.
 
         Raises:
             ValueError: If a size, the deadline or the margin is not positive, the store
@@ -96,7 +97,7 @@ class OffloadManager:
         self.setup = setup = ManagerSetup(
             index, block_tokens, record_bytes, world_size, store_mode, num_groups,
             namespace or KeyNamespace(), null_block_id, group_windows, report_deadline_s,
-            tuple(write_policies), clock, record_events, pin_share, pin_max_s,
+            tuple(write_policies), clock, record_events, pin_share, pin_max_s, prefetch,
         )  # fmt: skip
         self.index, self.namespace = index, setup.namespace
         self.store_mode, self.world_size = setup.store_mode, world_size
@@ -146,20 +147,25 @@ class OffloadManager:
             write_policies=tuple(write_policy_of(tier) for tier in config.tiers),
             pin_share=config.pin_share, pin_max_s=config.pin_max_s,
             cost_guard=config.cost_guard, cost_guard_margin=config.cost_guard_margin,
-            tier_names=tier_names(config), **options,
+            tier_names=tier_names(config), prefetch=config.prefetch, **options,
         )  # fmt: skip
 
     @wakes
-    def lookup(
-        self,
-        request_id: str,
-        block_hashes: Sequence[bytes],
-        num_computed_tokens: int,
+    def arrived(
+        self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int,
         num_tokens: int,
-        control: RequestControl | None = None,
-        *,
-        last_block: bool = False,
-    ) -> int | None:
+    ) -> None:  # fmt: skip
+        """A request entered the engine's queue: start reading the blocks :meth:`lookup` would
+        want now that sit below the host tier into it (:mod:`~kvtier.offload.prefetch`)."""
+        if self.moves.prefetches.enabled and self.setup.lower_tiers:
+            _, wanted, hits = self.requests.hits(block_hashes, num_computed_tokens, num_tokens)
+            self.moves.prefetch(request_id, wanted, hits)
+
+    @wakes
+    def lookup(
+        self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int,
+        num_tokens: int, control: RequestControl | None = None, *, last_block: bool = False,
+    ) -> int | None:  # fmt: skip
         """Return how many tokens past ``num_computed_tokens`` (the engine's own prefix hits, a
         multiple of ``block_tokens``) the tier can load, of the request's ``num_tokens``.
 
@@ -175,9 +181,8 @@ class OffloadManager:
         first, wanted, hits = self.requests.hits(
             block_hashes, num_computed_tokens, num_tokens, last_block
         )
-        if hits < len(wanted) and self.setup.lower_tiers:
-            if self.moves.wait_for(request_id, wanted, hits):
-                return None
+        if self.setup.lower_tiers and self.moves.wait_for(request_id, wanted, hits):
+            return None
         if not self.guard.load_host_hit(request_id, hits):
             logger.debug("request %s: cost guard skips %d tier hit blocks", request_id, hits)
             return 0
@@ -258,17 +263,14 @@ class OffloadManager:
         of ``num_computed_tokens`` not stored yet). ``engine_frees_blocks``: the engine frees
         them itself once its loads end (vLLM, for a request waiting for its load), so no
         plan announces a hold."""
-        self.moves.forget(request_id)
+        self.moves.forget(request_id, finished=True)
         self.guard.forget(request_id)
         return self.requests.finish(request_id, num_computed_tokens, engine_frees_blocks)
 
     def build_plan(
-        self,
-        lazy_candidates: Sequence[LazyCandidate] = (),
-        *,
-        idle: bool = False,
+        self, lazy_candidates: Sequence[LazyCandidate] = (), *, idle: bool = False,
         frontier: EvictionFrontier | None = None,
-    ) -> TransferPlan:
+    ) -> TransferPlan:  # fmt: skip
         """Return this step's plan for every worker.
 
         ``lazy_candidates``: in lazy mode, cached device blocks near the engine's eviction
@@ -317,8 +319,7 @@ class OffloadManager:
 
     def step_timed(self, computed_tokens: int, seconds: float) -> None:
         """The engine computed ``computed_tokens`` tokens in a step of ``seconds``: the cost
-        guard's measure of its prefill speed (which counts only when a lookup asks the guard,
-        so :attr:`quiet` stays as it is)."""
+        guard's measure of its prefill speed (used by lookups; :attr:`quiet` stays as it is)."""
         self.guard.step_timed(computed_tokens, seconds)
 
     def take_events(self) -> list[IndexEvent]:

@@ -29,6 +29,9 @@ demotion to no tier) settles what a slot owes.
 Every write is a put on a tier's bounded queue: a full queue drops it, counted
 by the tier, and it is not tried again.
 
+A promotion may also start when a request arrives, before its first lookup: a
+*prefetch*, bounded and answered as :mod:`~kvtier.offload.prefetch` says.
+
 The :mod:`~kvtier.offload.costguard` names the tiers a promotion must not read
 (predicted slower than recomputing its blocks); when it names all of them, the
 blocks are not promoted and the request computes them.
@@ -45,6 +48,7 @@ from kvtier.offload.costguard import CostGuard
 from kvtier.offload.failures import FailureCause
 from kvtier.offload.ledger import BatchLedger
 from kvtier.offload.messages import Demotion, Promotion, WorkerReport
+from kvtier.offload.prefetch import Prefetches
 from kvtier.offload.setup import ManagerSetup
 from kvtier.offload.stats import Counters
 
@@ -62,6 +66,7 @@ class PromotionBatch:
     reported: int = 0
     found: int = 0
     expired: bool = False
+    prefetch: bool = False
 
 
 class LowerTierMoves:
@@ -74,6 +79,7 @@ class LowerTierMoves:
         self.ledger = ledger
         self.counters = counters
         self.guard = guard
+        self.prefetches = Prefetches(setup, counters)
         self.promotions: dict[int, PromotionBatch] = {}
         self._to_plan: list[Promotion] = []
         # Requests whose lookup waits for promotions (batch ids), or got its answer (empty set).
@@ -103,28 +109,75 @@ class LowerTierMoves:
         A request's first host miss starts a promotion of the missing blocks (as
         many as host slots can be reserved for) and the answer is "later" until
         every worker reported it; then the blocks found are host hits. One
-        promotion per request: later lookups answer from the host tier.
+        promotion per request: later lookups answer from the host tier. A request
+        prefetched at its arrival waits as the prefetch policy says, then promotes
+        what its prefetch had no room for.
         """
         waiting = self._promoting.get(request_id)
         if waiting is None:
-            return self._promote(request_id, wanted, hits)
-        return bool(waiting)
+            return hits < len(wanted) and bool(self._promote(request_id, wanted, hits))
+        missing = hits < len(wanted)
+        prefetches = self.prefetches
+        if request_id in prefetches.waiting:
+            if prefetches.waits(request_id, missing and bool(waiting)):
+                return True
+            waiting.clear()  # reads it stopped waiting for land as ordinary blocks
+            if missing and prefetches.rest_wanted(request_id):
+                return bool(self._promote(request_id, wanted, hits))
+        return missing and bool(waiting)
 
-    def forget(self, request_id: str) -> None:
-        """The request was allocated, preempted or finished: its next lookup may promote again."""
+    def prefetch(self, request_id: str, wanted: Sequence[bytes], hits: int) -> None:
+        """The request arrived and the host tier holds ``hits`` of its ``wanted`` blocks: start
+        promoting the rest, within the prefetches' share of the host tier."""
+        prefetches = self.prefetches
+        room = prefetches.room // self.setup.num_groups
+        if room <= 0 or hits >= len(wanted) or request_id in self._promoting:
+            return
+        count = self._promote(request_id, wanted, hits, limit=room)
+        if count is None:
+            return  # the cost guard decided for the request: its lookups answer from the host
+        if count == 0:
+            del self._promoting[request_id]  # its first lookup promotes as without prefetch
+            return
+        prefetches.started(request_id, self._promoting[request_id], count * self.setup.num_groups)
+
+    def forget(self, request_id: str, *, finished: bool = False) -> None:
+        """The request was allocated, preempted or ``finished``: its next lookup may promote
+        again; its prefetch ends (one that finished first is cancelled)."""
         self._promoting.pop(request_id, None)
+        if self.prefetches.release(request_id, cancelled=finished) and finished:
+            self._unplan(request_id)
 
-    def _promote(self, request_id: str, wanted: Sequence[bytes], hits: int) -> bool:
-        """Reserve host slots for ``wanted[hits:]`` and plan their promotion; whether any was."""
+    def _unplan(self, request_id: str) -> None:
+        """Drop the request's prefetch reads no plan carried yet, and free their slots."""
+        kept = []
+        for message in self._to_plan:
+            promotion = self.promotions[message.batch_id]
+            if promotion.request_id != request_id or not promotion.prefetch:
+                kept.append(message)
+                continue
+            del self.promotions[message.batch_id]
+            for key in promotion.keys:
+                del self.ledger.writing[key]
+            self.setup.index.abort(promotion.keys)
+            self.ledger.note_departed(promotion.keys)
+        self._to_plan = kept
+
+    def _promote(
+        self, request_id: str, wanted: Sequence[bytes], hits: int, limit: int | None = None
+    ) -> int | None:
+        """Reserve host slots for ``wanted[hits:]`` (at most ``limit`` blocks per group, for
+        a prefetch) and plan their promotion; how many blocks per group were (``None``: the
+        cost guard found no tier worth reading)."""
         setup = self.setup
         index, namespace = setup.index, setup.namespace
         self._promoting[request_id] = set()
         if setup.windowed:
-            return False  # a windowed group's hit needs other blocks than the prefix's
-        missing = wanted[hits:]
+            return 0  # a windowed group's hit needs other blocks than the prefix's
+        missing = wanted[hits:] if limit is None else wanted[hits : hits + limit]
         skip = self.guard.skipped_tiers(len(missing))
         if skip and len(skip) == len(self.guard.tier_names):
-            return False
+            return None
         reserved: list[tuple[int, list[BlockKey], list[int | None]]] = []
         count = len(missing)
         for group in range(setup.num_groups):
@@ -148,7 +201,7 @@ class LowerTierMoves:
             if extra:
                 index.abort(extra)
         if count == 0:
-            return False
+            return 0
         now = setup.clock()
         for group, keys, slots in reserved:
             message = Promotion(
@@ -159,13 +212,14 @@ class LowerTierMoves:
                 skip,
             )
             self.promotions[message.batch_id] = PromotionBatch(
-                message, tuple(keys[:count]), request_id, now, found=count
-            )
+                message, tuple(keys[:count]), request_id, now, found=count,
+                prefetch=limit is not None,
+            )  # fmt: skip
             for key in keys[:count]:
                 self.ledger.writing[key] = message.batch_id
             self._to_plan.append(message)
             self._promoting[request_id].add(message.batch_id)
-        return True
+        return count
 
     def take_promotions(self) -> tuple[Promotion, ...]:
         promotions, self._to_plan = tuple(self._to_plan), []
@@ -219,6 +273,8 @@ class LowerTierMoves:
     def reused(self, keys: Iterable[BlockKey]) -> None:
         """The engine loads these readable blocks from the host tier: write the ones not
         written yet through to the ``write_through_admitted`` tiers."""
+        if self.prefetches.unused:
+            self.prefetches.used(keys)
         tiers = self.setup.reuse_tiers
         if not tiers:
             return
@@ -234,6 +290,8 @@ class LowerTierMoves:
         """The index's eviction sink: ``keys`` left the host tier. The ledger counts them;
         those whose slots are known are demoted by the next plan."""
         self.ledger.count_evicted(keys)
+        if self.prefetches.unused:
+            self.prefetches.evicted(keys)
         if not self.setup.lower_tiers:
             return
         slots, reused, demotions = self._slots, self._reused, self.demotions
@@ -288,6 +346,10 @@ class LowerTierMoves:
             index.abort(promotion.keys[promotion.found :])
             self.ledger.note_departed(promotion.keys[promotion.found :])
         self.counters.add("promoted_blocks", promotion.found)
+        if promotion.prefetch:
+            self.prefetches.landed(
+                promotion.request_id, message.batch_id, found, len(promotion.keys)
+            )
         self._answer(promotion)
         logger.debug(
             "request %s: %d of %d blocks promoted from the lower tiers",
@@ -328,6 +390,7 @@ class LowerTierMoves:
         With ``write_back`` or ``write_through`` tiers, every block the workers may still
         write on closing leaves as a demotion to no tier, so that none of them is written.
         """
+        self.prefetches.reset()
         forgotten = {key: slot for key, (slot, _) in self.demotions.items()}
         forgotten.update(self._slots)
         self.demotions.clear()

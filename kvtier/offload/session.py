@@ -6,6 +6,8 @@ simulator) holds one :class:`OffloadSession` over its
 
 Per request:
 
+0. :meth:`~OffloadSession.arrived` — the request entered the engine's queue: its
+   blocks below the host tier start being read ahead (:mod:`~kvtier.offload.prefetch`).
 1. :meth:`~OffloadSession.lookup` — how many tokens past the engine's own prefix
    hits the tier supplies, and whether they load asynchronously (the request waits
    for its load) or in the step that runs it (within this step's same-step budget).
@@ -107,6 +109,28 @@ class OffloadSession:
         self.scheduled = manager.scheduled
         """:meth:`OffloadManager.scheduled <kvtier.offload.OffloadManager.scheduled>`,
         called as it is: most steps of most requests take its fast path."""
+
+    def arrived(
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        num_tokens: int,
+        control: RequestControl | None = None,
+        *,
+        num_computed_tokens: int = 0,
+    ) -> None:
+        """The request entered the engine's queue with ``num_tokens`` tokens: read its blocks
+        held below the host tier ahead (:meth:`OffloadManager.arrived
+        <kvtier.offload.OffloadManager.arrived>`), unless ``control`` refuses loads; ``control``
+        counts from now on, as from a first lookup. ``num_computed_tokens``: the tokens of the
+        blocks the engine's own prefix cache holds now (a multiple of the block size)."""
+        if request_id not in self.requests:
+            self.requests[request_id] = RequestSession(control)
+        if control is None or control.load:
+            # an engine that recomputes the last token wants the full block holding it
+            self.manager.arrived(
+                request_id, block_hashes, num_computed_tokens, num_tokens + self.last_block
+            )
 
     def lookup(
         self,

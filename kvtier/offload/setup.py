@@ -7,7 +7,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvtier.config.model import DEFAULT_PIN_MAX_S, DEFAULT_PIN_SHARE, DEFAULT_REPORT_DEADLINE_S
+from kvtier.config.model import (
+    DEFAULT_PIN_MAX_S,
+    DEFAULT_PIN_SHARE,
+    DEFAULT_REPORT_DEADLINE_S,
+    PrefetchConfig,
+)
 from kvtier.index.base import BlockIndex
 from kvtier.keys import KeyNamespace
 from kvtier.models import WritePolicy
@@ -64,6 +69,9 @@ class ManagerSetup:
     :mod:`~kvtier.offload.pins`); 0: none."""
     pin_max_s: float = DEFAULT_PIN_MAX_S
     """The longest timed pin a request gets, in seconds."""
+    prefetch: PrefetchConfig | None = None
+    """How blocks below the host tier are read ahead for waiting requests
+    (:mod:`~kvtier.offload.prefetch`); ``None``: the config's defaults."""
     windows: tuple[int | None, ...] = field(init=False)
     """``group_windows`` with one entry per group."""
     through_tiers: tuple[int, ...] = field(init=False)

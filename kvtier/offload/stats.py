@@ -146,6 +146,53 @@ OFFLOAD_COUNTERS: tuple[Counter, ...] = (
         "Lower-tier lookups some rank did not answer within report_deadline_s (recomputed).",
     ),
     Counter(
+        "prefetches_started",
+        _C,
+        "requests",
+        "Requests whose blocks below the host tier started being read into it when they "
+        "arrived, while they waited in the engine's queue (prefetch).",
+    ),
+    Counter(
+        "prefetches_completed",
+        _C,
+        "requests",
+        "Prefetches whose reads every rank reported while their request still waited for them.",
+    ),
+    Counter(
+        "prefetches_cancelled",
+        _C,
+        "requests",
+        "Prefetches whose request finished (was aborted) before the engine allocated it; "
+        "their slots and pins were released.",
+    ),
+    Counter(
+        "prefetches_expired",
+        _C,
+        "requests",
+        "Prefetches still being read when their request's lookup stopped waiting for them "
+        "(prefetch.policy best_effort, or timeout_s passed); the request computed those blocks.",
+    ),
+    Counter(
+        "prefetched_blocks",
+        _C,
+        "blocks",
+        "Blocks read from the tiers below the host tier into it by prefetches (also counted "
+        "in promoted_blocks).",
+    ),
+    Counter(
+        "prefetched_used_blocks",
+        _C,
+        "blocks",
+        "Prefetched blocks the engine then loaded from the host tier.",
+    ),
+    Counter(
+        "prefetched_unused_blocks",
+        _C,
+        "blocks",
+        "Prefetched blocks evicted from the host tier before the engine loaded them (wasted "
+        "reads).",
+    ),
+    Counter(
         "guard_skipped_tokens",
         _C,
         "tokens",
@@ -370,6 +417,15 @@ OFFLOAD_HISTOGRAMS: tuple[Histogram, ...] = (
         "Tokens each request loads from the host tier (0 for a miss), observed when vLLM "
         "allocates it.",
         HIT_BUCKETS_TOKENS,
+    ),
+    Histogram(
+        "prefetch_covered_seconds",
+        "prefetch_covered_seconds",
+        "seconds",
+        "Per prefetched request, at its first lookup: the seconds its prefetch's reads ran "
+        "while it waited in the engine's queue (from its arrival to the reads' end or its "
+        "first lookup, whichever came first): read time the request did not wait for.",
+        LATENCY_BUCKETS_S,
     ),
     Histogram(
         "guard_load_seconds",

@@ -113,8 +113,8 @@ BAD_FILES = {
         "cpu_bytez: 1\n",
         "cpu_bytez: unknown key; valid keys here: close_timeout_s, copy, copy_deadline_s, "
         "cost_guard, cost_guard_margin, cpu_bytes, cpu_bytes_per_rank, flush_deadline_s, index, "
-        "layout, namespace, pin_max_s, pin_share, report_deadline_s, same_step_load_bytes, "
-        "store_mode, tiers (got 1)",
+        "layout, namespace, pin_max_s, pin_share, prefetch, report_deadline_s, "
+        "same_step_load_bytes, store_mode, tiers (got 1)",
     ),
     "negative size": ("cpu_bytes: -8\n", "cpu_bytes: Input should be greater than 0 (got -8)"),
     "zero size": ("cpu_bytes_per_rank: 0\n", "cpu_bytes_per_rank: Input should be greater than 0"),

@@ -350,8 +350,8 @@ def test_unknown_key_at_top_level_and_in_a_section(registry: Registry) -> None:
         "explicit: copy.stream: unknown key; valid keys here: streams, type (got 2)",
         "explicit: cpu_byte: unknown key; valid keys here: close_timeout_s, copy, "
         "copy_deadline_s, cost_guard, cost_guard_margin, cpu_bytes, cpu_bytes_per_rank, "
-        "flush_deadline_s, index, layout, namespace, pin_max_s, pin_share, report_deadline_s, "
-        "same_step_load_bytes, store_mode, "
+        "flush_deadline_s, index, layout, namespace, pin_max_s, pin_share, prefetch, "
+        "report_deadline_s, same_step_load_bytes, store_mode, "
         "tiers (got 5)",
     ]
     assert str(caught.value).startswith("invalid kvtier configuration: 2 problems\n")
@@ -490,8 +490,8 @@ def test_bad_env_variables(registry: Registry) -> None:
         "'1.5GiB', '64G' or '512MB' (got 'lots')",
         "env KVTIER_BOGUS: bogus: unknown key; valid keys here: close_timeout_s, copy, "
         "copy_deadline_s, cost_guard, cost_guard_margin, cpu_bytes, cpu_bytes_per_rank, "
-        "flush_deadline_s, index, layout, namespace, pin_max_s, pin_share, report_deadline_s, "
-        "same_step_load_bytes, store_mode, "
+        "flush_deadline_s, index, layout, namespace, pin_max_s, pin_share, prefetch, "
+        "report_deadline_s, same_step_load_bytes, store_mode, "
         "tiers (got '1')",
     ]
 

@@ -8,6 +8,7 @@ import time
 import pytest
 
 import kvtier.offload.tier_mover
+from kvtier.config.model import PrefetchConfig
 from kvtier.index.base import BlockKey, EventKind
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
@@ -32,7 +33,9 @@ class Fleet:
         self.tier_settings = tier_settings
         self.tiers: list[MemoryTier] = []
 
-    def engine(self, *, namespace: str = "", model: str = "model-a") -> OffloadedEngine:
+    def engine(
+        self, *, namespace: str = "", model: str = "model-a", prefetch: PrefetchConfig | None = None
+    ) -> OffloadedEngine:
         spec = EngineSpec(num_blocks=24, block_tokens=BLOCK_TOKENS)
         record_bytes = SyntheticEngine(spec).layout.record_bytes
         chains = []
@@ -52,6 +55,7 @@ class Fleet:
             world_size=self.world_size,
             chains=chains,
             record_events=self.record_events,
+            prefetch=prefetch,
         )
 
 
@@ -152,7 +156,8 @@ def test_records_of_another_tenant_or_model_or_corrupted_are_misses(
     if fault is not None:
         for key, record in fleet.stores[0].items():
             fleet.stores[0][key] = record[:-1] + bytes([record[-1] ^ 0xFF])
-    second = fleet.engine(**engine_settings)
+    # read at the lookup, every block at once (a prefetch reads as many as its share allows)
+    second = fleet.engine(**engine_settings, prefetch=PrefetchConfig(policy="off"))
     serve(second, 1)
     assert second.stats.tier_hit_blocks == 0
     assert second.stats.requests == 1

@@ -39,6 +39,7 @@ from kvtier.config.model import (
     DEFAULT_CLOSE_TIMEOUT_S,
     DEFAULT_COPY_DEADLINE_S,
     DEFAULT_REPORT_DEADLINE_S,
+    PrefetchConfig,
 )
 from kvtier.index.base import BlockIndex, BlockKey
 from kvtier.keys import hash_token_blocks
@@ -462,6 +463,7 @@ class OffloadedEngine:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         chains: Sequence[TierChain] | None = None,
+        prefetch: PrefetchConfig | None = None,
     ) -> None:
         """Build the engines (one per worker), the manager and the workers.
 
@@ -480,6 +482,7 @@ class OffloadedEngine:
             clock: Time for the manager's and the workers' deadlines.
             sleep: How workers pause while they wait for copies.
             chains: Each worker's tiers below the host tier (one chain per worker).
+            prefetch: The manager's prefetch settings (``None``: their defaults).
         """
         self.spec = spec
         self.engines = [SyntheticEngine(spec, resolver) for _ in range(world_size)]
@@ -494,6 +497,7 @@ class OffloadedEngine:
             report_deadline_s=report_deadline_s,
             write_policies=() if chains is None else chains[0].write_policies,
             clock=clock,
+            prefetch=prefetch,
         )
         self.session = OffloadSession(self.manager)
         self.guard = LazyStoreGuard(self.manager)
@@ -518,7 +522,8 @@ class OffloadedEngine:
         self.stats = RunStats()
         self.mismatches: list[str] = []
         self._late_reports: list[WorkerReport | None] = []
-        self._waiting: list[tuple[list[int], int, str | None]] = []
+        self._waiting: list[tuple[list[int], int, str]] = []
+        self._preempted: set[str] = set()
         self._running: dict[str, _Running] = {}
         self._held: dict[str, list[int]] = {}
         self._next_request = 0
@@ -557,12 +562,24 @@ class OffloadedEngine:
         """Withhold worker ``rank``'s reports for the next ``steps`` steps, then deliver them."""
         self._silent_steps[rank] = max(self._silent_steps[rank], steps)
 
-    def submit(self, tokens: Sequence[int], decode_steps: int = 1) -> None:
-        """Queue a request; it is admitted by a later :meth:`step` once its blocks fit."""
+    def submit(self, tokens: Sequence[int], decode_steps: int = 1) -> str:
+        """Queue a request, and return its id; it is admitted by a later :meth:`step` once its
+        blocks fit. The session hears of it now (:meth:`OffloadSession.arrived
+        <kvtier.offload.session.OffloadSession.arrived>`)."""
         blocks = -(-len(tokens) // self.spec.block_tokens)
         if blocks > self.spec.num_blocks // 2:
             raise ValueError(f"a request of {blocks} blocks never fits in this engine")
-        self._waiting.append((list(tokens), decode_steps, None))
+        request_id = f"req-{self._next_request}"
+        self._next_request += 1
+        self._waiting.append((list(tokens), decode_steps, request_id))
+        keys = hash_token_blocks(tokens, self.spec.block_tokens)
+        self.session.arrived(request_id, keys, len(tokens))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Take a request out of the queue before it was admitted, as a client's abort does."""
+        self._waiting = [entry for entry in self._waiting if entry[2] != request_id]
+        self.session.finished(request_id, 0)
 
     def step(self, preempt: Sequence[str] = ()) -> None:
         """Run one engine step: admit, plan, preempt, copy, compute, report, finish."""
@@ -620,7 +637,7 @@ class OffloadedEngine:
         for worker in self.workers:
             worker.close()
 
-    def _admit(self, tokens: list[int], decode_steps: int, resumed_id: str | None) -> bool:
+    def _admit(self, tokens: list[int], decode_steps: int, request_id: str) -> bool:
         spec = self.spec
         keys = hash_token_blocks(tokens, spec.block_tokens)
         engine_hits = min(self.engine.prefix_hits(keys), (len(tokens) - 1) // spec.block_tokens)
@@ -630,17 +647,10 @@ class OffloadedEngine:
         )
         if self.engine.num_free - hits_now_free < total_blocks - engine_hits:
             return False
-        if resumed_id is None:
-            request_id = f"req-{self._next_request}"
-            self._next_request += 1
-        else:
-            request_id = resumed_id
         computed = engine_hits * spec.block_tokens
         tier_tokens, _ = self.session.lookup(request_id, keys, computed, len(tokens))
         if tier_tokens is None:
-            # the lower tiers are being searched: ask again next step, under the same id
-            self._waiting[0] = (tokens, decode_steps, request_id)
-            return False
+            return False  # the lower tiers are being searched: ask again next step
         tier_hits = tier_tokens // spec.block_tokens
         acquired = [engine.acquire_cached(keys[:engine_hits]) for engine in self.engines]
         allocated = [engine.allocate(total_blocks - engine_hits) for engine in self.engines]
@@ -654,7 +664,7 @@ class OffloadedEngine:
             num_computed_tokens=computed,
             new_block_ids=[blocks],
             block_hashes=keys,
-            resumed=resumed_id is not None,
+            resumed=request_id in self._preempted,
         )
         state = _Running(request_id, tokens, keys, blocks, computed, decode_steps)
         if tier_hits:
@@ -741,6 +751,7 @@ class OffloadedEngine:
             for block in state.blocks:
                 if engine.is_free(block):
                     engine.scramble(block)
+        self._preempted.add(state.request_id)
         self._waiting.insert(0, (state.tokens, max(1, state.steps_left), state.request_id))
 
     def _finish(self, request_id: str) -> None:

@@ -231,6 +231,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is not None:
             self.scheduler.bind_gpu_block_pool(gpu_block_pool)
 
+    def on_new_request(self, request: Request) -> None:
+        if self.scheduler is not None:
+            self.scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

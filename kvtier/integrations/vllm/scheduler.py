@@ -1,5 +1,9 @@
 """The scheduler half of the vLLM connector: vLLM's requests and blocks in, manager calls out.
 
+When vLLM adds a request to its queue, :meth:`KVTierScheduler.on_new_request`
+starts reading its blocks held below the host tier (a prefetch,
+:mod:`kvtier.offload.prefetch`), while it waits to be scheduled.
+
 Call sequence in one engine step, inside ``Scheduler.schedule()``:
 
 1. :meth:`KVTierScheduler.get_num_new_matched_tokens` — for a waiting request
@@ -55,6 +59,7 @@ from vllm.distributed.kv_events import (
     KVCacheEvent,
 )
 from vllm.v1.core.kv_cache_utils import (
+    BlockHash,
     BlockHashWithGroupId,
     get_block_hash,
     get_group_id,
@@ -230,6 +235,7 @@ class KVTierScheduler:
         self.block_tokens = block_tokens
         self.record_bytes = record_bytes
         num_groups = len(kv_cache_config.kv_cache_groups)
+        self._group_ids = list(range(num_groups))
         self.manager = OffloadManager.from_config(
             config,
             block_tokens=block_tokens,
@@ -262,6 +268,30 @@ class KVTierScheduler:
         self._block_pool = gpu_block_pool
         if self.config.store_mode == "lazy":
             self._frontier = FreeQueueFrontier(gpu_block_pool, self._frontier_blocks)
+
+    def on_new_request(self, request: Request) -> None:
+        """vLLM added the request to its queue: read ahead its blocks held below the host tier
+        past those vLLM's own prefix cache holds now."""
+        control = self._control(request) if request.kv_transfer_params else None
+        self.session.arrived(
+            request.request_id,
+            request.block_hashes,
+            request.num_tokens,
+            control,
+            num_computed_tokens=self._device_blocks(request.block_hashes) * self.block_tokens,
+        )
+
+    def _device_blocks(self, block_hashes: list[BlockHash]) -> int:
+        """How many leading blocks vLLM's prefix cache holds in every kv-cache group."""
+        pool = self._block_pool
+        if pool is None:
+            return 0
+        count = 0
+        for block_hash in block_hashes:
+            if pool.get_cached_block(block_hash, self._group_ids) is None:
+                break
+            count += 1
+        return count
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

@@ -1,0 +1,196 @@
+"""Owns prefetches: reads from the lower tiers started when a request arrives, while it waits.
+
+When a request enters the engine's queue (:meth:`OffloadManager.arrived
+<kvtier.offload.OffloadManager.arrived>`), its blocks missing from the host tier
+are promoted at once (:mod:`~kvtier.offload.moves` reserves the slots and plans
+the reads), instead of at its first lookup. This module keeps, per waiting
+request, what was read for it and decides what its lookups answer meanwhile:
+
+- ``wait_complete``: "ask again" until every rank reported the reads;
+- ``timeout``: the same until ``timeout_s`` after the request arrived;
+- ``best_effort``: the host tier's hits at once.
+
+A lookup that stops waiting for reads still in flight expires the prefetch: the
+request computes those blocks (a miss), and the blocks, once read, are ordinary
+host-tier blocks. Blocks read for a request stay pinned until the engine
+allocated it (the load pins them then) or it finished, so no store evicts them
+before their use.
+
+Bounds: the slots reserved or pinned for waiting requests stay within
+``max_host_share`` of the host tier; a prefetch past it reads fewer blocks and
+the request's first lookup promotes the rest. The host tier's index makes the
+room, as for any store: it evicts only unpinned readable blocks, and its policy
+may decline (an admission filter that values what it holds more).
+
+A request that finishes before it was allocated (an abort) cancels its
+prefetch: reads not yet planned are dropped with their slots, its pins go and
+it leaves the share at once; reads already planned land as ordinary blocks.
+
+Counted (:data:`~kvtier.offload.stats.OFFLOAD_COUNTERS`): prefetches started,
+completed, cancelled and expired; blocks prefetched, and of them those the
+engine later loaded or that were evicted first (wasted reads); per request, the
+seconds its reads ran while it waited (``prefetch_covered_seconds``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvtier.config.model import PrefetchConfig
+from kvtier.index.base import BlockKey
+from kvtier.offload.setup import ManagerSetup
+from kvtier.offload.stats import Counters
+
+
+@dataclass
+class Prefetch:
+    """One waiting request's prefetch."""
+
+    arrived_at: float
+    batches: set[int]
+    """Its promotions (one per kv-cache group) not reported by every rank yet."""
+    slots: int
+    """Host slots it counts against the share: reserved for reads in flight, or pinned."""
+    pinned: list[BlockKey] = field(default_factory=list)
+    short: bool = False
+    """Some rank found fewer blocks than were reserved: the tiers hold no more of the prefix."""
+    rest_asked: bool = False
+    """Its request's lookup promoted what it still missed."""
+    read_at: float | None = None
+    """When its last read was reported."""
+    looked_up: bool = False
+    """Its request's first lookup came."""
+    gave_up: bool = False
+    """A lookup stopped waiting for its reads (it expired)."""
+
+
+class Prefetches:
+    """The prefetches of waiting requests, their share of the host tier and their counts."""
+
+    def __init__(self, setup: ManagerSetup, counters: Counters) -> None:
+        config = setup.prefetch or PrefetchConfig()
+        self.setup = setup
+        self.counters = counters
+        self.enabled = config.policy != "off"
+        self.policy = config.policy
+        self.timeout_s = config.timeout_s
+        self.share = int(config.max_host_share * setup.index.num_slots)
+        """The most host slots prefetches of waiting requests hold at once."""
+        self.waiting: dict[str, Prefetch] = {}
+        self.reserved = 0
+        """Host slots held for waiting requests now (within :attr:`share`)."""
+        self.unused: set[BlockKey] = set()
+        """Blocks prefetched and readable that the engine has not loaded yet."""
+
+    @property
+    def room(self) -> int:
+        """Host slots a new prefetch may still take."""
+        return self.share - self.reserved
+
+    def started(self, request_id: str, batch_ids: Iterable[int], slots: int) -> None:
+        """Reads of ``slots`` reserved slots were planned for the arriving ``request_id``."""
+        self.waiting[request_id] = Prefetch(self.setup.clock(), set(batch_ids), slots)
+        self.reserved += slots
+        self.counters.add("prefetches_started", 1)
+
+    def landed(self, request_id: str, batch_id: int, found: Sequence[BlockKey], asked: int) -> None:
+        """Every rank reported a prefetch's promotion, which found the first ``found`` of its
+        ``asked`` blocks: pin them for the request if it still waits for them."""
+        self.unused.update(found)
+        self.counters.add("prefetched_blocks", len(found))
+        prefetch = self.waiting.get(request_id)
+        if prefetch is None or batch_id not in prefetch.batches:
+            return
+        prefetch.batches.discard(batch_id)
+        prefetch.short |= len(found) < asked
+        if prefetch.gave_up:
+            return
+        kept = len(found)
+        if found:
+            self.setup.index.pin(found)
+            prefetch.pinned.extend(found)
+        prefetch.slots -= asked - kept
+        self.reserved -= asked - kept
+        if not prefetch.batches:
+            prefetch.read_at = self.setup.clock()
+            self.counters.add("prefetches_completed", 1)
+
+    def waits(self, request_id: str, reading: bool) -> bool:
+        """Whether a lookup of ``request_id`` waits for its prefetch; ``reading``: some of its
+        reads are still in flight. A lookup that stops waiting for reads expires it."""
+        prefetch = self.waiting.get(request_id)
+        if prefetch is None or prefetch.gave_up:
+            return reading
+        now = self.setup.clock()
+        if not prefetch.looked_up:
+            prefetch.looked_up = True
+            read_at = now if prefetch.read_at is None else prefetch.read_at
+            counters = self.counters
+            counters.observe(
+                counters.observations.prefetch_covered_seconds, read_at - prefetch.arrived_at
+            )
+        if not reading:
+            return False
+        if self.policy == "wait_complete" or (
+            self.policy == "timeout" and now < prefetch.arrived_at + self.timeout_s
+        ):
+            return True
+        prefetch.gave_up = True
+        self.counters.add("prefetches_expired", 1)
+        in_flight = prefetch.slots - len(prefetch.pinned)
+        prefetch.slots -= in_flight
+        self.reserved -= in_flight
+        return False
+
+    def rest_wanted(self, request_id: str) -> bool:
+        """Whether a lookup that still misses blocks past its host hits should promote them:
+        those the prefetch had no room for, or that left the engine's or the host tier's
+        cache since. Once, and not after a read that found the tiers hold no more."""
+        prefetch = self.waiting.get(request_id)
+        if prefetch is None or prefetch.short or prefetch.batches or prefetch.rest_asked:
+            return False
+        prefetch.rest_asked = True
+        return True
+
+    def release(self, request_id: str, *, cancelled: bool) -> bool:
+        """The request was allocated (or preempted), or finished: unpin its blocks and leave
+        the share. ``cancelled``: it finished before being allocated. Whether it had one."""
+        prefetch = self.waiting.pop(request_id, None)
+        if prefetch is None:
+            return False
+        if prefetch.pinned:
+            self.setup.index.unpin(prefetch.pinned)
+        self.reserved -= prefetch.slots
+        if cancelled:
+            self.counters.add("prefetches_cancelled", 1)
+        return True
+
+    def used(self, keys: Iterable[BlockKey]) -> None:
+        """The engine loads these blocks from the host tier."""
+        unused = self.unused
+        count = 0
+        for key in keys:
+            if key in unused:
+                unused.discard(key)
+                count += 1
+        if count:
+            self.counters.add("prefetched_used_blocks", count)
+
+    def evicted(self, keys: Iterable[BlockKey]) -> None:
+        """These blocks left the host tier."""
+        unused = self.unused
+        count = 0
+        for key in keys:
+            if key in unused:
+                unused.discard(key)
+                count += 1
+        if count:
+            self.counters.add("prefetched_unused_blocks", count)
+
+    def reset(self) -> None:
+        """A reset forgets every block: pinned ones leave the tier as their pins end."""
+        pinned = [key for prefetch in self.waiting.values() for key in prefetch.pinned]
+        if pinned:
+            self.setup.index.discard(pinned)
+        self.unused.clear()

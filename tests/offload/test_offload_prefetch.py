@@ -1,0 +1,289 @@
+"""Prefetch at arrival: reads from the lower tiers start while a request waits, bounded,
+cancellable and counted; the policies decide what a lookup answers meanwhile."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvtier.config.model import PrefetchConfig
+from kvtier.index.base import EventKind
+from kvtier.index.lru import LRUPolicy
+from kvtier.index.policy import PolicyIndex
+from kvtier.keys import KeyNamespace, hash_token_blocks
+from kvtier.offload import OffloadManager, TransferPlan, WorkerReport
+from kvtier.offload.session import OffloadSession
+from kvtier.tiers import TierSpec
+from kvtier.tiers.chain import TierChain
+from tests.offload.conftest import BLOCK_TOKENS, PROMPT_BLOCKS, prompt, torch_backend
+from tests.support.engine import EngineSpec, OffloadedEngine, SyntheticEngine
+from tests.support.tiers import MemoryTier
+
+TOKENS = len(prompt(1))
+FULL_HIT = PROMPT_BLOCKS * BLOCK_TOKENS
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def manager_with(
+    policy: str = "wait_complete", *, slots: int = 16, share: float = 0.5, **options: object
+) -> tuple[OffloadManager, Clock]:
+    clock = Clock()
+    settings: dict[str, object] = {"policy": policy, "max_host_share": share}
+    if policy == "timeout":
+        settings["timeout_s"] = 2.0
+    manager = OffloadManager(
+        PolicyIndex(slots, LRUPolicy()),
+        block_tokens=BLOCK_TOKENS,
+        record_bytes=64,
+        write_policies=("write_back",),
+        clock=clock,
+        record_observations=True,
+        prefetch=PrefetchConfig.model_validate(settings),
+        **options,  # type: ignore[arg-type]
+    )
+    return manager, clock
+
+
+def found_all(plan: TransferPlan) -> WorkerReport:
+    """The report of a worker that found every block of the plan's promotions."""
+    return WorkerReport(promoted={p.batch_id: (1, len(p.block_hashes)) for p in plan.promotions})
+
+
+def read_all(manager: OffloadManager) -> None:
+    """The workers read every promotion of the next plan and found every block."""
+    manager.process(found_all(manager.build_plan()))
+
+
+def test_an_arriving_request_is_read_ahead_and_its_first_lookup_is_a_host_hit() -> None:
+    manager, clock = manager_with()
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("r", hashes, 0, TOKENS)
+    assert manager.stats().prefetches_started == 1
+    clock.now = 0.25
+    read_all(manager)
+    clock.now = 3.0  # it waited in the queue meanwhile
+    assert manager.lookup("r", hashes, 0, TOKENS) == FULL_HIT
+    stats = manager.stats()
+    assert (stats.prefetches_completed, stats.prefetched_blocks) == (1, PROMPT_BLOCKS)
+    assert manager.take_observations().prefetch_covered_seconds == [0.25]
+    # the blocks stay pinned for it until the engine allocated it, then its load pins them
+    assert manager.index.stats().pinned == PROMPT_BLOCKS
+    manager.allocated("r", hashes, [list(range(PROMPT_BLOCKS + 1))], 0, FULL_HIT)
+    assert manager.moves.prefetches.reserved == 0
+    assert manager.stats().prefetched_used_blocks == PROMPT_BLOCKS
+
+
+def test_the_first_lookup_is_served_in_the_step_that_schedules_the_request() -> None:
+    manager, _ = manager_with()
+    session = OffloadSession(manager, same_step_bytes=1 << 20)
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    session.arrived("r", hashes, TOKENS)
+    read_all(manager)
+    hit, asynchronous = session.lookup("r", hashes, 0, TOKENS)
+    assert (hit, asynchronous) == (FULL_HIT, False)
+
+
+@pytest.mark.parametrize(
+    ("policy", "answers"),
+    [
+        ("wait_complete", [None, None]),
+        ("timeout", [None, 0]),
+        ("best_effort", [0, 0]),
+    ],
+)
+def test_what_a_lookup_answers_while_the_prefetch_is_read(
+    policy: str, answers: list[int | None]
+) -> None:
+    manager, clock = manager_with(policy)
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("r", hashes, 0, TOKENS)
+    plan = manager.build_plan()
+    clock.now = 1.0
+    first = manager.lookup("r", hashes, 0, TOKENS)
+    clock.now = 2.5  # past timeout_s
+    second = manager.lookup("r", hashes, 0, TOKENS)
+    assert [first, second] == answers
+    expired = answers[-1] is not None
+    assert manager.stats().prefetches_expired == expired
+    (promotion,) = plan.promotions
+    manager.process(WorkerReport(promoted={promotion.batch_id: (1, PROMPT_BLOCKS)}))
+    # blocks read after the lookup stopped waiting are ordinary ones: not pinned for it
+    assert manager.index.stats().pinned == (0 if expired else PROMPT_BLOCKS)
+    assert manager.lookup("r", hashes, 0, TOKENS) == FULL_HIT
+
+
+def test_prefetches_take_at_most_their_share_and_the_lookup_reads_the_rest() -> None:
+    manager, _ = manager_with(slots=8, share=0.25)  # 2 slots for waiting requests
+    first, second = (hash_token_blocks(prompt(seed), BLOCK_TOKENS) for seed in (1, 2))
+    manager.arrived("a", first, 0, TOKENS)
+    manager.arrived("b", second, 0, TOKENS)  # no room left
+    assert manager.stats().prefetches_started == 1
+    (promotion,) = manager.build_plan().promotions
+    assert promotion.block_hashes == tuple(first[:2])
+    manager.process(WorkerReport(promoted={promotion.batch_id: (1, 2)}))
+    # the first lookup promotes what the prefetch had no room for
+    assert manager.lookup("a", first, 0, TOKENS) is None
+    (rest,) = manager.build_plan().promotions
+    assert rest.block_hashes == tuple(first[2:PROMPT_BLOCKS])
+    manager.process(WorkerReport(promoted={rest.batch_id: (1, len(rest.block_hashes))}))
+    assert manager.lookup("a", first, 0, TOKENS) == FULL_HIT
+    # a request that got no prefetch promotes at its first lookup, as without prefetch
+    assert manager.lookup("b", second, 0, TOKENS) is None
+
+
+def test_a_prefetch_that_found_fewer_blocks_ends_the_search() -> None:
+    manager, _ = manager_with(slots=8, share=0.25)
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("r", hashes, 0, TOKENS)
+    (promotion,) = manager.build_plan().promotions
+    manager.process(WorkerReport(promoted={promotion.batch_id: (1, 1)}))
+    assert manager.lookup("r", hashes, 0, TOKENS) == BLOCK_TOKENS
+    assert manager.moves.prefetches.reserved == 1
+
+
+def test_an_aborted_request_cancels_its_prefetch_and_keeps_no_slot() -> None:
+    manager, _ = manager_with(share=1.0)
+    first, second = (hash_token_blocks(prompt(seed), BLOCK_TOKENS) for seed in (1, 2))
+    manager.arrived("planned", first, 0, TOKENS)
+    manager.arrived("unplanned", second, 0, TOKENS)
+    plan = manager.build_plan()
+    manager.arrived("never-planned", hash_token_blocks(prompt(3), BLOCK_TOKENS), 0, TOKENS)
+    assert manager.finished("never-planned") is False
+    assert manager.finished("planned") is False
+    # reads no plan carried are dropped with their slots
+    assert manager.build_plan().promotions == ()
+    assert manager.moves.prefetches.reserved == PROMPT_BLOCKS  # the request still waiting
+    manager.finished("unplanned")
+    assert manager.moves.prefetches.reserved == 0
+    # reads already planned land as ordinary blocks
+    manager.process(found_all(plan))
+    index = manager.index.stats()
+    assert (index.pinned, index.writing, index.readable) == (0, 0, 2 * PROMPT_BLOCKS)
+    assert manager.stats().prefetches_cancelled == 3
+    assert manager.settled
+
+
+def test_prefetched_blocks_evicted_before_use_are_counted_as_wasted() -> None:
+    manager, _ = manager_with(slots=8, share=1.0)
+    first, second = (hash_token_blocks(prompt(seed), BLOCK_TOKENS) for seed in (1, 2))
+    manager.arrived("a", first, 0, TOKENS)
+    read_all(manager)
+    manager.finished("a")  # aborted: its blocks are ordinary, unpinned ones
+    manager.arrived("b", second, 0, TOKENS)  # evicts a's to make room
+    read_all(manager)
+    stats = manager.stats()
+    assert stats.prefetched_blocks == 2 * PROMPT_BLOCKS
+    assert stats.prefetched_unused_blocks == 2 * PROMPT_BLOCKS - 8  # a's, to make room
+    assert stats.prefetched_used_blocks == 0
+
+
+def test_pinned_blocks_and_blocks_being_written_are_never_evicted_for_a_prefetch() -> None:
+    manager, _ = manager_with(slots=8, share=1.0)
+    first, second = (hash_token_blocks(prompt(seed), BLOCK_TOKENS) for seed in (1, 2))
+    manager.arrived("a", first, 0, TOKENS)
+    read_all(manager)  # a's blocks are pinned for it while it waits
+    manager.arrived("b", second, 0, TOKENS)
+    (promotion,) = manager.build_plan().promotions
+    assert len(promotion.block_hashes) == 8 - PROMPT_BLOCKS
+    assert manager.index.lookup(manager.namespace.keys(first)) == PROMPT_BLOCKS
+
+
+def test_prefetched_blocks_are_announced_as_stores() -> None:
+    manager, _ = manager_with(record_events=True)
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("r", hashes, 0, TOKENS)
+    read_all(manager)
+    events = manager.take_events()
+    assert [event.kind for event in events] == [EventKind.STORED] * PROMPT_BLOCKS
+    assert [event.key for event in events] == manager.namespace.keys(hashes[:PROMPT_BLOCKS])
+
+
+def test_off_reads_nothing_before_the_lookup() -> None:
+    manager, _ = manager_with("off")
+    manager.arrived("r", hash_token_blocks(prompt(1), BLOCK_TOKENS), 0, TOKENS)
+    assert manager.build_plan().promotions == ()
+    assert manager.stats().prefetches_started == 0
+
+
+def test_a_request_that_loads_nothing_is_not_read_ahead() -> None:
+    from kvtier.offload.control import request_control
+
+    manager, _ = manager_with()
+    session = OffloadSession(manager)
+    control = request_control({"kvtier": {"load": False}})
+    session.arrived("r", hash_token_blocks(prompt(1), BLOCK_TOKENS), TOKENS, control)
+    assert manager.build_plan().promotions == ()
+
+
+def test_a_queued_request_is_promoted_before_it_is_admitted_byte_for_byte() -> None:
+    """The synthetic engine over a slow memory tier: a request waiting behind others has
+    its blocks read while it waits, and loads them as host hits when admitted."""
+    spec = EngineSpec(num_blocks=12, block_tokens=BLOCK_TOKENS)
+    record_bytes = SyntheticEngine(spec).layout.record_bytes
+    store: dict[bytes, bytes] = {}
+
+    def engine() -> tuple[OffloadedEngine, MemoryTier]:
+        tier = MemoryTier(TierSpec(record_bytes, KeyNamespace("m", "layout", 0, 1)), store=store)
+        chain = TierChain([("memory", tier)])
+        return OffloadedEngine(
+            spec,
+            PolicyIndex(4 * PROMPT_BLOCKS, LRUPolicy()),
+            torch_backend,
+            chains=[chain],
+            prefetch=PrefetchConfig(policy="wait_complete", max_host_share=1.0),
+        ), tier
+
+    first, _ = engine()
+    for seed in (1, 2, 3):
+        first.submit(prompt(seed))
+        first.drain()
+    first.close()  # writes its host tier back into the shared store
+    second, tier = engine()
+    for seed in (1, 2, 3, 1):  # two fit the device at a time: the others queue
+        second.submit(prompt(seed), decode_steps=3)
+    assert second.manager.stats().prefetches_started == 3  # the last one's blocks are taken
+    deadline = time.monotonic() + 10
+    while not second.idle:
+        assert time.monotonic() < deadline, "the engine did not drain"
+        second.step()
+        # no request was admitted before its blocks were read
+        assert second.manager.stats().prefetches_completed >= min(3, second.stats.requests)
+        time.sleep(0.001)
+    stats = second.manager.stats()
+    assert stats.prefetches_expired == 0
+    assert stats.prefetched_blocks == 3 * PROMPT_BLOCKS
+    assert stats.prefetched_used_blocks == 3 * PROMPT_BLOCKS
+    # the fourth, a repeat of the first, loads the same blocks again from the host tier
+    assert second.stats.tier_hit_blocks == 4 * PROMPT_BLOCKS
+    assert second.stats.verified_blocks == 4 * PROMPT_BLOCKS and second.mismatches == []
+    assert [op for op, _ in tier.batches].count("read") == 3, "no read at a lookup"
+    second.close()
+
+
+def test_blocks_the_engine_holds_at_arrival_are_not_read() -> None:
+    manager, _ = manager_with()
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("r", hashes, 2 * BLOCK_TOKENS, TOKENS)
+    (promotion,) = manager.build_plan().promotions
+    assert promotion.block_hashes == tuple(hashes[2:PROMPT_BLOCKS])
+
+
+def test_a_lookup_reads_again_what_left_the_engine_while_it_waited() -> None:
+    manager, _ = manager_with()
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("r", hashes, 2 * BLOCK_TOKENS, TOKENS)
+    read_all(manager)
+    # the engine evicted the first two blocks meanwhile: the lookup promotes them
+    assert manager.lookup("r", hashes, 0, TOKENS) is None
+    (rest,) = manager.build_plan().promotions
+    assert rest.block_hashes == tuple(hashes[:2])
+    manager.process(found_all(TransferPlan(promotions=(rest,))))
+    assert manager.lookup("r", hashes, 0, TOKENS) == FULL_HIT
