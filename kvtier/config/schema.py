@@ -28,7 +28,7 @@ from kvtier.config.model import (
     Section,
     section_shorthand,
 )
-from kvtier.kinds import STORAGE_TIER
+from kvtier.kinds import RECORD_CODEC, STORAGE_TIER
 from kvtier.models import NamesItsStore, PluginConfig
 
 if TYPE_CHECKING:
@@ -76,7 +76,10 @@ def config_model(registry: Registry | None = None) -> type[RootSettings]:
         else:
             default = Field(description=section.description)
         fields[section.field] = (annotation, default)
-    tier_models = tuple(reg.config_model for reg in registry.of_kind(STORAGE_TIER).values())
+    codec = _codec_union(registry)
+    tier_models = tuple(
+        _with_codec(reg.config_model, codec) for reg in registry.of_kind(STORAGE_TIER).values()
+    )
     tier: Any = (
         Annotated[Union[tier_models], Field(discriminator="type")]  # noqa: UP007
         if tier_models
@@ -107,6 +110,38 @@ def config_model(registry: Registry | None = None) -> type[RootSettings]:
 
 def _shorthand(cls: type[RootSettings], value: Any) -> Any:
     return section_shorthand(value)
+
+
+CODEC_FIELD = "codec"
+"""The field of a storage tier's config that names its record codec."""
+
+
+def _codec_union(registry: Registry) -> Any:
+    """What a tier's ``codec`` accepts: one of the registered codecs' models, or null."""
+    models = tuple(reg.config_model for reg in registry.of_kind(RECORD_CODEC).values())
+    if not models:
+        return Annotated[PluginConfig, AfterValidator(_no_codec)] | None
+    return Annotated[Union[models], Field(discriminator="type")] | None  # noqa: UP007
+
+
+def _with_codec(model: type[PluginConfig], codec: Any) -> type[PluginConfig]:
+    """``model`` with its ``codec`` field (if it has one) checked against the registered codecs."""
+    if CODEC_FIELD not in model.model_fields:
+        return model
+    described = model.model_fields[CODEC_FIELD]
+    return create_model(
+        model.__name__,
+        __base__=model,
+        __doc__=model.__doc__,
+        __module__=model.__module__,
+        # Overrides the base's validator of the same name, which keeps a mapping unvalidated.
+        __validators__={"_plain_codec": field_validator(CODEC_FIELD, mode="before")(_shorthand)},
+        **{CODEC_FIELD: (codec, Field(None, description=described.description))},
+    )
+
+
+def _no_codec(value: Any) -> Any:
+    raise ValueError(f"no {RECORD_CODEC.title} is installed; install a plugin that provides one")
 
 
 def _one_entry_per_store(
