@@ -184,7 +184,6 @@ class QuantisedCodec(Codec):
             out[run.start : run.end] = restored.contiguous().view(torch.uint8).reshape(-1)
         return memoryview(out.numpy())
 
-
     def _widened(self, codes: torch.Tensor) -> torch.Tensor:
         """The 8-bit ``codes`` (as bytes) as float32 values, before scaling."""
         if self._code is torch.int8:
