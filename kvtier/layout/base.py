@@ -52,7 +52,8 @@ class RecordRegion:
     offset_bytes: int
     nbytes: int
     format: RegionFormat | None
-    """``None`` when the resolver cannot tell (Mamba states, layers merged side by side)."""
+    """``None`` when the resolver cannot tell (Mamba states, pieces of different shapes
+    merged into one region)."""
 
 
 @dataclass(frozen=True)

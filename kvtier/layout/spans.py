@@ -239,13 +239,6 @@ def merge_spans(spans: list[Span]) -> list[Span]:
 
 def _close_run(run: list[tuple[int, Span]], run_end: int) -> tuple[int, Span]:
     first = run[0][1]
-    # Views of the same bytes keep their format; different pieces side by side have none.
-    same = all(
-        member.offset_bytes == first.offset_bytes
-        and member.bytes_per_block == first.bytes_per_block
-        and member.format == first.format
-        for _, member in run
-    )
     span = Span(
         _merged_name([member for _, member in run]),
         first.storage,
@@ -253,9 +246,35 @@ def _close_run(run: list[tuple[int, Span]], run_end: int) -> tuple[int, Span]:
         first.block_stride_bytes,
         first.num_blocks,
         run_end - first.offset_bytes,
-        first.format if same else None,
+        _merged_format([member for _, member in run], run_end),
     )
     return (min(position for position, _ in run), span)
+
+
+def _merged_format(members: list[Span], run_end: int) -> RegionFormat | None:
+    """The format of merged spans: views of the same bytes keep theirs; pieces of one format
+    side by side (the layers of a block) stack along a new outer axis with a scale of its
+    own; anything else has none."""
+    pieces = {member.offset_bytes: member for member in members}
+    first = members[0]
+    size = first.bytes_per_block
+    start = min(pieces)
+    known = first.format
+    if known is None or any(
+        piece.format != known or piece.bytes_per_block != size for piece in pieces.values()
+    ):
+        return None
+    if sorted(pieces) != [start + index * size for index in range(len(pieces))]:
+        return None
+    if run_end - start != len(pieces) * size:
+        return None
+    if len(pieces) == 1:
+        return known
+    return RegionFormat(
+        known.dtype,
+        (len(pieces), *known.shape),
+        (0, *(axis + 1 for axis in known.scale_axes)),
+    )
 
 
 def _check_disjoint(spans: list[Span]) -> None:

@@ -3,7 +3,8 @@
 A :class:`CodecCase` is a :class:`~kvtier.codecs.base.CodecSpec` resolved
 from engine tensors (the layout cases of
 :mod:`kvtier.testing.contracts_layout`: FlashAttention NHD and HND,
-FlashInfer, MLA latents, vLLM's CPU cache, Mamba states) and block records
+FlashInfer, MLA latents, vLLM's CPU cache in both packings, cross-layer
+blocks, Mamba states) and block records
 read from them, filled with values whose heads differ in magnitude by orders
 of ten, as real KV's do, and a few records a codec must not stumble on (all
 zeros, values that are not finite).
@@ -42,8 +43,10 @@ from kvtier.layout.resolvers import AutoResolver
 from kvtier.testing.contracts_layout import (
     LayoutCase,
     block_first_case,
+    cross_layer_case,
     flash_attn_case,
     mamba_case,
+    vllm_cpu_packed_case,
 )
 
 FLOAT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -119,6 +122,8 @@ CASES: dict[str, Callable[[], CodecCase]] = {
     ),
     "mla_bf16": lambda: case_from_layout(block_first_case("mla", dtype=torch.bfloat16)),
     "cpu_bf16": lambda: case_from_layout(block_first_case("cpu", dtype=torch.bfloat16)),
+    "cpu_block_outer_bf16": lambda: case_from_layout(vllm_cpu_packed_case(block_outermost=True)),
+    "cross_layer_bf16": lambda: case_from_layout(cross_layer_case(dtype=torch.bfloat16)),
     "flash_attn_nhd_fp32": lambda: case_from_layout(flash_attn_case(dtype=torch.float32)),
     "mamba": lambda: case_from_layout(mamba_case()),
     "no_layout": lambda: CodecCase(
