@@ -228,17 +228,22 @@ def run(args: argparse.Namespace) -> int:
     if args.output is not None:
         check_output_file(args.output)
     torch.set_num_threads(1)
-    kv = model_kv(args)
     registry = default_registry()
-    results = []
+    configs = {}
     for text in args.codecs.split(","):
         config = parse_codec(text)
-        try:
+        try:  # checked before the model runs, so a typo fails at once
             registration = registry.get(RECORD_CODEC, config["type"])
-            codec = registry.build(
-                RECORD_CODEC, registration.config_model.model_validate(config), kv.spec
-            )
-        except (PluginError, ImportError, ValueError) as exc:
+            configs[text] = registration.config_model.model_validate(config)
+        except (PluginError, ValueError) as exc:
+            print(f"kvtier bench codec: {text}: {exc}", file=sys.stderr)
+            return 1
+    kv = model_kv(args)
+    results = []
+    for text, config in configs.items():
+        try:
+            codec = registry.build(RECORD_CODEC, config, kv.spec)
+        except (ImportError, ValueError) as exc:
             print(f"kvtier bench codec: {text}: {exc}", file=sys.stderr)
             return 1
         results.append({"codec": text, **measure(codec, kv, args.repeats)})
