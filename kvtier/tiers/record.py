@@ -350,8 +350,8 @@ class RecordCodec:
         payload = self._payload(payload)
         written_by = NO_CODEC
         if self.codec is not None:
-            encoded = self.codec.encode(memoryview(payload))
-            if len(encoded) < len(payload):
+            encoded = memoryview(self.codec.encode(memoryview(payload))).cast("B")
+            if encoded.nbytes < len(payload):
                 payload, written_by = encoded, self.codec_id
         end = HEADER_FIXED_BYTES + len(key)
         keys = self.keys
@@ -435,8 +435,12 @@ class RecordCodec:
         encoded = (written_by, written_version) != NO_CODEC
         if encoded and (written_by, written_version) != self.codec_id:
             return RecordFault.CODEC
-        fits = 0 < payload_bytes < self.record_bytes if encoded else None
-        if not (fits if encoded else payload_bytes == self.record_bytes):
+        # An encoded payload is kept only when it is smaller than the record.
+        if encoded:
+            length_fits = 0 < payload_bytes < self.record_bytes
+        else:
+            length_fits = payload_bytes == self.record_bytes
+        if not length_fits:
             return RecordFault.LENGTH
         key = bytes(view[HEADER_FIXED_BYTES:end])
         return RecordHeader(
