@@ -38,6 +38,14 @@ The comparisons, each pair of arms run in turn ``--repeats`` times
   single-thread speed of each MAC considered (GMAC, keyed BLAKE3, HMAC-SHA256,
   keyed BLAKE2b), of AES-256-GCM and of the XXH3 checksum over one record.
 
+- ``codec``: what a record codec buys. On records cut from the KV cache of a
+  model run (``kvtier bench codec``'s: kvtier's random-weight Llama through
+  ``transformers``), the disk tier (page cache) and the redis tier with each
+  built-in codec against the same tier without one, in record bytes per
+  second (the bytes the engine hands over), the two arms alternating as above.
+  A codec that cannot be built here (``lossless`` without blosc2) is listed
+  with the reason.
+
 ``ratio`` is tier / bare GB/s for each direction, per repeat (the tier's run
 against the bare run next to it), as its median, min and max; 1.0 is as fast
 as the bare I/O; ``limit_ratio`` is the same against the ``limit`` arm.
@@ -54,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import hmac
 import itertools
@@ -80,7 +89,12 @@ import xxhash
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from stats import spread
 
+from kvtier.cli.bench_codec import model_kv
+from kvtier.codecs.base import CodecSpec
+from kvtier.config import SectionConfig
 from kvtier.keys import KeyNamespace
+from kvtier.kinds import RECORD_CODEC
+from kvtier.plugins import default_registry
 from kvtier.tiers.base import StorageTier, TierSpec
 from kvtier.tiers.disk import DiskTier, DiskTierConfig, aligned_buffer, build_disk_tier
 from kvtier.tiers.mooncake_config import MooncakeTierConfig
@@ -138,9 +152,17 @@ def finished(futures: list[Future[Any]]) -> list[Future[Any]]:
 class TierArm:
     """Put every record under fresh keys, get them back, check them and delete them."""
 
-    def __init__(self, tier: StorageTier, records: list[bytes], batch: int) -> None:
+    def __init__(
+        self,
+        tier: StorageTier,
+        records: list[bytes],
+        batch: int,
+        expected: list[bytes] | None = None,
+    ) -> None:
         self.tier = tier
         self.records = records
+        self.expected = records if expected is None else expected
+        """What a get must return: the records, or what a lossy codec makes of them."""
         self.batches = [
             range(start, min(start + batch, len(records)))
             for start in range(0, len(records), batch)
@@ -174,7 +196,7 @@ class TierArm:
     def check(self) -> None:
         """Every record came back intact; then they are deleted."""
         if not all(
-            same_bytes(got, record) for got, record in zip(self.got, self.records, strict=True)
+            same_bytes(got, record) for got, record in zip(self.got, self.expected, strict=True)
         ):
             raise RuntimeError(f"{self.tier!r} returned a wrong or missing record")
         self.got = []
@@ -562,6 +584,121 @@ def bench_sealing(
     return report
 
 
+CODECS = ("lossless", "fp8", "int8")
+"""The codecs of the ``codec`` rows, each against the same tier without one."""
+
+
+def codec_records(record_bytes: int, count: int) -> tuple[CodecSpec, list[bytes]]:
+    """``count`` records of about ``record_bytes`` cut from a model run's KV (repeated)."""
+    probe = model_kv(argparse.Namespace(model=None, tokens=64, block_tokens=1, seed=0))
+    per_token = probe.spec.record_bytes
+    block_tokens = max(record_bytes // per_token, 1)
+    blocks = max(min(count, 2048 // block_tokens), 1)
+    kv = model_kv(
+        argparse.Namespace(
+            model=None, tokens=blocks * block_tokens, block_tokens=block_tokens, seed=0
+        )
+    )
+    return kv.spec, [kv.records[i % len(kv.records)] for i in range(count)]
+
+
+def codec_disk_tier(
+    args: argparse.Namespace,
+    directory: Path,
+    url: str | None,
+    count: int,
+    tier_spec: TierSpec,
+    name: str | None,
+) -> StorageTier:
+    """A disk tier for ``count`` records, with the codec ``name`` (``None``: none)."""
+    config = DiskTierConfig(
+        path=directory / f"codec-{name}",
+        capacity_bytes=4096 + count * DiskTier.slot_bytes_for(tier_spec.record_bytes),
+        queue_depth=count,
+        codec=name,  # type: ignore[arg-type]
+        **io_threads(args),
+    )
+    return build_disk_tier(config, tier_spec)
+
+
+def codec_redis_tier(
+    args: argparse.Namespace,
+    directory: Path,
+    url: str | None,
+    count: int,
+    tier_spec: TierSpec,
+    name: str | None,
+) -> StorageTier:
+    """A redis tier on ``url`` with the codec ``name`` (``None``: none)."""
+    config = RedisTierConfig(
+        url=url,  # type: ignore[arg-type]
+        namespace=f"codec-{name}",
+        queue_depth=count,
+        codec=name,  # type: ignore[arg-type]
+        **io_threads(args),
+    )
+    return RedisTier(config, tier_spec)
+
+
+def bench_codecs(
+    args: argparse.Namespace, sizes: list[int], directory: Path, url: str | None
+) -> dict[str, Any]:
+    """Each codec against no codec, on the disk tier and (given ``url``) the redis tier."""
+    # The model run makes torch write a compile cache; keep it with the run's other files.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory / "torchinductor"))
+    registry = default_registry()
+    report: dict[str, Any] = {"disk": [], "redis": []}
+    for size in sizes:
+        count = max(args.codec_total_mib * 2**20 // size, 1)
+        codec_spec, records = codec_records(size, count)
+        record_bytes = codec_spec.record_bytes
+        tier_spec = TierSpec(record_bytes, spec(record_bytes).keys, codec_spec.regions)
+        expected: dict[str, list[bytes] | str] = {}
+        for name in CODECS:
+            try:
+                codec = registry.build(RECORD_CODEC, SectionConfig(type=name), codec_spec)
+            except ImportError as exc:
+                expected[name] = f"skipped: {exc}"
+                continue
+            expected[name] = [
+                bytes(codec.decode(memoryview(form))) if len(form) < len(record) else record
+                for record in records
+                for form in [bytes(codec.encode(memoryview(record)))]
+            ]
+
+        builders = (
+            {"disk": codec_disk_tier}
+            if url is None
+            else {
+                "disk": codec_disk_tier,
+                "redis": codec_redis_tier,
+            }
+        )
+        for tier_name, make in builders.items():
+            build = functools.partial(make, args, directory, url, count, tier_spec)
+            row: dict[str, Any] = {"record_bytes": record_bytes, "records": count}
+            plain = build(None)
+            try:
+                plain_arm = TierArm(plain, records, args.batch).arm()
+                for name, wanted in expected.items():
+                    if isinstance(wanted, str):
+                        row[name] = wanted
+                        continue
+                    coded = build(name)
+                    try:
+                        arm = TierArm(coded, records, args.batch, wanted).arm()
+                        total = count * record_bytes
+                        row[name] = measure(arm, ("none", plain_arm), args.repeats, total)
+                    finally:
+                        coded.close()
+            finally:
+                plain.close()
+            report[tier_name].append(row)
+    if url is None:
+        del report["redis"]
+    return report
+
+
 def hash_speeds(record_bytes: int, total_mib: int, runs: int = 5) -> dict[str, Any]:
     """GB/s of each way to seal records on this thread, ``total_mib`` at a time (best of
     ``runs``)."""
@@ -762,6 +899,7 @@ def main() -> int:
         "--mooncake-total-mib", type=int, default=256, help="MiB per mooncake measurement"
     )
     parser.add_argument("--s3-total-mib", type=int, default=64, help="MiB per s3 measurement")
+    parser.add_argument("--codec-total-mib", type=int, default=64, help="MiB per codec measurement")
     parser.add_argument("--batch", type=int, default=8, help="records per request or pipeline")
     parser.add_argument(
         "--io-threads", type=int, default=None, help="the tiers' I/O threads (default: each tier's)"
@@ -781,7 +919,7 @@ def main() -> int:
     )
     parser.add_argument(
         "--skip",
-        choices=("disk", "o_direct", "redis", "sealing", "mooncake", "s3"),
+        choices=("disk", "o_direct", "redis", "sealing", "mooncake", "s3", "codec"),
         action="append",
         default=[],
     )
@@ -807,7 +945,7 @@ def main() -> int:
     }
     with contextlib.ExitStack() as stack:
         url = args.redis_url
-        if url is None and not {"redis", "sealing"} <= set(args.skip):
+        if url is None and not {"redis", "sealing", "codec"} <= set(args.skip):
             if redis_server_binary() is None:
                 print("redis-server is not installed; skipping the redis tier", file=sys.stderr)
             else:
@@ -833,6 +971,8 @@ def main() -> int:
             report["redis"] = [bench_redis(args, size, url) for size in sizes]
         if "sealing" not in args.skip:
             report["sealing"] = bench_sealing(args, sizes, directory, url)
+        if "codec" not in args.skip:
+            report["codec"] = bench_codecs(args, sizes, directory, url)
         if "mooncake" not in args.skip:
             if mooncake_binaries() is None:
                 print(

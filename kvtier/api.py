@@ -12,14 +12,17 @@ A plugin module writes ``from kvtier.api import ...`` and nothing else from kvti
 - the factory signatures, one :class:`~typing.Protocol` per kind
   (:class:`BlockIndexFactory`, :class:`CopyBackendFactory`,
   :class:`EvictionPolicyFactory`, :class:`LayoutResolverFactory`,
-  :class:`StorageTierFactory`), and
+  :class:`StorageTierFactory`, :class:`CodecFactory`), and
   :class:`LazyFactory` to import a heavy implementation only when it is chosen;
+- a record codec's contract, :class:`Codec`, with :class:`CodecSpec`,
+  :class:`ErrorBound` and :class:`CodecError`;
 - the kinds (:data:`BLOCK_INDEX`, :data:`COPY_BACKEND`, :data:`EVICTION_POLICY`,
-  :data:`LAYOUT_RESOLVER`, :data:`STORAGE_TIER`) for
+  :data:`LAYOUT_RESOLVER`, :data:`STORAGE_TIER`, :data:`RECORD_CODEC`) for
   ``registry.get(EVICTION_POLICY, "fifo")`` in a plugin's tests.
 """
 
 from kvtier import hookimpl
+from kvtier.codecs.base import Codec, CodecError, CodecSpec, ErrorBound
 from kvtier.copy.base import CopyBackend, CopyBatch, CopyError, CopyHandle, Direction
 from kvtier.index.base import BlockIndex, BlockKey, EventKind, IndexEvent, IndexStats
 from kvtier.index.policy import EvictionPolicy, PolicyIndex
@@ -28,8 +31,10 @@ from kvtier.kinds import (
     COPY_BACKEND,
     EVICTION_POLICY,
     LAYOUT_RESOLVER,
+    RECORD_CODEC,
     STORAGE_TIER,
     BlockIndexFactory,
+    CodecFactory,
     CopyBackendFactory,
     EvictionPolicyFactory,
     Kind,
@@ -38,11 +43,20 @@ from kvtier.kinds import (
     Register,
     StorageTierFactory,
 )
-from kvtier.layout.base import BlockRegion, KVCaches, KVLayout, LayoutError, LayoutResolver
+from kvtier.layout.base import (
+    BlockRegion,
+    KVCaches,
+    KVLayout,
+    LayoutError,
+    LayoutResolver,
+    RecordRegion,
+    RegionFormat,
+)
 from kvtier.models import NamesItsStore, PluginConfig
 
 __all__ = [
     "BLOCK_INDEX",
+    "RECORD_CODEC",
     "COPY_BACKEND",
     "EVICTION_POLICY",
     "LAYOUT_RESOLVER",
@@ -51,12 +65,17 @@ __all__ = [
     "BlockIndexFactory",
     "BlockKey",
     "BlockRegion",
+    "Codec",
+    "CodecError",
+    "CodecFactory",
+    "CodecSpec",
     "CopyBackend",
     "CopyBackendFactory",
     "CopyBatch",
     "CopyError",
     "CopyHandle",
     "Direction",
+    "ErrorBound",
     "EventKind",
     "EvictionPolicy",
     "EvictionPolicyFactory",
@@ -72,6 +91,8 @@ __all__ = [
     "NamesItsStore",
     "PluginConfig",
     "PolicyIndex",
+    "RecordRegion",
+    "RegionFormat",
     "Register",
     "StorageTierFactory",
     "hookimpl",

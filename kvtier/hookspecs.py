@@ -18,6 +18,7 @@ import pluggy
 
 from kvtier.kinds import (
     BlockIndexFactory,
+    CodecFactory,
     CopyBackendFactory,
     EvictionPolicyFactory,
     LayoutResolverFactory,
@@ -100,5 +101,22 @@ def register_storage_tiers(register: Register[StorageTierFactory]) -> None:
     worker processes.
 
     :param register: ``register(name, factory, config_model)``; call it once per tier.
+    :return: Nothing; a return value is ignored.
+    """
+
+
+@hookspec
+def register_codecs(register: Register[CodecFactory]) -> None:
+    """Register record codecs: what a storage tier does to a block's bytes before sealing them.
+
+    The factory is called as ``factory(config, spec)`` with the validated config
+    model and a :class:`kvtier.codecs.CodecSpec` (the record size and, from the
+    layout resolver, what each region of a record holds), and returns a
+    :class:`kvtier.codecs.Codec`. A storage tier's ``codec`` setting picks one
+    by name; its encode and decode run on the tier's I/O threads. kvtier's own
+    ``lossless``, ``fp8`` and ``int8`` are registered here. Called in worker
+    processes.
+
+    :param register: ``register(name, factory, config_model)``; call it once per codec.
     :return: Nothing; a return value is ignored.
     """

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from kvtier.codecs.base import Codec, CodecSpec
 from kvtier.copy.base import CopyBackend
 from kvtier.index.base import BlockIndex
 from kvtier.index.policy import EvictionPolicy, PolicyIndex
@@ -94,6 +95,17 @@ class StorageTierFactory(Protocol):
     """
 
     def __call__(self, config: Any, spec: TierSpec, /) -> StorageTier: ...
+
+
+class CodecFactory(Protocol):
+    """``factory(config, spec)``: a record codec for one tier; called in workers, on the
+    tier's construction.
+
+    ``spec`` is a :class:`~kvtier.codecs.base.CodecSpec` (record size and what each region
+    of a record holds); the factory returns a :class:`~kvtier.codecs.base.Codec`.
+    """
+
+    def __call__(self, config: Any, spec: CodecSpec, /) -> Codec: ...
 
 
 class Register(Protocol[FactoryT]):
@@ -231,8 +243,22 @@ STORAGE_TIER: Kind[object] = Kind(
 )
 """Storage tiers below the host tier, in the order the config's ``tiers`` lists them."""
 
+RECORD_CODEC: Kind[Codec] = Kind(
+    name="codecs",
+    hook="register_codecs",
+    title="record codec",
+    builds=Codec,
+    factory=CodecFactory,
+    description=(
+        "Record codec of a storage tier: encodes a block's bytes before the tier seals them "
+        "(lossless, or opt-in lossy)."
+    ),
+)
+"""Record codecs, picked by a storage tier's ``codec`` setting; built in worker processes."""
+
 KINDS: tuple[Kind[Any], ...] = (
     BLOCK_INDEX,
+    RECORD_CODEC,
     COPY_BACKEND,
     EVICTION_POLICY,
     LAYOUT_RESOLVER,

@@ -36,6 +36,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "kvtier.default_plugins.copy_backends",
     "kvtier.default_plugins.layout_resolvers",
     "kvtier.default_plugins.storage_tiers",
+    "kvtier.default_plugins.codecs",
 )
 """Modules of the built-in plugins, registered through the same hooks as any other plugin."""
 

@@ -30,6 +30,8 @@ def test_every_field_the_tier_benchmark_prints_is_documented(tmp_path: Path) -> 
         "1",
         "--s3-total-mib",
         "1",
+        "--codec-total-mib",
+        "1",
         "--repeats",
         "2",
         "--dir",
@@ -70,6 +72,11 @@ def test_every_field_the_tier_benchmark_prints_is_documented(tmp_path: Path) -> 
             assert row[scheme]["tier"]["put_gbps"] > 0 and row[scheme]["checksum"]["get_gbps"] > 0
             assert 0 < row[scheme]["get_ratio"]["min"] <= row[scheme]["get_ratio"]["max"]
             assert ("limit" in row[scheme]) is (tier == "disk"), "the limit arm is the disk's"
+    for tier in ("disk", "redis") if redis_server_binary() is not None else ("disk",):
+        (row,) = report["codec"][tier]
+        assert row["records"] == 64
+        for codec in ("fp8", "int8"):
+            assert row[codec]["tier"]["put_gbps"] > 0 and row[codec]["none"]["get_gbps"] > 0
     page = PAGE.read_text()
     missing = sorted(name for name in field_names(report) if f"`{name}`" not in page)
     assert not missing, f"docs/benchmarks/tiers.md does not describe {missing}"

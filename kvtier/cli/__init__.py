@@ -8,6 +8,7 @@ Subcommands::
     kvtier config schema             JSON Schema of the config, plugin models included
     kvtier config reference          the config reference as Markdown
     kvtier bench copy ...            copy backend benchmark (kvtier.cli.bench)
+    kvtier bench codec ...           record codecs on a model's KV (kvtier.cli.bench_codec)
     kvtier simulate ...              eviction policy trace replay (kvtier.cli.simulate)
     kvtier serve ...                 vLLM's OpenAI server with kvtier (kvtier.integrations.serve)
 
@@ -35,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 DELEGATED: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "copy"): ("kvtier.cli.bench", "benchmark copy backends"),
+    ("bench", "codec"): ("kvtier.cli.bench_codec", "measure record codecs on a model's KV"),
     ("simulate",): ("kvtier.cli.simulate", "replay a trace through eviction policies"),
 }
 """Commands whose modules (torch and the simulator behind them) import only when run or

@@ -23,8 +23,15 @@ from typing import TYPE_CHECKING, Any
 from pydantic import SecretStr, ValidationError
 
 from kvtier.config.errors import ConfigError, Problem
-from kvtier.config.model import SECTIONS, SECTIONS_BY_FIELD, TIERS_FIELD, KVTierConfig, Section
-from kvtier.config.schema import config_model
+from kvtier.config.model import (
+    SECTIONS,
+    SECTIONS_BY_FIELD,
+    TIERS_FIELD,
+    KVTierConfig,
+    Section,
+    section_shorthand,
+)
+from kvtier.config.schema import CODEC_FIELD, config_model
 from kvtier.config.sources import (
     CONFIG_FILE_ENV,
     CONFIG_FILE_KEY,
@@ -35,7 +42,7 @@ from kvtier.config.sources import (
     read_env,
     shape_problem,
 )
-from kvtier.kinds import STORAGE_TIER
+from kvtier.kinds import RECORD_CODEC, STORAGE_TIER
 from kvtier.models import KVTierModel
 
 if TYPE_CHECKING:
@@ -139,6 +146,9 @@ def _problem_from_error(error: Mapping[str, Any], layers: Layers, registry: Regi
     tier = _tier_entry(loc, layers.values)
     if tier is not None and len(loc) >= 3 and loc[2] == tier.get("type"):
         loc = (*loc[:2], *loc[3:])
+    codec = _codec_entry(loc, tier)
+    if codec is not None and len(loc) >= 4 and loc[3] == codec.get("type"):
+        loc = (*loc[:3], *loc[4:])
     path = _dotted(loc)
     source = layers.source_of(loc)
     kind = error["type"]
@@ -146,7 +156,16 @@ def _problem_from_error(error: Mapping[str, Any], layers: Layers, registry: Regi
     value = error.get("input")
     section = SECTIONS_BY_FIELD.get(str(loc[0])) if loc else None
     in_tiers = len(loc) == 2 and loc[0] == TIERS_FIELD
-    if kind == "union_tag_invalid" and in_tiers:
+    at_codec = codec is not None and len(loc) == 3
+    if kind == "union_tag_invalid" and at_codec:
+        path = f"{path}.type"
+        message = f"unknown {RECORD_CODEC.title} type; installed: {_codec_choices(registry)}"
+        value = error["ctx"]["tag"]
+    elif kind == "union_tag_not_found" and at_codec:
+        message = (
+            f"missing 'type'; installed {RECORD_CODEC.title} types: {_codec_choices(registry)}"
+        )
+    elif kind == "union_tag_invalid" and in_tiers:
         path = f"{path}.type"
         message = f"unknown {STORAGE_TIER.title} type; installed: {_tier_choices(registry)}"
         value = error["ctx"]["tag"]
@@ -214,6 +233,18 @@ def _tier_entry(loc: tuple[Any, ...], values: Mapping[str, Any]) -> Mapping[str,
     return entry if isinstance(entry, Mapping) else None
 
 
+def _codec_entry(loc: tuple[Any, ...], tier: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The raw ``codec`` setting of a tier entry that ``loc`` points into, if it does."""
+    if tier is None or len(loc) < 3 or loc[2] != CODEC_FIELD:
+        return None
+    given = section_shorthand(tier.get(CODEC_FIELD))
+    return given if isinstance(given, Mapping) else None
+
+
+def _codec_choices(registry: Registry) -> str:
+    return ", ".join(sorted(registry.of_kind(RECORD_CODEC))) or "none"
+
+
 def _tier_choices(registry: Registry) -> str:
     return ", ".join(sorted(registry.of_kind(STORAGE_TIER))) or "none"
 
@@ -228,6 +259,11 @@ def _allowed_keys(
     if not parent:
         return sorted(KVTierConfig.model_fields)
     tier = _tier_entry(parent, values)
+    codec = _codec_entry(parent, tier)
+    if codec is not None and len(parent) == 3:
+        registered_codecs = registry.of_kind(RECORD_CODEC)
+        if codec.get("type") in registered_codecs:
+            return sorted(registered_codecs[codec["type"]].config_model.model_fields)
     if tier is not None and len(parent) == 2:
         registered = registry.of_kind(STORAGE_TIER)
         if tier.get("type") in registered:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, Field, create_model, field_validator
 from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue
@@ -28,7 +28,7 @@ from kvtier.config.model import (
     Section,
     section_shorthand,
 )
-from kvtier.kinds import STORAGE_TIER
+from kvtier.kinds import RECORD_CODEC, STORAGE_TIER
 from kvtier.models import NamesItsStore, PluginConfig
 
 if TYPE_CHECKING:
@@ -76,7 +76,10 @@ def config_model(registry: Registry | None = None) -> type[RootSettings]:
         else:
             default = Field(description=section.description)
         fields[section.field] = (annotation, default)
-    tier_models = tuple(reg.config_model for reg in registry.of_kind(STORAGE_TIER).values())
+    codec = _codec_union(registry)
+    tier_models = tuple(
+        _with_codec(reg.config_model, codec) for reg in registry.of_kind(STORAGE_TIER).values()
+    )
     tier: Any = (
         Annotated[Union[tier_models], Field(discriminator="type")]  # noqa: UP007
         if tier_models
@@ -107,6 +110,44 @@ def config_model(registry: Registry | None = None) -> type[RootSettings]:
 
 def _shorthand(cls: type[RootSettings], value: Any) -> Any:
     return section_shorthand(value)
+
+
+CODEC_FIELD = "codec"
+"""The field of a storage tier's config that names its record codec."""
+
+
+def _codec_union(registry: Registry) -> tuple[Any, Any]:
+    """What a tier's ``codec`` is once validated (one of the registered codecs' models, or
+    null), and what a config may give for it (a codec's name too)."""
+    models = tuple(reg.config_model for reg in registry.of_kind(RECORD_CODEC).values())
+    if not models:
+        return Annotated[PluginConfig, AfterValidator(_no_codec)] | None, Any
+    union = Annotated[Union[models], Field(discriminator="type")]  # noqa: UP007
+    # What a file may hold: also a codec's name alone (``codec: fp8``).
+    names = Literal[tuple(reg.name for reg in registry.of_kind(RECORD_CODEC).values())]  # type: ignore[valid-type]
+    return union | None, Union[names, union, None]  # noqa: UP007
+
+
+def _with_codec(model: type[PluginConfig], codec: tuple[Any, Any]) -> type[PluginConfig]:
+    """``model`` with its ``codec`` field (if it has one) checked against the registered codecs."""
+    if CODEC_FIELD not in model.model_fields:
+        return model
+    described = model.model_fields[CODEC_FIELD]
+    validated, given = codec
+    shorthand = field_validator(CODEC_FIELD, mode="before", json_schema_input_type=given)
+    return create_model(
+        model.__name__,
+        __base__=model,
+        __doc__=model.__doc__,
+        __module__=model.__module__,
+        # Overrides the base's validator of the same name, which keeps a mapping unvalidated.
+        __validators__={"_plain_codec": shorthand(_shorthand)},
+        **{CODEC_FIELD: (validated, Field(None, description=described.description))},
+    )
+
+
+def _no_codec(value: Any) -> Any:
+    raise ValueError(f"no {RECORD_CODEC.title} is installed; install a plugin that provides one")
 
 
 def _one_entry_per_store(

@@ -29,6 +29,34 @@ class LayoutError(ValueError):
 
 
 @dataclass(frozen=True)
+class RegionFormat:
+    """What one block's bytes of a region hold, for record codecs that read the values.
+
+    A lossy codec scales the values of each block separately along
+    :attr:`scale_axes` (K and V, heads, layers): the values that share an index
+    on every one of those axes share a scale.
+    """
+
+    dtype: str
+    """The element type, as torch names it without ``torch.`` (``"bfloat16"``)."""
+    shape: tuple[int, ...]
+    """One block's elements, in memory order (outermost first)."""
+    scale_axes: tuple[int, ...]
+    """Axes of :attr:`shape` that index K and V, KV heads or layers."""
+
+
+@dataclass(frozen=True)
+class RecordRegion:
+    """Where a region's bytes lie in a block record, and what they hold when known."""
+
+    offset_bytes: int
+    nbytes: int
+    format: RegionFormat | None
+    """``None`` when the resolver cannot tell (Mamba states, pieces of different shapes
+    merged into one region)."""
+
+
+@dataclass(frozen=True)
 class BlockRegion:
     """One ``[num_blocks, bytes_per_block]`` byte view of engine memory.
 
@@ -39,6 +67,8 @@ class BlockRegion:
 
     name: str
     view: torch.Tensor
+    format: RegionFormat | None = None
+    """What a block's bytes hold, when the resolver knows."""
 
     @property
     def num_blocks(self) -> int:
@@ -87,6 +117,14 @@ class KVLayout:
             offsets.append(total)
             total += region.bytes_per_block
         return tuple(offsets)
+
+    @cached_property
+    def record_regions(self) -> tuple[RecordRegion, ...]:
+        """Each region's place in a host record and what it holds, for record codecs."""
+        return tuple(
+            RecordRegion(offset, region.bytes_per_block, region.format)
+            for offset, region in zip(self.record_offsets, self.regions, strict=True)
+        )
 
     @property
     def record_bytes(self) -> int:

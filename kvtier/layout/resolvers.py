@@ -57,7 +57,17 @@ def _flash_attn_spans(name: str, value: object) -> list[Span]:
             f"flash_attn: layer {name} is not a (2, num_blocks, ...) K/V tensor "
             f"({describe(tensor)})"
         )
-    return tensor_spans(name, tensor, block_dim=1)
+    # (2, nb, block_size, kv_heads, head_dim): K/V and heads get scales of their own.
+    return tensor_spans(name, tensor, block_dim=1, scale_dims={0, 3} if tensor.dim() == 5 else {0})
+
+
+_BLOCK_FIRST_SCALES: dict[int, tuple[set[int], bool]] = {
+    3: (set(), False),  # MLA (nb, block_size, latent): one scale per block
+    4: ({1}, True),  # vLLM's CPU cache (nb, kv_heads, block_size, 2 * head_dim)
+    5: ({1, 3}, False),  # FlashInfer (nb, 2, block_size, kv_heads, head_dim)
+    6: ({1, 2, 4}, False),  # cross-layer (nb, layers, 2, block_size, kv_heads, head_dim)
+}
+"""What the dimensions of a ``(num_blocks, ...)`` attention tensor index, by its rank."""
 
 
 def _block_first_spans(name: str, value: object) -> list[Span]:
@@ -67,12 +77,15 @@ def _block_first_spans(name: str, value: object) -> list[Span]:
             f"block_first: layer {name} is not a (num_blocks, ...) tensor with per-block "
             f"contents ({describe(tensor)})"
         )
-    return tensor_spans(name, tensor, block_dim=0)
+    scale_dims, kv_in_last_dim = _BLOCK_FIRST_SCALES.get(tensor.dim(), (None, False))
+    return tensor_spans(
+        name, tensor, block_dim=0, scale_dims=scale_dims, kv_in_last_dim=kv_in_last_dim
+    )
 
 
 def _mamba_spans(name: str, value: object) -> list[Span]:
     if isinstance(value, torch.Tensor):
-        return _block_first_spans(name, value)
+        return tensor_spans(name, _tensor(name, value, "mamba"), block_dim=0)
     states = _states(name, value, "mamba")
     spans: list[Span] = []
     for index, state in enumerate(states):

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 
-from kvtier.layout.base import BlockRegion, KVLayout, LayoutError
+from kvtier.layout.base import BlockRegion, KVLayout, LayoutError, RegionFormat
 
 MAX_SPANS_PER_TENSOR = 4096
 """Most spans one tensor may split into before resolving fails as too fragmented."""
@@ -40,6 +41,8 @@ class Span:
     block_stride_bytes: int
     num_blocks: int
     bytes_per_block: int
+    format: RegionFormat | None = None
+    """What a block's bytes hold, when the reader of the tensor knows."""
 
     @property
     def storage_key(self) -> tuple[str, int]:
@@ -63,7 +66,17 @@ def describe(tensor: torch.Tensor) -> str:
     return f"shape {tuple(tensor.shape)}, stride {tuple(tensor.stride())}, dtype {tensor.dtype}"
 
 
-def tensor_spans(name: str, tensor: torch.Tensor, block_dim: int) -> list[Span]:
+_KV_HALVES = -1
+"""Stands for the K and V halves of a last dimension that packs both (vLLM's CPU cache)."""
+
+
+def tensor_spans(
+    name: str,
+    tensor: torch.Tensor,
+    block_dim: int,
+    scale_dims: Collection[int] | None = None,
+    kv_in_last_dim: bool = False,
+) -> list[Span]:
     """Return the spans holding ``tensor``'s bytes, with ``block_dim`` indexing blocks.
 
     The other dimensions, together with the element bytes, must tile each block
@@ -74,6 +87,10 @@ def tensor_spans(name: str, tensor: torch.Tensor, block_dim: int) -> list[Span]:
         name: Name used for the spans and in errors (the engine's layer name).
         tensor: An engine tensor of any dtype; it is only inspected.
         block_dim: The dimension of ``tensor`` that indexes blocks.
+        scale_dims: The dimensions that index K and V, heads or layers, which
+            give the spans a :class:`RegionFormat`; ``None`` gives them none
+            (their bytes are not attention KV, or their meaning is unknown).
+        kv_in_last_dim: The last dimension holds K, then V, in two halves.
 
     Returns:
         The spans, named ``name`` or ``name[i,j]`` after the indices of the
@@ -108,9 +125,14 @@ def tensor_spans(name: str, tensor: torch.Tensor, block_dim: int) -> list[Span]:
         inner.append((int(stride) * element_bytes, int(size), dim))
     inner.sort(reverse=True)
     dense_bytes = element_bytes
+    box: list[tuple[int, int]] = []  # (size, dim) of the dense box, innermost first
     while inner and inner[-1][0] == dense_bytes:
-        stride, size, _ = inner.pop()
+        stride, size, dim = inner.pop()
         dense_bytes *= size
+        box.append((size, dim))
+    region_format = (
+        None if scale_dims is None else _region_format(tensor, box, set(scale_dims), kv_in_last_dim)
+    )
     outer = inner  # strided past the dense box: each index is its own span
     count = math.prod(size for _, size, _ in outer)
     if count > MAX_SPANS_PER_TENSOR:
@@ -133,9 +155,34 @@ def tensor_spans(name: str, tensor: torch.Tensor, block_dim: int) -> list[Span]:
         offset = base + sum(i * stride for i, (stride, _, _) in zip(index, order, strict=True))
         suffix = f"[{','.join(map(str, index))}]" if index else ""
         spans.append(
-            Span(f"{name}{suffix}", storage, offset, block_stride, num_blocks, dense_bytes)
+            Span(
+                f"{name}{suffix}",
+                storage,
+                offset,
+                block_stride,
+                num_blocks,
+                dense_bytes,
+                region_format,
+            )
         )
     return spans
+
+
+def _region_format(
+    tensor: torch.Tensor, box: list[tuple[int, int]], scale_dims: set[int], kv_in_last_dim: bool
+) -> RegionFormat:
+    """The format of one block of ``tensor``, whose dense box is ``box`` (innermost first)."""
+    last = tensor.dim() - 1
+    if kv_in_last_dim and box and box[0][1] == last and box[0][0] % 2 == 0:
+        size = box[0][0]
+        box = [(size // 2, last), (2, _KV_HALVES), *box[1:]]
+        scale_dims = scale_dims | {_KV_HALVES}
+    ordered = box[::-1] or [(1, last)]
+    return RegionFormat(
+        dtype=str(tensor.dtype).removeprefix("torch."),
+        shape=tuple(size for size, _ in ordered),
+        scale_axes=tuple(axis for axis, (_, dim) in enumerate(ordered) if dim in scale_dims),
+    )
 
 
 def _merged_name(members: list[Span]) -> str:
@@ -199,8 +246,35 @@ def _close_run(run: list[tuple[int, Span]], run_end: int) -> tuple[int, Span]:
         first.block_stride_bytes,
         first.num_blocks,
         run_end - first.offset_bytes,
+        _merged_format([member for _, member in run], run_end),
     )
     return (min(position for position, _ in run), span)
+
+
+def _merged_format(members: list[Span], run_end: int) -> RegionFormat | None:
+    """The format of merged spans: views of the same bytes keep theirs; pieces of one format
+    side by side (the layers of a block) stack along a new outer axis with a scale of its
+    own; anything else has none."""
+    pieces = {member.offset_bytes: member for member in members}
+    first = members[0]
+    size = first.bytes_per_block
+    start = min(pieces)
+    known = first.format
+    if known is None or any(
+        piece.format != known or piece.bytes_per_block != size for piece in pieces.values()
+    ):
+        return None
+    if sorted(pieces) != [start + index * size for index in range(len(pieces))]:
+        return None
+    if run_end - start != len(pieces) * size:
+        return None
+    if len(pieces) == 1:
+        return known
+    return RegionFormat(
+        known.dtype,
+        (len(pieces), *known.shape),
+        (0, *(axis + 1 for axis in known.scale_axes)),
+    )
 
 
 def _check_disjoint(spans: list[Span]) -> None:
@@ -250,5 +324,5 @@ def spans_to_layout(spans: list[Span], kind: str) -> KVLayout:
             f"{odd.name} has {odd.num_blocks} blocks but {first.name} has {first.num_blocks}; "
             "every tensor of one layout must index the same blocks"
         )
-    regions = tuple(BlockRegion(span.name, span_view(span)) for span in merged)
+    regions = tuple(BlockRegion(span.name, span_view(span), span.format) for span in merged)
     return KVLayout(regions=regions, kind=kind)

@@ -199,12 +199,16 @@ class OffloadWorker:
         chain = None
         if config.tiers:
             keys = KeyNamespace(model, first.fingerprint, rank, world_size)
+            every = [layouts] if isinstance(layouts, KVLayout) else list(layouts)
+            # A record codec reads values only where every kv-cache group's records agree.
+            same = all(layout.record_regions == first.record_regions for layout in every)
             chain = TierChain.from_config(
                 config,
                 record_bytes=first.record_bytes,
                 keys=keys,
                 registry=registry,
                 report_blocks=report_blocks,
+                regions=first.record_regions if same else (),
             )
         return cls(
             layouts,

@@ -58,6 +58,7 @@ from typing import Any
 
 from kvtier.index.base import BlockKey
 from kvtier.keys import KeyNamespace
+from kvtier.layout.base import RecordRegion
 
 Buffer = Any
 """A C-contiguous object with the buffer protocol (``bytes``, ``memoryview``, a numpy array)."""
@@ -98,6 +99,9 @@ class TierSpec:
 
     record_bytes: int
     keys: KeyNamespace
+    regions: tuple[RecordRegion, ...] = ()
+    """What each region of a record holds, from the layout resolver, for the tier's record
+    codec; empty when the tier is built without a layout."""
 
     def __post_init__(self) -> None:
         if self.record_bytes <= 0:

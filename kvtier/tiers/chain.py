@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from kvtier.keys import KeyNamespace
 from kvtier.kinds import STORAGE_TIER
+from kvtier.layout.base import RecordRegion
 from kvtier.models import WritePolicy, write_policy_of
 from kvtier.tiers.base import GetResult, PutResult, RemovalLog, StorageTier, TierSpec, TierStats
 
@@ -169,6 +170,7 @@ class TierChain:
         keys: KeyNamespace,
         registry: Registry,
         report_blocks: bool = False,
+        regions: tuple[RecordRegion, ...] = (),
     ) -> TierChain:
         """Build each tier of ``config.tiers`` for one rank.
 
@@ -179,6 +181,7 @@ class TierChain:
             keys: The rank's namespace: model, layout fingerprint, rank and world size.
             registry: The plugins that build the tiers.
             report_blocks: Keep the blocks stored and removed for :meth:`take_blocks`.
+            regions: What each region of a record holds, for the tiers' record codecs.
 
         Raises:
             kvtier.tiers.TierError: A tier cannot start (the tiers built before it are closed).
@@ -188,6 +191,7 @@ class TierChain:
             KeyNamespace(
                 keys.model, keys.layout_fingerprint, keys.rank, keys.world_size, config.namespace
             ),
+            regions,
         )
         names = tier_names(config)
         built: list[tuple[str, StorageTier]] = []

@@ -12,11 +12,19 @@ store shared by a fleet (Redis, Mooncake, S3) sets.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, SerializeAsAny, ValidationInfo, field_validator
 
-from kvtier.config import ENV_PREFIX, MAX_DURATION_S, MAX_QUEUE_DEPTH, LocalPath, PluginConfig
+from kvtier.config import (
+    ENV_PREFIX,
+    MAX_DURATION_S,
+    MAX_QUEUE_DEPTH,
+    LocalPath,
+    PluginConfig,
+    SectionConfig,
+)
 from kvtier.models import WritePolicy
 
 
@@ -47,8 +55,28 @@ def write_policy_field(default: WritePolicy, why: str) -> Any:
     )
 
 
+CODEC_DESCRIPTION = (
+    "Record codec (see `kvtier plugins`) that encodes each block before it is sealed and "
+    "written, on the tier's I/O threads: `{type: lossless}` keeps every bit; `fp8` and "
+    "`int8` halve a 16-bit record but change the values, and so the engine's outputs. "
+    "Records written with another codec are misses, counted as `codec`. Null stores blocks "
+    "as they are."
+)
+
+
+def plain_codec(value: Any) -> Any:
+    """A ``codec`` setting as given: ``fp8`` for ``{type: fp8}``; a mapping kept unvalidated
+    until a registry checks it against the codec's own model."""
+    if isinstance(value, str):
+        value = {"type": value}
+    if isinstance(value, Mapping):
+        return SectionConfig.model_validate(value)
+    return value
+
+
 class RecordKeyConfig(PluginConfig):
-    """The secret keys that seal a tier's records, named by where they are, never inline."""
+    """The secret keys that seal a tier's records, named by where they are, never inline,
+    and the codec that encodes them first."""
 
     key_file: LocalPath | None = Field(
         None,
@@ -81,6 +109,13 @@ class RecordKeyConfig(PluginConfig):
             "checksums only (a shared tier then logs a warning)."
         ),
     )
+
+    codec: SerializeAsAny[PluginConfig] | None = Field(None, description=CODEC_DESCRIPTION)
+
+    @field_validator("codec", mode="before")
+    @classmethod
+    def _plain_codec(cls, value: Any) -> Any:
+        return plain_codec(value)
 
     @property
     def has_key(self) -> bool:

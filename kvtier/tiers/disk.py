@@ -201,7 +201,12 @@ class DiskTier(QueuedTier, RemovalLog):
         self.capacity_bytes = self.num_slots * spec.record_bytes
         self.file = rank_file(config, spec)
         self._codec = tier_codec(
-            config, self.keys.layout_fingerprint, spec.record_bytes, tier="disk", shared=self.shared
+            config,
+            self.keys.layout_fingerprint,
+            spec.record_bytes,
+            tier="disk",
+            shared=self.shared,
+            regions=spec.regions,
         )
         self._index = index
         self._index_lock = threading.Lock()
@@ -582,8 +587,10 @@ class DiskTier(QueuedTier, RemovalLog):
         return found
 
     def _read_record(self, key: BlockKey, offset: int) -> memoryview | RecordFault:
-        """Header and payload in one read into a new buffer, then every check."""
-        size = HEADER_AREA_BYTES + self.record_bytes
+        """Header and payload in one read into a new buffer, then every check; with a record
+        codec (through the page cache) the header first, then only the bytes it names."""
+        header_first = self._codec.codec is not None and not self.o_direct
+        size = HEADER_AREA_BYTES + (0 if header_first else self.record_bytes)
         if self.o_direct:
             slot = aligned_buffer(self.slot_bytes)
             read = os.preadv(self._fd, [slot], offset)
@@ -592,8 +599,16 @@ class DiskTier(QueuedTier, RemovalLog):
             read = os.preadv(self._fd, [slot], offset)
         if read < size:
             return RecordFault.LENGTH
-        body = slot[HEADER_AREA_BYTES:size]
-        return self._codec.unseal(key, self._codec.parse(slot[:HEADER_AREA_BYTES]), body)
+        header = self._codec.parse(slot[:HEADER_AREA_BYTES])
+        if isinstance(header, RecordFault):
+            return header
+        if header_first:
+            body = memoryview(np.empty(header.payload_bytes, np.uint8))
+            if os.preadv(self._fd, [body], offset + HEADER_AREA_BYTES) < len(body):
+                return RecordFault.LENGTH
+        else:
+            body = slot[HEADER_AREA_BYTES : HEADER_AREA_BYTES + header.payload_bytes]
+        return self._codec.unseal(key, header, body)
 
     def _write(self, keys: Sequence[BlockKey], records: Sequence[memoryview]) -> list[bool]:
         index = self._index
@@ -647,8 +662,11 @@ class DiskTier(QueuedTier, RemovalLog):
         """``todo`` cut into runs of consecutive file slots, each written by one system call
         (:data:`WRITE_GROUP` records and :data:`WRITE_GROUP_BYTES` at most; one record
         with ``o_direct``)."""
+        # A record codec's records are shorter than their slots: each is written alone.
         most = (
-            1 if self.o_direct else max(1, min(WRITE_GROUP, WRITE_GROUP_BYTES // self.record_bytes))
+            1
+            if self.o_direct or self._codec.codec is not None
+            else max(1, min(WRITE_GROUP, WRITE_GROUP_BYTES // self.record_bytes))
         )
         groups: list[list[_Pending]] = []
         last: list[_Pending] = []
@@ -680,7 +698,7 @@ class DiskTier(QueuedTier, RemovalLog):
             payload[:] = record
             _, body = areas.seal(0, key, payload, sequence)
             if body is not payload:
-                payload[:] = body
+                payload[: len(body)] = body
             self._write_all([areas.buffer], offset, self.slot_bytes)
             return
         parts: list[memoryview | bytes] = []
@@ -690,7 +708,7 @@ class DiskTier(QueuedTier, RemovalLog):
             parts += (header, body, padding) if padding else (header, body)
         if padding:
             parts.pop()
-        self._write_all(parts, offset, self.slot_bytes * len(group) - len(padding or b""))
+        self._write_all(parts, offset, sum(len(part) for part in parts))
 
     def _write_all(self, parts: list[memoryview | bytes], offset: int, total: int) -> None:
         """``pwritev`` all of ``parts`` (``total`` bytes) at ``offset``; a short write is

@@ -13,8 +13,18 @@ header, little-endian:
 - scheme (1, then 3 zero bytes): how the record is sealed, a :class:`Scheme`;
 - key id (4): which of the tier's :class:`RecordKeys` sealed it (zeros without a key);
 - nonce (12): the nonce of a keyed scheme (zeros for checksums);
+- codec (4), codec version (2), then 2 zero bytes: the record codec (see
+  :mod:`kvtier.codecs`) that encoded the payload, as :func:`codec_id` names it,
+  and its version; zeros for a payload stored as it is;
 - seal (16): the scheme's check, below;
 - key: the full namespaced block key.
+
+The payload is the block's host-tier record, or, when the tier has a codec and
+its encoded form is smaller, that form (the payload length says which): the
+record is encoded first, then sealed, and a reader checks the seal before it
+decodes. A reader reads a payload stored as it is whatever its own codec, and
+an encoded one only with the same codec and version; any other is a miss,
+counted as ``codec``.
 
 The seal, by scheme:
 
@@ -59,19 +69,24 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from kvtier.codecs.base import Codec, CodecError, CodecSpec
 from kvtier.index.base import BlockKey
+from kvtier.kinds import RECORD_CODEC
+from kvtier.layout.base import RecordRegion
+from kvtier.plugins import default_registry
 from kvtier.tiers.base import TierError
 from kvtier.tiers.configs import RecordKeyConfig
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"KVTR"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Version of the record header written by this code; others are read as faults.
 Version 1 had no scheme, key id or nonce and always used checksums; version 2's MAC
-took the header as associated data, before the payload, where version 3 encrypts it."""
+took the header as associated data, before the payload, where version 3 encrypts it;
+version 4 names the record codec."""
 
-_FIXED = struct.Struct("<4sHHQ16sQB3x4s12s16s")
+_FIXED = struct.Struct("<4sHHQ16sQB3x4s12s4sH2x16s")
 _VERSIONED = struct.Struct("<4sH")
 _SEAL_OFFSET = _FIXED.size - 16
 _CHECKSUM_OFFSET = _SEAL_OFFSET + 8
@@ -82,6 +97,9 @@ _KEY_ID_BYTES = 4
 _NO_KEY_ID = bytes(_KEY_ID_BYTES)
 _NO_NONCE = bytes(_NONCE_BYTES)
 _NO_SEAL = bytes(_SEAL_BYTES)
+_CODEC_ID_BYTES = 4
+NO_CODEC = (bytes(_CODEC_ID_BYTES), 0)
+"""The codec id and version of a payload stored as it is."""
 HEADER_FIXED_BYTES = _FIXED.size
 """Bytes of the header before the key."""
 MAX_KEY_BYTES = 1024
@@ -106,6 +124,8 @@ class RecordFault(enum.Enum):
     """Written for another key or another namespace."""
     LENGTH = "length"
     """Shorter or longer than a record of this layout."""
+    CODEC = "codec"
+    """Encoded by another record codec or version than the tier's, or not decodable by it."""
 
 
 class Scheme(enum.IntEnum):
@@ -131,6 +151,8 @@ class RecordHeader:
     key_id: bytes
     nonce: bytes
     seal: bytes
+    encoded: bool
+    """Whether the payload is the codec's encoded form, not the record as it is."""
     sealed: bytes
     """The header before the seal, then the key: what the MAC or the AEAD covers with
     the body."""
@@ -144,6 +166,13 @@ def fingerprint_digest(layout_fingerprint: str) -> bytes:
 def payload_checksum(payload: memoryview | bytes) -> int:
     """XXH3-64 of a payload."""
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def codec_id(name: str, version: int) -> tuple[bytes, int]:
+    """What a header carries for the record codec registered as ``name``, at ``version``."""
+    if not 0 < version < 2**16:
+        raise ValueError(f"record codec {name!r}: a version is 1 to 65535, got {version}")
+    return hashlib.blake2b(name.encode(), digest_size=_CODEC_ID_BYTES).digest(), version
 
 
 def _derived(secret: bytes, purpose: bytes, size: int) -> bytes:
@@ -269,6 +298,8 @@ class RecordCodec:
 
     Without ``keys`` records are sealed with checksums; with them, with a MAC, or
     with ``encrypt``, with AES-256-GCM. A record sealed any other way is a fault.
+    With ``codec`` (and the name it is registered under) payloads are encoded
+    before they are sealed, and decoded after.
     """
 
     def __init__(
@@ -278,6 +309,8 @@ class RecordCodec:
         *,
         keys: RecordKeys | None = None,
         encrypt: bool = False,
+        codec: Codec | None = None,
+        codec_name: str = "",
     ) -> None:
         if record_bytes <= 0:
             raise ValueError(f"record_bytes must be positive, got {record_bytes}")
@@ -287,6 +320,8 @@ class RecordCodec:
         self.record_bytes = record_bytes
         self.keys = keys
         self.scheme = Scheme.CHECKSUM if keys is None else Scheme.AEAD if encrypt else Scheme.MAC
+        self.codec = codec
+        self.codec_id = NO_CODEC if codec is None else codec_id(codec_name, codec.version)
 
     def header(
         self, key: BlockKey, payload: memoryview | bytes, sequence: int = 0
@@ -306,12 +341,18 @@ class RecordCodec:
         """Write the header of ``payload`` under ``key`` at the start of ``buffer``.
 
         Returns:
-            The header's length, and the body to store after it: ``payload`` itself,
-            or with ``encrypt`` its ciphertext (a view of new bytes).
+            The header's length, and the body to store after it: ``payload`` itself, or
+            the codec's encoded form of it when that is smaller, and with ``encrypt``
+            the ciphertext of either (a view of new bytes).
         """
         if not 0 < len(key) <= MAX_KEY_BYTES:
             raise ValueError(f"a record key is 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
         payload = self._payload(payload)
+        written_by = NO_CODEC
+        if self.codec is not None:
+            encoded = memoryview(self.codec.encode(memoryview(payload))).cast("B")
+            if encoded.nbytes < len(payload):
+                payload, written_by = encoded, self.codec_id
         end = HEADER_FIXED_BYTES + len(key)
         keys = self.keys
         key_id = _NO_KEY_ID if keys is None else keys.signing_id
@@ -322,12 +363,13 @@ class RecordCodec:
             MAGIC,
             FORMAT_VERSION,
             len(key),
-            self.record_bytes,
+            len(payload),
             self.fingerprint,
             sequence,
             self.scheme,
             key_id,
             nonce,
+            *written_by,
             _NO_SEAL,
         )
         buffer[HEADER_FIXED_BYTES:end] = key
@@ -359,9 +401,20 @@ class RecordCodec:
             return RecordFault.VERSION
         if len(data) < HEADER_FIXED_BYTES:
             return RecordFault.LENGTH
-        _, _, key_bytes, payload_bytes, fingerprint, sequence, scheme, key_id, nonce, seal = (
-            _FIXED.unpack_from(data)
-        )
+        (
+            _,
+            _,
+            key_bytes,
+            payload_bytes,
+            fingerprint,
+            sequence,
+            scheme,
+            key_id,
+            nonce,
+            written_by,
+            written_version,
+            seal,
+        ) = _FIXED.unpack_from(data)
         end = HEADER_FIXED_BYTES + key_bytes
         if not 0 < key_bytes <= MAX_KEY_BYTES or len(data) < end:
             return RecordFault.LENGTH
@@ -379,7 +432,15 @@ class RecordCodec:
             return RecordFault.AUTH
         if fingerprint != self.fingerprint:
             return RecordFault.FINGERPRINT
-        if payload_bytes != self.record_bytes:
+        encoded = (written_by, written_version) != NO_CODEC
+        if encoded and (written_by, written_version) != self.codec_id:
+            return RecordFault.CODEC
+        # An encoded payload is kept only when it is smaller than the record.
+        if encoded:
+            length_fits = 0 < payload_bytes < self.record_bytes
+        else:
+            length_fits = payload_bytes == self.record_bytes
+        if not length_fits:
             return RecordFault.LENGTH
         key = bytes(view[HEADER_FIXED_BYTES:end])
         return RecordHeader(
@@ -390,6 +451,7 @@ class RecordCodec:
             key_id,
             nonce,
             seal,
+            encoded,
             b"".join((view[:_SEAL_OFFSET], key)),
         )
 
@@ -415,8 +477,26 @@ class RecordCodec:
 
         Returns:
             The payload (a view of ``body``, or with ``encrypt`` a new buffer of the
-            plaintext), or the first fault found.
+            plaintext, or what the codec decoded), or the first fault found.
         """
+        payload = self._unsealed(key, header, body)
+        if isinstance(payload, RecordFault) or isinstance(header, RecordFault):
+            return payload
+        if not header.encoded:
+            return payload
+        assert self.codec is not None  # parse() let only this codec's records through
+        try:
+            decoded = memoryview(self.codec.decode(payload)).cast("B")
+        except CodecError:
+            return RecordFault.CODEC
+        if decoded.nbytes != self.record_bytes:
+            return RecordFault.CODEC
+        return decoded
+
+    def _unsealed(
+        self, key: BlockKey, header: RecordHeader | RecordFault, body: memoryview | bytes
+    ) -> memoryview | RecordFault:
+        """The checked body of a record: the payload as it was stored."""
         if isinstance(header, RecordFault):
             return header
         if header.key != key:
@@ -459,7 +539,7 @@ class RecordCodec:
         return b"".join(self.header(key, payload, sequence))
 
     def encoded_bytes(self, key: BlockKey) -> int:
-        """Bytes of a record under ``key``."""
+        """Bytes of a record under ``key``, at most (a codec's records may be shorter)."""
         return HEADER_FIXED_BYTES + len(key) + self.record_bytes
 
     @property
@@ -489,15 +569,25 @@ class RecordCodec:
 
 
 def tier_codec(
-    config: RecordKeyConfig, layout_fingerprint: str, record_bytes: int, *, tier: str, shared: bool
+    config: RecordKeyConfig,
+    layout_fingerprint: str,
+    record_bytes: int,
+    *,
+    tier: str,
+    shared: bool,
+    regions: tuple[RecordRegion, ...] = (),
 ) -> RecordCodec:
-    """The codec of a tier built from ``config``, sealing with its keys when it has any.
+    """The record format of a tier built from ``config``: sealed with its keys when it has
+    any, its payloads encoded by its ``codec`` when it names one.
 
     A ``shared`` tier (a store other processes can write) without a key logs a warning:
     anyone who can write to the store can then forge its records.
 
+    Args:
+        regions: What each region of a record holds (the tier spec's), for the codec.
+
     Raises:
-        TierError: A key cannot be read or is malformed.
+        TierError: A key cannot be read or is malformed, or the codec cannot be built.
     """
     try:
         keys = RecordKeys.load(config.key_file, config.key_env, f"{tier} tier")
@@ -510,4 +600,21 @@ def tier_codec(
             "true to refuse to start without one)",
             tier,
         )
-    return RecordCodec(layout_fingerprint, record_bytes, keys=keys, encrypt=config.encrypt)
+    codec = None
+    if config.codec is not None:
+        try:
+            codec = default_registry().build(
+                RECORD_CODEC, config.codec, CodecSpec(record_bytes, regions)
+            )
+        except (ImportError, ValueError) as exc:
+            raise TierError(
+                f"{tier} tier: record codec {config.codec.type!r} cannot be built: {exc}"
+            ) from None
+    return RecordCodec(
+        layout_fingerprint,
+        record_bytes,
+        keys=keys,
+        encrypt=config.encrypt,
+        codec=codec,
+        codec_name="" if config.codec is None else config.codec.type,
+    )

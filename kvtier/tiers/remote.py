@@ -162,7 +162,12 @@ class RemoteTier(QueuedTier):
         self.where = where
         self._required = config.required
         self._codec = tier_codec(
-            config, self.keys.layout_fingerprint, spec.record_bytes, tier=name, shared=self.shared
+            config,
+            self.keys.layout_fingerprint,
+            spec.record_bytes,
+            tier=name,
+            shared=self.shared,
+            regions=spec.regions,
         )
         self._backoff = Backoff(
             name, where, config.reconnect_backoff_s, config.reconnect_max_backoff_s

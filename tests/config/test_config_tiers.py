@@ -242,7 +242,13 @@ def test_config_show_never_prints_a_tier_key(
 
 REQUIRED = "(required)"
 PER_MACHINE = "(made per machine)"
-SEALED = {"key_file": None, "key_env": None, "encrypt": False, "require_key": False}
+SEALED = {
+    "key_file": None,
+    "key_env": None,
+    "encrypt": False,
+    "require_key": False,
+    "codec": None,
+}
 REMOTE = {
     "required": True,
     "namespace": "",

@@ -43,7 +43,7 @@ def test_plugins_table_lists_every_kind(capsys: pytest.CaptureFixture[str]) -> N
     assert status == 0
     rows = [line.split() for line in out.splitlines()]
     assert rows[0] == ["KIND", "NAME", "DISTRIBUTION", "VERSION", "PLUGIN"]
-    assert ["copy", "backend", "twin", "unknown"] == rows[4][:4]
+    assert ["copy", "backend", "twin", "unknown"] == rows[5][:4]
     assert rows[-1] == ["storage", "tier", "(none", "installed)"]
 
 

@@ -20,6 +20,7 @@ from kvtier.api import (
     COPY_BACKEND,
     EVICTION_POLICY,
     LAYOUT_RESOLVER,
+    RECORD_CODEC,
     STORAGE_TIER,
     Kind,
     LazyFactory,
@@ -323,6 +324,7 @@ def test_registration_hooks_are_called_through_pluggy(installed: list[Any]) -> N
     )
     collect(pm)
     assert calls == [
+        ("register_codecs", ["kvtier.default_plugins.codecs"]),
         ("register_copy_backends", ["kvtier.default_plugins.copy_backends"]),
         ("register_copy_backends", ["echo"]),
         ("register_eviction_policies", ["kvtier.default_plugins.eviction_policies"]),
@@ -361,7 +363,7 @@ def test_every_kind_has_its_hook_and_every_hook_its_kind() -> None:
 def test_builtin_lazy_factories_name_functions_their_modules_define() -> None:
     registry = collect(build_plugin_manager(env={LOAD_PLUGINS_ENV: ""}))
     lazy = [reg for reg in registry.all() if isinstance(reg.factory, LazyFactory)]
-    assert {reg.kind for reg in lazy} == {COPY_BACKEND, LAYOUT_RESOLVER, STORAGE_TIER}
+    assert {reg.kind for reg in lazy} == {RECORD_CODEC, COPY_BACKEND, LAYOUT_RESOLVER, STORAGE_TIER}
     for reg in lazy:
         # Read, not imported: importing them is what the lazy factories avoid (torch, CUDA).
         spec = importlib.util.find_spec(reg.factory.module)

@@ -14,6 +14,7 @@ from kvtier.layout.base import LayoutError, LayoutResolver
 from kvtier.layout.resolvers import AutoResolver, PerLayerResolver
 from kvtier.plugins import build_plugin_manager, collect
 from kvtier.testing.contracts_layout import (
+    MLA_DIM,
     LayoutCase,
     LayoutResolverContract,
     all_cases,
@@ -251,3 +252,36 @@ def test_any_stride_order_resolves_to_exact_block_rows(
     contract.test_regions_are_byte_rows(layout, case)
     contract.test_regions_cover_engine_bytes_once(layout, case)
     contract.test_row_i_holds_block_i(layout, case)
+
+
+@pytest.mark.parametrize(
+    ("make", "shape", "scale_axes"),
+    [
+        # (block_tokens, heads, head_dim), K and V in regions of their own
+        (lambda: flash_attn_case(order="NHD"), (16, 2, 8), (1,)),
+        (lambda: flash_attn_case(order="HND"), (2, 16, 8), (0,)),
+        # (2, block_tokens, heads, head_dim)
+        (lambda: block_first_case("flashinfer"), (2, 16, 2, 8), (0, 2)),
+        (lambda: block_first_case("mla"), (16, MLA_DIM), ()),
+        # (heads, block_tokens, K or V, head_dim): the halves of each row
+        (lambda: block_first_case("cpu"), (2, 16, 2, 8), (0, 2)),
+        # a block's layers side by side stack along a new first axis
+        (lambda: vllm_cpu_packed_case(block_outermost=True), (4, 2, 16, 2, 8), (0, 1, 3)),
+    ],
+    ids=["nhd", "hnd", "flashinfer", "mla", "cpu", "cpu_block_outer"],
+)
+def test_regions_say_what_their_blocks_hold_for_codecs(
+    make: Callable[[], LayoutCase], shape: tuple[int, ...], scale_axes: tuple[int, ...]
+) -> None:
+    layout = AutoResolver().resolve(make().kv_caches)
+    formats = {region.format for region in layout.record_regions}
+    assert len(formats) == 1
+    (known,) = formats
+    assert known is not None and (known.shape, known.scale_axes) == (shape, scale_axes)
+    assert known.dtype in ("float16", "bfloat16")
+    assert [region.offset_bytes for region in layout.record_regions] == list(layout.record_offsets)
+
+
+def test_mamba_states_have_no_format_a_codec_could_read() -> None:
+    layout = AutoResolver().resolve(mamba_case().kv_caches)
+    assert all(region.format is None for region in layout.record_regions)

@@ -16,9 +16,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from kvtier.codecs.configs import Int8CodecConfig
+from kvtier.codecs.quantised import QuantisedCodec
 from kvtier.index.base import BlockKey
 from kvtier.kinds import BLOCK_INDEX, STORAGE_TIER
 from kvtier.plugins import PluginError, default_registry
+from kvtier.testing.contracts_codec import CASES
 from kvtier.testing.contracts_tier import (
     StorageTierContract,
     TierFactory,
@@ -922,3 +925,30 @@ def test_a_watched_tier_names_the_records_it_evicted_found_corrupt_or_deleted(
     done(tier.delete(keys[4:5] + keys[10:]))
     assert tier.take_removed() == [keys[2], keys[4]], "a key never stored is not removed"
     assert tier.take_removed() == []
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["page_cache", "o_direct"])
+def test_a_codec_shrinks_records_and_a_tier_without_it_never_serves_them(
+    open_tier: Callable[..., DiskTier], tmp_path: Path, o_direct: bool
+) -> None:
+    refused = o_direct_refused(tmp_path) if o_direct else None
+    if refused is not None:
+        pytest.skip(refused)
+    case = CASES["flash_attn_nhd_bf16"]()
+    spec = TierSpec(case.spec.record_bytes, make_spec().keys, case.spec.regions)
+    int8 = QuantisedCodec(Int8CodecConfig(), case.spec)
+    expected = [
+        bytes(int8.decode(memoryview(bytes(int8.encode(memoryview(record))))))
+        for record in case.records
+    ]
+    tier = open_tier(spec, codec="int8", o_direct=o_direct)
+    keys = tier.keys.keys(block_hashes("codec", len(case.records)))
+    store(tier, keys, list(case.records))
+    assert [bytes(record) for record in fetch(tier, keys)] == expected
+    tier.close()
+    again = open_tier(spec, codec="int8", o_direct=o_direct)
+    assert [bytes(record) for record in fetch(again, keys)] == expected
+    again.close()
+    plain = open_tier(spec, o_direct=o_direct)
+    assert fetch(plain, keys) == [None] * len(keys)
+    assert plain.stats().errors == {"codec": len(keys)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
+import zlib
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from xxhash import xxh3_64_intdigest
 
+from kvtier.codecs import Codec, CodecError, ErrorBound
 from kvtier.tiers.record import (
     FORMAT_VERSION,
     HEADER_FIXED_BYTES,
@@ -288,3 +290,85 @@ def test_no_change_to_a_keyed_record_yields_another_payload(
         del damaged[position - len(damaged) :]
     result = codec.decode(KEY, bytes(damaged))
     assert isinstance(result, RecordFault) or bytes(result) == PAYLOAD
+
+
+class Zlib(Codec):
+    """A lossless codec of the standard library, to test the record format's part."""
+
+    def __init__(self, version: int = 1) -> None:
+        self.version = version
+
+    @property
+    def error_bound(self) -> ErrorBound:
+        return ErrorBound()
+
+    def encode(self, payload: memoryview) -> bytes:
+        return zlib.compress(payload, 1)
+
+    def decode(self, encoded: memoryview) -> bytes:
+        try:
+            return zlib.decompress(encoded)
+        except zlib.error as exc:
+            raise CodecError(str(exc)) from None
+
+
+SEALING_KEYS = RecordKeys([bytes(range(32))])
+COMPRESSIBLE = bytes(RECORD // 4) + PAYLOAD[: RECORD - RECORD // 4]
+
+
+@pytest.mark.parametrize(
+    ("keys", "encrypt"), [(None, False), (SEALING_KEYS, False), (SEALING_KEYS, True)], ids=str
+)
+def test_a_codec_encodes_before_sealing_and_decodes_after(
+    keys: RecordKeys | None, encrypt: bool
+) -> None:
+    codec = RecordCodec(
+        "layout-a", RECORD, keys=keys, encrypt=encrypt, codec=Zlib(), codec_name="z"
+    )
+    record = codec.encode(KEY, COMPRESSIBLE)
+    assert len(record) < codec.encoded_bytes(KEY)
+    header = codec.parse(record)
+    assert isinstance(header, RecordHeader) and header.encoded
+    assert header.payload_bytes == len(record) - header.header_bytes
+    assert bytes(codec.decode(KEY, record)) == COMPRESSIBLE
+    assert codec.decode(KEY, flip(record, len(record) - 1)) in (
+        RecordFault.CHECKSUM,
+        RecordFault.AUTH,
+    )
+
+
+def test_a_payload_the_codec_cannot_shrink_is_stored_as_it_is() -> None:
+    codec = RecordCodec("layout-a", RECORD, codec=Zlib(), codec_name="z")
+    incompressible = hashlib.shake_256(b"noise").digest(RECORD)
+    record = codec.encode(KEY, incompressible)
+    header = codec.parse(record)
+    assert isinstance(header, RecordHeader) and not header.encoded
+    assert bytes(codec.decode(KEY, record)) == incompressible
+    assert bytes(CODEC.decode(KEY, record)) == incompressible  # any reader reads it
+
+
+@pytest.mark.parametrize(
+    "reader",
+    [
+        RecordCodec("layout-a", RECORD),
+        RecordCodec("layout-a", RECORD, codec=Zlib(), codec_name="other"),
+        RecordCodec("layout-a", RECORD, codec=Zlib(version=2), codec_name="z"),
+    ],
+    ids=["no codec", "another codec", "another version"],
+)
+def test_a_record_of_another_codec_is_a_codec_fault(reader: RecordCodec) -> None:
+    writer = RecordCodec("layout-a", RECORD, codec=Zlib(), codec_name="z")
+    assert reader.decode(KEY, writer.encode(KEY, COMPRESSIBLE)) is RecordFault.CODEC
+
+
+def test_a_payload_the_codec_cannot_decode_is_a_codec_fault() -> None:
+    class Broken(Zlib):
+        def decode(self, encoded: memoryview) -> bytes:
+            return bytes(RECORD - 1)
+
+    writer = RecordCodec("layout-a", RECORD, codec=Zlib(), codec_name="z")
+    record = writer.encode(KEY, COMPRESSIBLE)
+    assert (
+        RecordCodec("layout-a", RECORD, codec=Broken(), codec_name="z").decode(KEY, record)
+        is RecordFault.CODEC
+    )

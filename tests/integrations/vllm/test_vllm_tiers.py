@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -297,3 +298,50 @@ def test_a_second_engine_serves_the_first_engines_prefixes_from_an_s3_bucket(
     assert second.promoted_blocks == first.stored_blocks == len(PROMPTS) * PROMPT_BLOCKS
     assert second.tiers["s3"]["hits"] >= second.promoted_blocks
     assert "errors.server" not in second.tiers["s3"]
+
+
+@pytest.mark.parametrize("codec", ["fp8", "int8"])
+def test_a_restart_serves_disk_hits_through_a_lossy_codec(
+    model_dir: str, tmp_path: Path, codec: str
+) -> None:
+    """The lossy codecs halve the disk's records and still serve every prefix block after a
+    restart; their tokens may differ from vanilla's, and the share that does not is printed
+    (the codec page reports it)."""
+    rng = random.Random(47)
+    prompts = [[rng.randrange(1000) for _ in range(PROMPT_BLOCKS * BLOCK + 5)] for _ in range(4)]
+    disk = {
+        "type": "disk",
+        "path": str(tmp_path),
+        "capacity_bytes": 256 * RECORD_BYTES,
+        "codec": codec,
+    }
+    config = {"cpu_bytes": 32 * RECORD_BYTES, "tiers": [disk]}
+    run(model_dir, config, prompts)
+    from kvtier.tiers.disk import SUPERBLOCK_BYTES, DiskTier
+
+    (file,) = tmp_path.glob("*.kvtier")
+    data = file.read_bytes()
+    slot = DiskTier.slot_bytes_for(RECORD_BYTES)
+    lengths = [  # each stored record's payload length, from its header
+        struct.unpack_from("<Q", data, at + 8)[0]
+        for at in range(SUPERBLOCK_BYTES, len(data), slot)
+        if data[at : at + 4] == b"KVTR"
+    ]
+    assert len(lengths) >= 4 * PROMPT_BLOCKS
+    assert all(length < RECORD_BYTES * 0.51 for length in lengths), "records were not encoded"
+    got, stats = run(model_dir, config, prompts)
+    assert stats.promoted_blocks == stats.loaded_blocks == 4 * PROMPT_BLOCKS
+    assert "errors.codec" not in stats.tiers["disk"]
+    vanilla = start_engine(model_dir, None, **DEVICE)
+    try:
+        expected = serve(vanilla, prompts)
+    finally:
+        from kvtier.integrations.vllm.offline import shutdown
+
+        shutdown(vanilla)
+    same = sum(
+        a == b
+        for ours, theirs in zip(got, expected, strict=True)
+        for a, b in zip(ours, theirs, strict=True)
+    )
+    print(f"{codec}: {same} of {len(prompts) * MAX_TOKENS} greedy tokens equal vanilla's")
