@@ -465,7 +465,7 @@ class RecordCodec:
         """
         if len(data) < HEADER_FIXED_BYTES:
             return False
-        magic, version, *_, scheme, key_id, _, _ = _FIXED.unpack_from(data)
+        magic, version, _, _, _, _, scheme, key_id, *_ = _FIXED.unpack_from(data)
         if (magic, version, scheme) != (MAGIC, FORMAT_VERSION, self.scheme):
             return False
         return self.keys is None or self.keys.mac_key(key_id) is not None

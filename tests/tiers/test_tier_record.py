@@ -317,7 +317,9 @@ COMPRESSIBLE = bytes(RECORD // 4) + PAYLOAD[: RECORD - RECORD // 4]
 
 
 @pytest.mark.parametrize(
-    ("keys", "encrypt"), [(None, False), (SEALING_KEYS, False), (SEALING_KEYS, True)], ids=str
+    ("keys", "encrypt"),
+    [(None, False), (SEALING_KEYS, False), (SEALING_KEYS, True)],
+    ids=["unkeyed", "keyed", "encrypted"],
 )
 def test_a_codec_encodes_before_sealing_and_decodes_after(
     keys: RecordKeys | None, encrypt: bool
