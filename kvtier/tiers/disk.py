@@ -1,11 +1,9 @@
 """The ``disk`` tier: block records in one preallocated file per rank, with warm restart.
 
-Each rank owns one file, ``<path>/rank<R>-of<W>.kvtier``, locked against a second
-process; rank files of another world size that no process holds are left from an earlier
-run and deleted at start, and one that is held refuses the directory. A rank opens only
-a regular file of one name that it may have made: never through a link, never a FIFO or
-device, and in a directory other users can write only a sticky one, and only its own file
-there. The file is a 4 KiB superblock (magic, format version,
+Each rank owns one file, ``<path>/rank<R>-of<W>.kvtier``, claimed as
+:mod:`kvtier.tiers.disk_file` says: locked against a second process, opened only as a file
+kvtier may have made, with other world sizes' files cleared away.
+The file is a 4 KiB superblock (magic, format version,
 record and slot sizes, slot count) followed by fixed-size slots; a slot is a 4 KiB
 header area (the record header of :mod:`kvtier.tiers.record`, zero-padded) and the
 payload, padded to a multiple of 4 KiB so every record starts on a page. Records are
@@ -45,11 +43,9 @@ keeps the records of the slots it still has; a larger one keeps them all and add
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import mmap
 import os
-import re
 import stat
 import struct
 import threading
@@ -59,12 +55,12 @@ from pathlib import Path
 import numpy as np
 
 from kvtier.config import available_memory_bytes
-from kvtier.config.sources import file_kind
 from kvtier.index.base import BlockIndex, BlockKey, EventKind
 from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
 from kvtier.tiers.base import Cause, RemovalLog, TierError, TierSpec
 from kvtier.tiers.disk_config import DiskTierConfig
+from kvtier.tiers.disk_file import no_direct_io, open_rank_file
 from kvtier.tiers.queued import QueuedTier
 from kvtier.tiers.record import (
     HEADER_FIXED_BYTES,
@@ -136,29 +132,6 @@ def _cause_of(exc: OSError) -> Cause:
     return Cause.IO
 
 
-_RANK_FILE = re.compile(r"rank\d+-of(\d+)\.kvtier")
-"""Names of rank files (:func:`rank_file`); the group is the world size."""
-
-
-def lock_holder(status: os.stat_result) -> str | None:
-    """``pid N, NAME`` of the process holding the file of ``status`` locked with ``flock``,
-    from ``/proc/locks``; ``None`` where that cannot be told."""
-    device = f"{os.major(status.st_dev):02x}:{os.minor(status.st_dev):02x}:{status.st_ino}"
-    try:
-        with open("/proc/locks") as locks:
-            pids = [
-                fields[4]
-                for fields in (line.split() for line in locks)
-                if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == device
-            ]
-        if not pids:
-            return None
-        with open(f"/proc/{pids[0]}/comm") as comm:
-            return f"pid {pids[0]}, {comm.read().strip()}"
-    except OSError:
-        return None
-
-
 def rank_file(config: DiskTierConfig, spec: TierSpec) -> Path:
     """The file of the rank ``spec`` names, in the tier's directory."""
     return Path(config.path) / f"rank{spec.keys.rank}-of{spec.keys.world_size}.kvtier"
@@ -216,7 +189,7 @@ class DiskTier(QueuedTier, RemovalLog):
         padding = self.slot_bytes - HEADER_AREA_BYTES - spec.record_bytes
         self._padding = memoryview(bytes(padding)) if padding else None
         self._sequence = 0
-        self._fd = self._open(config)
+        self._fd = open_rank_file(self.file, spec.keys.world_size, self.o_direct)
         try:
             previous_slots = self._prepare_file(config.preallocate)
             self._rebuild(previous_slots)
@@ -259,188 +232,6 @@ class DiskTier(QueuedTier, RemovalLog):
 
     # ----------------------------------------------------------------- start-up
 
-    def _open(self, config: DiskTierConfig) -> int:
-        """Open (or create) the rank's file, refusing any file kvtier may not have made.
-
-        The file is opened without following a link, without blocking on a FIFO,
-        and only as a regular file of one name; in a directory other users can
-        write, only when the directory is sticky and the file is this user's
-        (anyone else there could swap the name for a link to a file of ours).
-        """
-        directory = Path(config.path)
-        try:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as exc:
-            raise TierError(
-                f"disk tier: cannot create the directory {directory}: {exc.strerror}; point "
-                "path at a writable directory on a local disk"
-            ) from None
-        try:
-            shared = self._check_directory(directory, os.fstat(dir_fd))
-            fd = self._open_file(dir_fd, shared)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                holder = lock_holder(os.fstat(fd))
-                os.close(fd)
-                raise TierError(
-                    f"disk tier: {self.file} is in use by another kvtier process"
-                    f"{f' ({holder})' if holder else ''}; give each engine its own path, or "
-                    "stop that process if its engine is gone"
-                ) from None
-            try:
-                self._remove_other_engines_files(dir_fd, shared)
-            except BaseException:
-                if os.fstat(fd).st_size == 0:  # made just now: leave no file behind
-                    os.unlink(self.file.name, dir_fd=dir_fd)
-                os.close(fd)
-                raise
-        finally:
-            os.close(dir_fd)
-        return fd
-
-    def _remove_other_engines_files(self, dir_fd: int, shared: bool) -> None:
-        """Delete the rank files an engine of another world size left in the directory, so
-        that it holds no more than ``capacity_bytes``; refuse the directory while such an
-        engine still holds one.
-
-        Each rank holds its own file locked, so a file of another world size that can be
-        locked is left from an earlier run (say, before the tensor-parallel size changed).
-        Only regular files of one name are touched, and in a directory other users can
-        write only this user's (see :meth:`_open`).
-        """
-        for name in sorted(os.listdir(dir_fd)):
-            match = _RANK_FILE.fullmatch(name)
-            if match is None or int(match[1]) == self.keys.world_size:
-                continue
-            try:
-                status = os.lstat(name, dir_fd=dir_fd)
-                if not stat.S_ISREG(status.st_mode) or status.st_nlink > 1:
-                    continue
-                if shared and status.st_uid != os.geteuid():
-                    continue
-                fd = os.open(name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-            except OSError:
-                continue
-            try:
-                if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != (status.st_dev, status.st_ino):
-                    continue
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except OSError:
-                    raise TierError(
-                        f"disk tier: {self.file.parent} is in use by an engine of "
-                        f"{match[1]} rank(s) ({name} is locked), and this one has "
-                        f"{self.keys.world_size}; give each engine its own path"
-                    ) from None
-                os.unlink(name, dir_fd=dir_fd)
-                logger.info(
-                    "disk tier: removed %s, left by an engine of %s rank(s) (this one has %d)",
-                    self.file.parent / name,
-                    match[1],
-                    self.keys.world_size,
-                )
-            finally:
-                os.close(fd)
-
-    def _check_directory(self, directory: Path, status: os.stat_result) -> bool:
-        """Whether users other than this one can write ``directory``; refuse it unless sticky.
-
-        A directory is shared when its group or others may write it, or when another
-        user (not root) owns it; the link ``path`` itself names, when it is one, must
-        be this user's or root's too.
-        """
-        me = os.geteuid()
-        link = os.lstat(directory)
-        if stat.S_ISLNK(link.st_mode) and link.st_uid not in (me, 0):
-            raise TierError(
-                f"disk tier: path {directory} is a symbolic link owned by uid {link.st_uid}, not "
-                f"by this user (uid {me}) or root; point path at the directory itself"
-            )
-        writable_by_others = status.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-        if not writable_by_others and status.st_uid in (me, 0):
-            return False
-        if not status.st_mode & stat.S_ISVTX:
-            raise TierError(
-                f"disk tier: directory {directory} can be written by other users and is not "
-                f"sticky (mode {stat.S_IMODE(status.st_mode):o}, owner uid {status.st_uid}); "
-                "point path at a directory only this user can write, or chmod 700 it"
-            )
-        return True
-
-    def _open_file(self, dir_fd: int, shared: bool) -> int:
-        """Open the rank's file in ``dir_fd`` as a regular file of this tier; see :meth:`_open`."""
-        name = self.file.name
-        try:
-            before: os.stat_result | None = os.lstat(name, dir_fd=dir_fd)
-        except FileNotFoundError:
-            before = None
-        except OSError as exc:
-            raise self._cannot_open(exc) from None
-        if before is not None:
-            self._check_file(before, shared)
-        flags = (
-            os.O_RDWR
-            | os.O_CREAT
-            | os.O_NOFOLLOW
-            | os.O_NONBLOCK
-            | os.O_CLOEXEC
-            | (os.O_DIRECT if self.o_direct else 0)
-        )
-        try:
-            fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise self._not_ours("is a symbolic link") from None
-            if self.o_direct and exc.errno == errno.EINVAL:
-                raise self._no_direct_io(exc) from None
-            raise self._cannot_open(exc) from None
-        try:
-            after = os.fstat(fd)
-            if before is not None and (before.st_dev, before.st_ino) != (
-                after.st_dev,
-                after.st_ino,
-            ):
-                raise self._not_ours("was replaced while it was being opened")
-            self._check_file(after, shared)
-            os.set_blocking(fd, True)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _check_file(self, status: os.stat_result, shared: bool) -> None:
-        kind = file_kind(status.st_mode)
-        if kind is not None:
-            raise self._not_ours(f"is {kind}, not a regular file")
-        if status.st_nlink > 1:
-            raise self._not_ours(f"has {status.st_nlink} names (hard links)")
-        if shared and status.st_uid != os.geteuid():
-            raise self._not_ours(
-                f"is owned by uid {status.st_uid}, not by this user (uid {os.geteuid()}), in a "
-                "directory other users can write"
-            )
-
-    def _not_ours(self, what: str) -> TierError:
-        return TierError(
-            f"disk tier: {self.file} {what}; kvtier only opens a file it made: remove it, or "
-            "point path at a directory only this user can write"
-        )
-
-    def _cannot_open(self, exc: OSError) -> TierError:
-        return TierError(
-            f"disk tier: cannot open {self.file}: {exc.strerror}; point path at a writable "
-            "directory on a local disk"
-        )
-
-    def _no_direct_io(self, exc: OSError) -> TierError:
-        return TierError(
-            f"disk tier: the filesystem of {self.file.parent} refuses O_DIRECT "
-            f"({exc.strerror}); set o_direct: false, or point path at a local filesystem "
-            "that supports it (ext4, xfs)"
-        )
-
     def _prepare_file(self, preallocate: bool) -> int:
         """Size the file and write its superblock; return how many slots may hold records."""
         size = SUPERBLOCK_BYTES + self.num_slots * self.slot_bytes
@@ -467,7 +258,7 @@ class DiskTier(QueuedTier, RemovalLog):
             if previous_slots == 0:
                 os.ftruncate(self._fd, 0)
             if self.o_direct and exc.errno == errno.EINVAL:
-                raise self._no_direct_io(exc) from None
+                raise no_direct_io(self.file, exc) from None
             if _cause_of(exc) is Cause.NO_SPACE:
                 raise TierError(
                     f"disk tier: no room for {size} bytes in {self.file} ({exc.strerror}); free "
@@ -486,7 +277,7 @@ class DiskTier(QueuedTier, RemovalLog):
             read = os.preadv(self._fd, [page], 0)
         except OSError as exc:
             if self.o_direct and exc.errno == errno.EINVAL:
-                raise self._no_direct_io(exc) from None
+                raise no_direct_io(self.file, exc) from None
             raise
         if read < _SUPERBLOCK.size:
             return 0
