@@ -1,13 +1,14 @@
-"""The ``lossless`` codec: byte planes of the KV values shuffled apart, then compressed by blosc2.
+"""The ``lossless`` codec: the KV values' bit planes shuffled apart, then compressed by blosc2.
 
-The high byte of a 16-bit float holds its sign and most of its exponent, and
-KV values of one block span few exponents, so that plane compresses well
-while the mantissa plane barely does. blosc2's shuffle filter splits the
-planes and compresses each on its own, in C, without the GIL. Measured on
-real-model KV against zstandard and lz4 over a numpy shuffle, blosc2 with
-zstd at level 1 made the smallest records at the same speed (the codec page
-has the table). Decoding checks the sizes the blosc2 frame claims before it
-decompresses, so a record cannot make it allocate more than ``record_bytes``.
+The high bits of a 16-bit float hold its sign and exponent, and KV values of
+one block span few exponents: split into bit planes (bit 15 of every value,
+then bit 14, ...), those planes are long runs that lz4 finds at GB/s, while
+the mantissa planes stay as they are. blosc2 shuffles and compresses in C,
+without the GIL. Measured on real-model KV, bit planes with lz4 made records
+almost as small as byte planes with zstd (1.40x against 1.45x) at five times
+the encode speed (the codec page has the table). Decoding checks the sizes the
+blosc2 frame claims before it decompresses, so a record cannot make it
+allocate more than ``record_bytes``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ except ImportError as missing:  # pragma: no cover - depends on the extra being 
     ) from missing
 
 _ELEMENT_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "int8": 1}
+_FILTERS = {"bit": blosc2.Filter.BITSHUFFLE, "byte": blosc2.Filter.SHUFFLE}
 _DEFAULT_TYPESIZE = 2
 """Element bytes when the layout does not say: 16-bit KV, the common case."""
 
@@ -41,7 +43,10 @@ def typesize_of(spec: CodecSpec) -> int:
 
 
 class LosslessCodec(Codec):
-    """Shuffle and compress with blosc2, one thread per call (the tier's I/O threads are many)."""
+    """Shuffle and compress with blosc2, one thread per call (the tier's I/O threads are many).
+
+    blosc2 frames say how they were made, so a record written under other settings of this
+    codec still decodes."""
 
     version = 1
 
@@ -53,7 +58,7 @@ class LosslessCodec(Codec):
             "codec": compressor,
             "clevel": config.level,
             "typesize": self.typesize,
-            "filter": blosc2.Filter.SHUFFLE,
+            "filters": [_FILTERS[config.shuffle]],
             "nthreads": 1,
         }
 
