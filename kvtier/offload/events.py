@@ -5,10 +5,11 @@ host tier's index events, keyed by namespaced keys, and
 :meth:`~kvtier.offload.OffloadManager.take_tier_events` the lower tiers'
 :class:`TierEvent` s, which :class:`LowerTierEvents` makes of the workers'
 reports. Engines publish events by their own block hash, and a *stored* event
-also carries the block's token ids and its parent's hash, which only the live
-requests know. :class:`RequestTokens` keeps those requests (their growing lists
-of block hashes and token ids, never copies), and the tokens of the blocks it
-described last, and turns both kinds of events into :class:`BlockEvent` s:
+also carries the block's token ids, its parent's hash and the adapter it was
+computed under, which only the live requests know. :class:`RequestTokens` keeps
+those requests (their growing lists of block hashes and token ids, never
+copies, and their adapter), and what it found of the blocks it described last,
+and turns both kinds of events into :class:`BlockEvent` s:
 
 1. :meth:`RequestTokens.track` — a request got device blocks.
 2. :meth:`RequestTokens.forget` — a request is over (its blocks are released);
@@ -40,6 +41,19 @@ REMEMBERED_TOKENS = 1 << 20
 """Token ids :class:`RequestTokens` keeps of blocks whose requests are over, at most (8 MiB)."""
 
 
+class Adapter(NamedTuple):
+    """The fine-tuned adapter (a LoRA) a request runs under, as the engine names it.
+
+    An engine that hashes blocks puts the adapter in the hash, so one block hash
+    belongs to one adapter (or to none: the base model).
+    """
+
+    adapter_id: int
+    """The engine's integer id of the adapter."""
+    name: str
+    """The adapter's name."""
+
+
 class TierEvent(NamedTuple):
     """A block stored in or removed from a lower tier, on every worker's account."""
 
@@ -66,6 +80,9 @@ class BlockEvent:
     """The lower tier the block is stored in or removed from, by name; ``None``: the host tier."""
     shared: bool = False
     """Whether that lower tier is a store other engines reach (the fleet's, not this host's)."""
+    adapter: Adapter | None = None
+    """For a stored block, the adapter it was computed under (``None`` for the base model,
+    or when its tokens are not known either)."""
 
 
 class LowerTierEvents:
@@ -130,10 +147,16 @@ class LowerTierEvents:
         return events
 
 
+_Found = tuple[bytes | None, tuple[int, ...], Adapter | None]
+"""A stored block's parent hash, token ids and adapter."""
+_UNKNOWN: _Found = (None, (), None)
+
+
 @dataclass
 class _Tracked:
     block_hashes: Sequence[bytes]
     token_ids: Sequence[int]
+    adapter: Adapter | None
 
 
 class RequestTokens:
@@ -151,8 +174,8 @@ class RequestTokens:
         keep_forgotten: Keep requests passed to :meth:`forget` until the next
             :meth:`describe` (events of that step may name their blocks); without
             it they are dropped at once, for engines that publish no events.
-        remember_tokens: Keep the parent and tokens of the blocks last described
-            as stored, up to this many tokens, for later stores of the same
+        remember_tokens: Keep the parent, tokens and adapter of the blocks last
+            described as stored, up to this many tokens, for later stores of the same
             blocks (a lower tier stores a block when the host tier evicts it,
             often after its request is over).
         """
@@ -163,14 +186,19 @@ class RequestTokens:
         self._forget: list[str] = []
         self._keep_forgotten = keep_forgotten
         self._remember_blocks = remember_tokens // block_tokens
-        # block hash -> (parent hash, token ids as 8-byte integers), oldest first
-        self._remembered: dict[bytes, tuple[bytes | None, array[int]]] = {}
+        # block hash -> (parent hash, token ids as 8-byte integers, adapter), oldest first
+        self._remembered: dict[bytes, tuple[bytes | None, array[int], Adapter | None]] = {}
 
     def track(
-        self, request_id: str, block_hashes: Sequence[bytes], token_ids: Sequence[int]
+        self,
+        request_id: str,
+        block_hashes: Sequence[bytes],
+        token_ids: Sequence[int],
+        adapter: Adapter | None = None,
     ) -> None:
-        """Keep ``request_id``'s hashes and tokens; the engine may keep growing both sequences."""
-        self._requests[request_id] = _Tracked(block_hashes, token_ids)
+        """Keep ``request_id``'s hashes and tokens (the engine may keep growing both
+        sequences) and the adapter it runs under (``None``: the base model)."""
+        self._requests[request_id] = _Tracked(block_hashes, token_ids, adapter)
 
     def block_hashes(self, request_id: str) -> Sequence[bytes] | None:
         """The tracked request's block hashes, or ``None`` if it is not tracked."""
@@ -192,7 +220,7 @@ class RequestTokens:
         """Tell the host tier's ``events`` (keys made by ``namespace``), then the lower
         tiers' ``tier_events``, in the engine's terms, in order.
 
-        Tokens are looked up only for the hashes of stored blocks, each once.
+        Tokens (and adapters) are looked up only for the hashes of stored blocks, each once.
         Then the requests passed to :meth:`forget` are dropped.
         """
         if not (events or tier_events):
@@ -205,8 +233,10 @@ class RequestTokens:
         described = []
         for kind, tier, shared, group, block_hash in split:
             if kind is EventKind.STORED:
-                parent, tokens = found.get(block_hash, (None, ()))
-                described.append(BlockEvent(kind, group, block_hash, parent, tokens, tier, shared))
+                parent, tokens, adapter = found.get(block_hash, _UNKNOWN)
+                described.append(
+                    BlockEvent(kind, group, block_hash, parent, tokens, tier, shared, adapter)
+                )
             else:
                 described.append(BlockEvent(kind, group, block_hash, tier=tier, shared=shared))
         self._drop_forgotten()
@@ -222,17 +252,18 @@ class RequestTokens:
         """Requests tracked now."""
         return len(self._requests)
 
-    def _tokens_of(self, wanted: set[bytes]) -> dict[bytes, tuple[bytes | None, tuple[int, ...]]]:
-        """Parent and tokens of the ``wanted`` blocks that are remembered or that a live
-        request holds (a hash fixes both); what is found is remembered as the newest."""
-        found: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
+    def _tokens_of(self, wanted: set[bytes]) -> dict[bytes, _Found]:
+        """Parent, tokens and adapter of the ``wanted`` blocks that are remembered or that a
+        live request holds (a hash fixes all three); what is found is remembered as the
+        newest."""
+        found: dict[bytes, _Found] = {}
         if not wanted:
             return found
         remembered = self._remembered
         for block_hash in wanted:
             kept = remembered.pop(block_hash, None)
             if kept is not None:
-                found[block_hash] = (kept[0], tuple(kept[1]))
+                found[block_hash] = (kept[0], tuple(kept[1]), kept[2])
         missing = wanted - found.keys()
         size = self.block_tokens
         for tracked in self._requests.values() if missing else ():
@@ -242,9 +273,10 @@ class RequestTokens:
                     continue
                 parent = hashes[position - 1] if position else None
                 start = position * size
-                found[hashes[position]] = (parent, tuple(tracked.token_ids[start : start + size]))
-        for block_hash, (parent, tokens) in found.items():
-            remembered[block_hash] = (parent, array("q", tokens))
+                tokens = tuple(tracked.token_ids[start : start + size])
+                found[hashes[position]] = (parent, tokens, tracked.adapter)
+        for block_hash, (parent, tokens, adapter) in found.items():
+            remembered[block_hash] = (parent, array("q", tokens), adapter)
         while len(remembered) > self._remember_blocks:
             del remembered[next(iter(remembered))]
         return found

@@ -32,7 +32,7 @@ Per step:
 The manager's own rules (whole blocks, never a failed load again, the cost guard,
 holds) stay the manager's; the session adds what an engine decides around them:
 which hits load in the step that runs them, the request's control, where its lookup
-started, whether the engine still awaits its load, and its tokens for events.
+started, whether the engine still awaits its load, and its tokens and adapter for events.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtier.offload.events import BlockEvent, RequestTokens
+from kvtier.offload.events import Adapter, BlockEvent, RequestTokens
 from kvtier.offload.frontier import EvictionFrontier
 from kvtier.offload.ledger import Progress
 from kvtier.offload.messages import LazyCandidate, TransferPlan, WorkerReport
@@ -181,6 +181,7 @@ class OffloadSession:
         *,
         num_computed_tokens: int = 0,
         token_ids: Sequence[int] | None = None,
+        adapter: Adapter | None = None,
     ) -> None:
         """The engine allocated ``block_ids`` (per group, from position 0) and accepted
         ``num_external_tokens`` from the last lookup, whose load is queued.
@@ -194,6 +195,8 @@ class OffloadSession:
                 without a lookup since its last allocation.
             token_ids: The request's tokens, kept with ``block_hashes`` to describe the
                 tier's events (both sequences may keep growing); ``None``: not kept.
+            adapter: The adapter the request runs under, kept with ``token_ids`` for the
+                events of its blocks (``None``: the base model).
         """
         session = self.requests.get(request_id)
         if session is None:
@@ -204,7 +207,7 @@ class OffloadSession:
         if num_external_tokens and not same_step:
             session.awaited = True
         if token_ids is not None:
-            self.tokens.track(request_id, block_hashes, token_ids)
+            self.tokens.track(request_id, block_hashes, token_ids, adapter)
         self.manager.allocated(
             request_id,
             block_hashes,

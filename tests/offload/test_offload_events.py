@@ -1,5 +1,5 @@
-"""Every tier's KV-cache events told in the engine's terms: group, block hash, parent and tokens,
-and the lower tiers' events made of the workers' reports."""
+"""Every tier's KV-cache events told in the engine's terms: group, block hash, parent, tokens and
+adapter, and the lower tiers' events made of the workers' reports."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ import pytest
 
 from kvtier.index.base import EventKind, IndexEvent
 from kvtier.keys import KeyNamespace
-from kvtier.offload.events import BlockEvent, LowerTierEvents, RequestTokens, TierEvent
+from kvtier.offload.events import (
+    Adapter,
+    BlockEvent,
+    LowerTierEvents,
+    RequestTokens,
+    TierEvent,
+)
 from kvtier.offload.messages import WorkerReport
 from kvtier.tiers.chain import TierBlock
 
@@ -137,3 +143,23 @@ def test_tokens_of_blocks_described_are_remembered_after_their_request_is_over()
         (12, 13),
         (14, 15),
     ], "the two blocks described last are remembered"
+
+
+def test_stored_blocks_carry_their_requests_adapter_also_once_the_request_is_over() -> None:
+    tokens = RequestTokens(block_tokens=2)
+    adapter = Adapter(7, "support-bot")
+    tokens.track("tuned", HASHES[:2], [10, 11, 12, 13], adapter)
+    tokens.track("base", [b"b0"], [20, 21])
+    described = tokens.describe(
+        [stored(b"h0"), stored(b"b0"), IndexEvent(EventKind.EVICTED, NAMESPACE.key(b"h0"))],
+        NAMESPACE,
+    )
+    assert [event.adapter for event in described] == [adapter, None, None]
+    tokens.forget(["tuned", "base"])
+    tokens.describe([], NAMESPACE)
+    demoted = [TierEvent(EventKind.STORED, on_disk(h)) for h in (b"h0", b"b0", b"h1")]
+    assert [event.adapter for event in tokens.describe([], NAMESPACE, demoted)] == [
+        adapter,
+        None,
+        None,
+    ], "the adapter is remembered with the tokens; a block never described has neither"

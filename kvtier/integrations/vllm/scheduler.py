@@ -78,7 +78,7 @@ from kvtier.offload import (
     WorkerReport,
 )
 from kvtier.offload.control import RequestControl, RequestControlError, request_control
-from kvtier.offload.events import BlockEvent
+from kvtier.offload.events import Adapter, BlockEvent
 from kvtier.offload.protection import LazyStoreGuard
 from kvtier.offload.session import OffloadSession
 from kvtier.offload.stats import OFFLOAD_HISTOGRAMS
@@ -104,6 +104,12 @@ def event_place(event: BlockEvent) -> tuple[str, str, str | None]:
     if event.tier is None:
         return MEDIUM_CPU, LOCAL, None
     return MEDIUM_STORAGE, REMOTE if event.shared else LOCAL, event.tier
+
+
+def adapter_of(request: Request) -> Adapter | None:
+    """The LoRA adapter ``request`` runs under, for its blocks' events (``None``: none)."""
+    lora = request.lora_request
+    return Adapter(lora.lora_int_id, lora.lora_name) if lora is not None else None
 
 
 def publishes_kv_events(vllm_config: VllmConfig) -> bool:
@@ -339,6 +345,7 @@ class KVTierScheduler:
             num_external_tokens,
             num_computed_tokens=request.num_computed_tokens,
             token_ids=request.all_token_ids,
+            adapter=adapter_of(request),
         )
 
     def build_plan(self, scheduler_output: SchedulerOutput) -> TransferPlan:
@@ -435,15 +442,15 @@ class KVTierScheduler:
         block_hash = maybe_convert_block_hash(event.block_hash)
         medium, locality, ownership = event_place(event)
         if event.kind is EventKind.STORED:
-            parent = event.parent_hash
+            parent, adapter = event.parent_hash, event.adapter
             return BlockStored(
                 block_hashes=[block_hash],
                 parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
                 token_ids=list(event.token_ids),
                 block_size=self.block_tokens,
-                lora_id=None,
+                lora_id=adapter.adapter_id if adapter is not None else None,
                 medium=medium,
-                lora_name=None,
+                lora_name=adapter.name if adapter is not None else None,
                 group_idx=event.group,
                 locality=locality,
                 ownership=ownership,
