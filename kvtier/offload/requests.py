@@ -93,6 +93,12 @@ class RequestTable:
         # limits its stores gave it back; the block is not stored while it holds that key.
         self.unstorable: list[dict[int, BlockKey]] = [{} for _ in range(setup.num_groups)]
         self._looked_up: tuple[Sequence[bytes], int, dict[int, list[BlockKey]]] | None = None
+        self.salts: dict[str, bytes] = {}
+        """Per request that names a tenant's salt (vLLM's ``cache_salt``), the salt: its blocks'
+        records are sealed for that tenant in the lower tiers (:mod:`kvtier.tiers.record`)."""
+        self.block_salts: dict[BlockKey, bytes] = {}
+        """The salt of each host-tier block a salted request stored or promoted, until it is
+        demoted: its writes down the chain are sealed for that tenant."""
 
     @property
     def idle(self) -> bool:
@@ -128,6 +134,7 @@ class RequestTable:
     def release(self, request_id: str) -> None:
         """Stop tracking a finished request; the next :class:`Progress` names it."""
         del self.requests[request_id]
+        self.salts.pop(request_id, None)
         self.released.append(request_id)
 
     def take_released(self) -> tuple[str, ...]:
@@ -222,6 +229,7 @@ class RequestTable:
         self.load_failed.discard(request_id)
         state = self.requests.get(request_id)
         if state is None:
+            self.salts.pop(request_id, None)
             return False
         self.setup.index.request_finished(request_id)
         self.cancel_pending_loads(state)
@@ -236,6 +244,7 @@ class RequestTable:
             self.due.add(request_id)  # its hold is announced by the next plan
             return True
         del self.requests[request_id]
+        self.salts.pop(request_id, None)
         return False
 
     def announce_holds(self, due: Sequence[RequestState]) -> dict[str, tuple[int, ...]]:
