@@ -530,9 +530,9 @@ class RecordCodec:
         """The keys a record read for ``key`` must be sealed under, when it says it is a
         ``tenant``'s or not; ``None`` when the two disagree."""
         assert self.keys is not None
-        if isinstance(key, TenantKey) != tenant:
-            return None
-        return self.keys.for_tenant(key.salt) if isinstance(key, TenantKey) else self.keys
+        if isinstance(key, TenantKey):
+            return self.keys.for_tenant(key.salt) if tenant else None
+        return None if tenant else self.keys
 
     def unseal(
         self, key: BlockKey, header: RecordHeader | RecordFault, body: memoryview | bytes
@@ -572,17 +572,19 @@ class RecordCodec:
                 return RecordFault.CHECKSUM
             return memoryview(body)
         keys = self._keys_of(key, header.tenant)
-        if keys is None or keys.mac_key(header.key_id) is None:
+        if keys is None:
             return RecordFault.TENANT
         if self.scheme is Scheme.MAC:
             mac_key = keys.mac_key(header.key_id)
-            assert mac_key is not None
+            if mac_key is None:
+                return RecordFault.TENANT
             tag = _mac(mac_key, header.nonce, header.sealed, body)
             if not hmac.compare_digest(tag, header.seal):
                 return RecordFault.AUTH
             return memoryview(body)
         aead_key = keys.aead_key(header.key_id)
-        assert aead_key is not None
+        if aead_key is None:
+            return RecordFault.TENANT
         decryptor = Cipher(
             algorithms.AES(aead_key), modes.GCM(header.nonce, header.seal)
         ).decryptor()
