@@ -161,6 +161,7 @@ class LowerTierMoves:
                 del self.ledger.writing[key]
             self.setup.index.abort(promotion.keys)
             self.ledger.note_departed(promotion.keys)
+            self.ledger.requests.forget_salts(promotion.keys)
         self._to_plan = kept
 
     def _promote(
@@ -356,6 +357,7 @@ class LowerTierMoves:
         if promotion.found < len(promotion.keys):
             index.abort(promotion.keys[promotion.found :])
             self.ledger.note_departed(promotion.keys[promotion.found :])
+            self.ledger.requests.forget_salts(promotion.keys[promotion.found :])
         self.counters.add("promoted_blocks", promotion.found)
         if promotion.prefetch:
             self.prefetches.landed(

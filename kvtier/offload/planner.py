@@ -304,7 +304,8 @@ class Planner:
                 slots = index.reserve(keys, parent) if keys else []
                 salt = salts.get(state.request_id) if salts else None
                 if salt is not None:
-                    block_salts.update(dict.fromkeys(keys, salt))
+                    granted = zip(keys, slots, strict=True)
+                    block_salts.update((key, salt) for key, slot in granted if slot is not None)
                 if state.control is not None:
                     granted = zip(keys, slots, strict=True)
                     self.prioritize(state, [key for key, slot in granted if slot is not None])

@@ -10,7 +10,7 @@ which of their blocks a later hit can read.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING
@@ -136,6 +136,13 @@ class RequestTable:
         del self.requests[request_id]
         self.salts.pop(request_id, None)
         self.released.append(request_id)
+
+    def forget_salts(self, keys: Iterable[BlockKey]) -> None:
+        """``keys`` will not enter the host tier (a store or promotion given up): their
+        salts are not needed."""
+        if self.block_salts:
+            for key in keys:
+                self.block_salts.pop(key, None)
 
     def take_released(self) -> tuple[str, ...]:
         released, self.released = tuple(self.released), []

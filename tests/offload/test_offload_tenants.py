@@ -52,6 +52,8 @@ def test_a_tenants_demoted_and_flushed_blocks_hit_only_with_its_salt() -> None:
     first.close()  # writes prompt 2's blocks, still in the host tier, sealed for A
     assert len(store) == 2 * PROMPT_BLOCKS
     assert first.manager.requests.salts == {}  # forgotten with the requests
+    # a block's salt is kept while the host tier holds the block, no longer
+    assert len(first.manager.requests.block_salts) <= PROMPT_BLOCKS + 1
 
     same, _ = engine_on(store)
     serve(same, 1, SALT_A)
