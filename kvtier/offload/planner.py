@@ -381,12 +381,16 @@ class Planner:
                 slots[key] = slot
             elif self._no_space():
                 break
+        lazy_salts, block_salts = self.requests.lazy_salts, self.requests.block_salts
         for key, candidate in wanted.items():
             if key in slots:
                 blocks, slot_list, key_list, _ = per_group[candidate.group]
                 blocks.append(candidate.block_id)
                 slot_list.append(slots[key])
                 key_list.append(key)
+                salted = lazy_salts[candidate.group].get(candidate.block_id)
+                if salted is not None and salted[0] == key:
+                    block_salts[key] = salted[1]
         return self._store_transfers(per_group, now)
 
     def _no_space(self) -> bool:

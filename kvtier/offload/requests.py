@@ -99,6 +99,11 @@ class RequestTable:
         self.block_salts: dict[BlockKey, bytes] = {}
         """The salt of each host-tier block a salted request stored or promoted, until it is
         demoted: its writes down the chain are sealed for that tenant."""
+        self.lazy_salts: list[dict[int, tuple[BlockKey, bytes]]] = [
+            {} for _ in range(setup.num_groups)
+        ]
+        """Lazy mode, per group: device block -> the key it held and its tenant's salt when a
+        salted request gave it back; a store of it from the eviction frontier takes the salt."""
 
     @property
     def idle(self) -> bool:
@@ -168,6 +173,7 @@ class RequestTable:
         self.cancel_pending_loads(state)
         state.unavailable.clear()
         self.note_unstorable_blocks(state)
+        self.note_salted_blocks(state)
         state.clear_blocks()
         state.computed_tokens = 0
         state.load_end = 0
@@ -245,6 +251,7 @@ class RequestTable:
             state.computed_tokens = max(state.computed_tokens, num_computed_tokens)
             self.note_window_blocks(state)
         self.note_unstorable_blocks(state)
+        self.note_salted_blocks(state)
         state.finished = True
         state.engine_frees_blocks = engine_frees_blocks
         if state.batches or self.has_unstored_blocks(state):
@@ -342,6 +349,21 @@ class RequestTable:
             for block_id, key in zip(group_ids[start:stop], keys, strict=True):
                 if block_id != setup.null_block_id:
                     self.window_blocks[group][block_id] = key
+
+    def note_salted_blocks(self, state: RequestState) -> None:
+        """Lazy mode: remember the tenant salt of the blocks a salted request gives back, for
+        when the engine offers them from its eviction frontier."""
+        salt = self.salts.get(state.request_id) if self.salts else None
+        setup = self.setup
+        if salt is None or setup.store_mode != "lazy":
+            return
+        ready = setup.ready_blocks(state.block_hashes, state.computed_tokens)
+        for group in range(setup.num_groups):
+            group_ids = state.block_ids[group][:ready]
+            keys = setup.namespace.keys(state.block_hashes[: len(group_ids)], group)
+            salted = self.lazy_salts[group]
+            for block_id, key in zip(group_ids, keys, strict=True):
+                salted[block_id] = (key, salt)
 
     def note_unstorable_blocks(self, state: RequestState) -> None:
         """Lazy mode: remember the request's blocks past its store limit as it gives them back.

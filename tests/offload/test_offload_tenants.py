@@ -10,6 +10,7 @@ from kvtier.index.base import BlockKey
 from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.keys import KeyNamespace
+from kvtier.offload import LazyCandidate, OffloadManager, OffloadSession, WorkerReport
 from kvtier.tiers import TierSpec
 from kvtier.tiers.chain import TierChain
 from kvtier.tiers.record import RecordKeys
@@ -81,3 +82,31 @@ def test_records_of_a_request_without_a_salt_are_sealed_as_before(salt: bytes | 
     record = next(iter(store.values()))
     tenant_byte = 41  # after the scheme byte; see kvtier.tiers.record
     assert record[tenant_byte] == (salt is not None)
+
+
+def test_lazy_stores_of_a_salted_requests_blocks_carry_its_salt_down_the_chain() -> None:
+    m = OffloadManager(
+        PolicyIndex(8, LRUPolicy()), block_tokens=BLOCK_TOKENS, record_bytes=100,
+        store_mode="lazy", write_policies=("write_through",),
+    )  # fmt: skip
+    session = OffloadSession(m)
+    hashes = {block: bytes([block]) * 8 for block in range(1, 5)}  # block 0: vLLM's null block
+    for request_id, blocks, salt in (("a", [1, 2, 3], SALT_A), ("b", [4], None)):
+        mine = [hashes[block] for block in blocks]
+        session.arrived(request_id, mine, len(blocks) * BLOCK_TOKENS + 1, salt=salt)
+        prefetches = m.build_plan().promotions  # the lower tier has none of them
+        assert [promotion.salt for promotion in prefetches] == [salt]
+        m.process(WorkerReport(promoted={p.batch_id: (1, 0) for p in prefetches}))
+        m.allocated(request_id, mine, [blocks], 0, 0)
+        tokens = len(blocks) * BLOCK_TOKENS + 1  # every block full and computed
+        m.scheduled(
+            request_id, num_computed_tokens=tokens, new_block_ids=[blocks], block_hashes=mine
+        )
+        m.finished(request_id, tokens)  # the engine offers its blocks from the frontier
+    offered = [LazyCandidate(block_hash, 0, block) for block, block_hash in hashes.items()]
+    (store,) = m.build_plan(offered).stores
+    assert store.device_blocks == (1, 2, 3, 4)
+    assert store.salts == (SALT_A, SALT_A, SALT_A, None)
+    m.process(WorkerReport(done={store.batch_id: 1}))
+    writes = {write.salt: len(write.block_hashes) for write in m.build_plan().write_throughs}
+    assert writes == {SALT_A: 3, None: 1}
