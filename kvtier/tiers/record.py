@@ -219,7 +219,7 @@ class RecordKeys:
         if not secrets:
             raise ValueError("no key given")
         self._secrets = tuple(secrets)
-        self.for_tenant = functools.lru_cache(maxsize=TENANTS_CACHED)(self._for_tenant)
+        self._tenants = functools.lru_cache(maxsize=TENANTS_CACHED)(self._derive_for_tenant)
         self._mac: dict[bytes, AESGCM] = {}
         self._aead: dict[bytes, bytes] = {}
         for secret in secrets:
@@ -304,10 +304,14 @@ class RecordKeys:
                 "(openssl rand -hex 32)"
             ) from None
 
-    def _for_tenant(self, salt: bytes) -> RecordKeys:
+    def for_tenant(self, salt: bytes) -> RecordKeys:
         """The keys of the tenant that names ``salt``: one per key of these, in the same
-        order (so rotation works alike), each HKDF-SHA256 of that key with the salt in its
-        info. Cached per salt (:data:`TENANTS_CACHED`) as :attr:`for_tenant`."""
+        order (so rotation works alike), each 32 bytes of HKDF-SHA256 of that key, with no
+        HKDF salt and ``b"kvtier tenant record key\\x00" + salt`` as its info. Derived once
+        per salt while it is among the last :data:`TENANTS_CACHED` asked for."""
+        return self._tenants(salt)
+
+    def _derive_for_tenant(self, salt: bytes) -> RecordKeys:
         return RecordKeys(
             [
                 HKDF(
@@ -397,10 +401,9 @@ class RecordCodec:
             if encoded.nbytes < len(payload):
                 payload, written_by = encoded, self.codec_id
         end = HEADER_FIXED_BYTES + len(key)
-        keys = self.keys
-        tenant = keys is not None and isinstance(key, TenantKey)
-        if tenant:
-            keys = keys.for_tenant(key.salt)  # type: ignore[union-attr,attr-defined]
+        keys, tenant = self.keys, False
+        if keys is not None and isinstance(key, TenantKey):
+            keys, tenant = keys.for_tenant(key.salt), True
         key_id = _NO_KEY_ID if keys is None else keys.signing_id
         nonce = _NO_NONCE if keys is None else os.urandom(_NONCE_BYTES)
         _FIXED.pack_into(
