@@ -13,6 +13,11 @@ Two sources exist:
   equal prefixes. Hashes depend only on the token ids and the algorithm (never
   on Python's per-process ``hash`` seed), so they agree across processes and
   machines.
+
+A request of a tenant that names a salt (vLLM's ``cache_salt``) gets
+:class:`TenantKey` keys: the same bytes, carrying the salt to the tiers, which
+seal its records under a key derived from their own and the salt (see
+:mod:`kvtier.tiers.record`).
 """
 
 from __future__ import annotations
@@ -93,6 +98,27 @@ def hash_token_blocks(
     return keys
 
 
+class TenantKey(bytes):
+    """A block key of a request that names a tenant's salt: the key's bytes, and the salt.
+
+    It is equal to (and hashes as) the plain key, so stores and indexes treat it
+    as one; only the tiers' record sealing reads :attr:`salt`. The salt is a
+    secret of its tenant: never written to a record, and not in ``repr``.
+    """
+
+    salt: bytes
+
+    def __new__(cls, key: bytes, salt: bytes) -> TenantKey:
+        if not salt:
+            raise ValueError("a tenant's salt is not empty; give a plain key for no salt")
+        made = super().__new__(cls, key)
+        made.salt = salt
+        return made
+
+    def __getnewargs__(self) -> tuple[bytes, bytes]:  # type: ignore[override]
+        return bytes(self), self.salt
+
+
 class SplitKey(NamedTuple):
     """A namespaced key taken apart: its kv-cache group and the engine's block hash."""
 
@@ -159,10 +185,14 @@ class KeyNamespace:
         """Namespace one engine block hash."""
         return self.prefix(group) + block_hash
 
-    def keys(self, block_hashes: Sequence[bytes], group: int = 0) -> list[BlockKey]:
-        """Namespace a sequence of engine block hashes."""
+    def keys(
+        self, block_hashes: Sequence[bytes], group: int = 0, salt: bytes | None = None
+    ) -> list[BlockKey]:
+        """Namespace a sequence of engine block hashes; with a ``salt``, as :class:`TenantKey`."""
         prefix = self.prefix(group)
-        return [prefix + block_hash for block_hash in block_hashes]
+        if salt is None:
+            return [prefix + block_hash for block_hash in block_hashes]
+        return [TenantKey(prefix + block_hash, salt) for block_hash in block_hashes]
 
     def split(self, key: BlockKey) -> SplitKey:
         """Take a key made by :meth:`key` apart again.

@@ -364,6 +364,7 @@ class BatchLedger:
             del self.writing[key]
         self.setup.index.abort(batch.keys)
         self.note_departed(batch.keys)
+        self.requests.forget_salts(batch.keys)
 
     def expire(self, collected: Collected) -> None:
         """Fail the batches some worker did not report within ``report_deadline_s``."""

@@ -41,6 +41,9 @@ class Transfer:
     """For a store, when some lower tier is written back or through: the engine's hashes of
     the blocks, so that a worker closing gracefully can write those still in their slots to
     the tiers that lack them. Empty otherwise."""
+    salts: tuple[bytes | None, ...] = ()
+    """With ``block_hashes``, when some of the blocks are of salted requests: each block's
+    tenant salt (``None`` for none), so that the close writes them sealed for their tenant."""
 
     def __post_init__(self) -> None:
         if len(self.device_blocks) != len(self.host_slots):
@@ -52,6 +55,11 @@ class Transfer:
             raise ValueError(
                 f"transfer {self.batch_id} names {len(self.block_hashes)} block hashes for "
                 f"{len(self.host_slots)} host slots; give one per slot, or none"
+            )
+        if self.salts and len(self.salts) != len(self.block_hashes):
+            raise ValueError(
+                f"transfer {self.batch_id} names {len(self.salts)} salts for "
+                f"{len(self.block_hashes)} block hashes; give one per hash, or none"
             )
 
     def __len__(self) -> int:
@@ -77,6 +85,8 @@ class Promotion:
     """Host tier slots reserved for them, one per block."""
     skip_tiers: frozenset[str] = frozenset()
     """Tiers not to ask: the cost guard predicted their read slower than recomputing."""
+    salt: bytes | None = None
+    """The salt of the request's tenant: its records are read as that tenant's."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,9 @@ class Demotion:
     tiers: tuple[int, ...]
     """Positions, in the workers' chain, of the lower tiers to write them to (may be none:
     an evicted block no tier writes back)."""
+    salt: bytes | None = None
+    """The salt of the tenant whose request stored or promoted the blocks: their records are
+    sealed for that tenant."""
 
 
 @dataclass(frozen=True)

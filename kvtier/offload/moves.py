@@ -161,6 +161,7 @@ class LowerTierMoves:
                 del self.ledger.writing[key]
             self.setup.index.abort(promotion.keys)
             self.ledger.note_departed(promotion.keys)
+            self.ledger.requests.forget_salts(promotion.keys)
         self._to_plan = kept
 
     def _promote(
@@ -175,6 +176,7 @@ class LowerTierMoves:
         if setup.windowed:
             return 0  # a windowed group's hit needs other blocks than the prefix's
         missing = wanted[hits:] if limit is None else wanted[hits : hits + limit]
+        salt = self.ledger.requests.salts.get(request_id)
         skip = self.guard.skipped_tiers(len(missing))
         if skip and len(skip) == len(self.guard.tier_names):
             return None
@@ -210,6 +212,7 @@ class LowerTierMoves:
                 tuple(missing[:count]),
                 tuple(slot for slot in slots[:count] if slot is not None),
                 skip,
+                salt,
             )
             self.promotions[message.batch_id] = PromotionBatch(
                 message, tuple(keys[:count]), request_id, now, found=count,
@@ -217,6 +220,8 @@ class LowerTierMoves:
             )  # fmt: skip
             for key in keys[:count]:
                 self.ledger.writing[key] = message.batch_id
+            if salt is not None:
+                self.ledger.requests.block_salts.update(dict.fromkeys(keys[:count], salt))
             self._to_plan.append(message)
             self._promoting[request_id].add(message.batch_id)
         return count
@@ -231,29 +236,33 @@ class LowerTierMoves:
         if not self.demotions:
             return ()
         self.counters.add("demoted_blocks", sum(bool(t) for _, t in self.demotions.values()))
-        return self._messages(self.demotions)
+        return self._messages(self.demotions, evicted=True)
 
     def take_write_throughs(self) -> tuple[Demotion, ...]:
         """Blocks to write through since the last plan, per group and tiers, with their slots."""
         if not self.write_throughs:
             return ()
         self.counters.add("written_through_blocks", len(self.write_throughs))
-        return self._messages(self.write_throughs)
+        return self._messages(self.write_throughs, evicted=False)
 
     def _messages(
-        self, writes: dict[BlockKey, tuple[int, tuple[int, ...]]]
+        self, writes: dict[BlockKey, tuple[int, tuple[int, ...]]], *, evicted: bool
     ) -> tuple[Demotion, ...]:
-        """``writes`` as one message per group and tiers; empties ``writes``."""
-        batches: dict[tuple[int, tuple[int, ...]], tuple[list[bytes], list[int]]] = {}
+        """``writes`` as one message per group, tiers and tenant salt; empties ``writes``.
+        The salts of ``evicted`` blocks are forgotten."""
+        batches: dict[tuple[int, tuple[int, ...], bytes], tuple[list[bytes], list[int]]] = {}
+        block_salts = self.ledger.requests.block_salts
+        salt_of = block_salts.pop if evicted else block_salts.get
         for key, (slot, tiers) in writes.items():
             group, block_hash = self.setup.namespace.split(key)
-            hashes, slots = batches.setdefault((group, tiers), ([], []))
+            salt = salt_of(key, b"") if block_salts else b""
+            hashes, slots = batches.setdefault((group, tiers, salt), ([], []))
             hashes.append(block_hash)
             slots.append(slot)
         writes.clear()
         return tuple(
-            Demotion(group, tuple(hashes), tuple(slots), tiers)
-            for (group, tiers), (hashes, slots) in sorted(batches.items())
+            Demotion(group, tuple(hashes), tuple(slots), tiers, salt or None)
+            for (group, tiers, salt), (hashes, slots) in sorted(batches.items())
         )
 
     def settle(self, committed: Iterable[tuple[Sequence[BlockKey], Sequence[int]]]) -> None:
@@ -295,13 +304,16 @@ class LowerTierMoves:
         if not self.setup.lower_tiers:
             return
         slots, reused, demotions = self._slots, self._reused, self.demotions
-        back = self.setup.back_tiers
+        back, block_salts = self.setup.back_tiers, self.ledger.requests.block_salts
         for key in keys:
             slot = slots.pop(key, None)
             if slot is not None:
                 reused.discard(key)
                 if back:
                     demotions[key] = (slot, back)
+                    continue  # its salt goes with its demotion
+            if block_salts:
+                block_salts.pop(key, None)
 
     def count(self, reports: Iterable[WorkerReport]) -> None:
         """Add the reports' promotion answers; commit what every worker found."""
@@ -345,6 +357,7 @@ class LowerTierMoves:
         if promotion.found < len(promotion.keys):
             index.abort(promotion.keys[promotion.found :])
             self.ledger.note_departed(promotion.keys[promotion.found :])
+            self.ledger.requests.forget_salts(promotion.keys[promotion.found :])
         self.counters.add("promoted_blocks", promotion.found)
         if promotion.prefetch:
             self.prefetches.landed(
@@ -399,3 +412,4 @@ class LowerTierMoves:
         self._slots.clear()
         self._reused.clear()
         self.write_throughs.clear()
+        self.ledger.requests.block_salts.clear()  # what is demoted now goes to no tier

@@ -273,6 +273,7 @@ class Planner:
         per_group: _GroupStores = []
         out_of_space = False
         reserved_now: set[BlockKey] = set()
+        salts, block_salts = self.requests.salts, self.requests.block_salts
         for state in due:
             if state.hold_announced:
                 continue
@@ -301,6 +302,10 @@ class Planner:
                     keys = [prefix + block_hash for block_hash in block_hashes[start:stop]]
                 parent = prefix + block_hashes[start - 1] if start else None
                 slots = index.reserve(keys, parent) if keys else []
+                salt = salts.get(state.request_id) if salts else None
+                if salt is not None:
+                    granted = zip(keys, slots, strict=True)
+                    block_salts.update((key, salt) for key, slot in granted if slot is not None)
                 if state.control is not None:
                     granted = zip(keys, slots, strict=True)
                     self.prioritize(state, [key for key, slot in granted if slot is not None])
@@ -376,12 +381,16 @@ class Planner:
                 slots[key] = slot
             elif self._no_space():
                 break
+        lazy_salts, block_salts = self.requests.lazy_salts, self.requests.block_salts
         for key, candidate in wanted.items():
             if key in slots:
                 blocks, slot_list, key_list, _ = per_group[candidate.group]
                 blocks.append(candidate.block_id)
                 slot_list.append(slots[key])
                 key_list.append(key)
+                salted = lazy_salts[candidate.group].get(candidate.block_id)
+                if salted is not None and salted[0] == key:
+                    block_salts[key] = salted[1]
         return self._store_transfers(per_group, now)
 
     def _no_space(self) -> bool:
@@ -396,6 +405,7 @@ class Planner:
         # that lack them: the write_back ones, and write_through ones if no plan wrote them
         named = bool(self.setup.back_tiers or self.setup.through_tiers)
         split = self.setup.namespace.split
+        block_salts = self.requests.block_salts if named else None
         for group, (blocks, slots, keys, requests) in enumerate(per_group):
             if not blocks:
                 continue
@@ -406,6 +416,7 @@ class Planner:
                 tuple(blocks),
                 tuple(slots),
                 block_hashes=tuple(split(key)[1] for key in keys) if named else (),
+                salts=tuple(block_salts.get(key) for key in keys) if block_salts else (),
             )
             self.ledger.add_store(transfer, tuple(keys), requests, now)
             transfers.append(transfer)

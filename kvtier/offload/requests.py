@@ -10,7 +10,7 @@ which of their blocks a later hit can read.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import TYPE_CHECKING
@@ -93,6 +93,17 @@ class RequestTable:
         # limits its stores gave it back; the block is not stored while it holds that key.
         self.unstorable: list[dict[int, BlockKey]] = [{} for _ in range(setup.num_groups)]
         self._looked_up: tuple[Sequence[bytes], int, dict[int, list[BlockKey]]] | None = None
+        self.salts: dict[str, bytes] = {}
+        """Per request that names a tenant's salt (vLLM's ``cache_salt``), the salt: its blocks'
+        records are sealed for that tenant in the lower tiers (:mod:`kvtier.tiers.record`)."""
+        self.block_salts: dict[BlockKey, bytes] = {}
+        """The salt of each host-tier block a salted request stored or promoted, until it is
+        demoted: its writes down the chain are sealed for that tenant."""
+        self.lazy_salts: list[dict[int, tuple[BlockKey, bytes]]] = [
+            {} for _ in range(setup.num_groups)
+        ]
+        """Lazy mode, per group: device block -> the key it held and its tenant's salt when a
+        salted request gave it back; a store of it from the eviction frontier takes the salt."""
 
     @property
     def idle(self) -> bool:
@@ -128,7 +139,15 @@ class RequestTable:
     def release(self, request_id: str) -> None:
         """Stop tracking a finished request; the next :class:`Progress` names it."""
         del self.requests[request_id]
+        self.salts.pop(request_id, None)
         self.released.append(request_id)
+
+    def forget_salts(self, keys: Iterable[BlockKey]) -> None:
+        """``keys`` will not enter the host tier (a store or promotion given up): their
+        salts are not needed."""
+        if self.block_salts:
+            for key in keys:
+                self.block_salts.pop(key, None)
 
     def take_released(self) -> tuple[str, ...]:
         released, self.released = tuple(self.released), []
@@ -154,6 +173,7 @@ class RequestTable:
         self.cancel_pending_loads(state)
         state.unavailable.clear()
         self.note_unstorable_blocks(state)
+        self.note_salted_blocks(state)
         state.clear_blocks()
         state.computed_tokens = 0
         state.load_end = 0
@@ -222,6 +242,7 @@ class RequestTable:
         self.load_failed.discard(request_id)
         state = self.requests.get(request_id)
         if state is None:
+            self.salts.pop(request_id, None)
             return False
         self.setup.index.request_finished(request_id)
         self.cancel_pending_loads(state)
@@ -230,12 +251,14 @@ class RequestTable:
             state.computed_tokens = max(state.computed_tokens, num_computed_tokens)
             self.note_window_blocks(state)
         self.note_unstorable_blocks(state)
+        self.note_salted_blocks(state)
         state.finished = True
         state.engine_frees_blocks = engine_frees_blocks
         if state.batches or self.has_unstored_blocks(state):
             self.due.add(request_id)  # its hold is announced by the next plan
             return True
         del self.requests[request_id]
+        self.salts.pop(request_id, None)
         return False
 
     def announce_holds(self, due: Sequence[RequestState]) -> dict[str, tuple[int, ...]]:
@@ -326,6 +349,21 @@ class RequestTable:
             for block_id, key in zip(group_ids[start:stop], keys, strict=True):
                 if block_id != setup.null_block_id:
                     self.window_blocks[group][block_id] = key
+
+    def note_salted_blocks(self, state: RequestState) -> None:
+        """Lazy mode: remember the tenant salt of the blocks a salted request gives back, for
+        when the engine offers them from its eviction frontier."""
+        salt = self.salts.get(state.request_id) if self.salts else None
+        setup = self.setup
+        if salt is None or setup.store_mode != "lazy":
+            return
+        ready = setup.ready_blocks(state.block_hashes, state.computed_tokens)
+        for group in range(setup.num_groups):
+            group_ids = state.block_ids[group][:ready]
+            keys = setup.namespace.keys(state.block_hashes[: len(group_ids)], group)
+            salted = self.lazy_salts[group]
+            for block_id, key in zip(group_ids, keys, strict=True):
+                salted[block_id] = (key, salt)
 
     def note_unstorable_blocks(self, state: RequestState) -> None:
         """Lazy mode: remember the request's blocks past its store limit as it gives them back.

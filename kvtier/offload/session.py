@@ -118,14 +118,18 @@ class OffloadSession:
         control: RequestControl | None = None,
         *,
         num_computed_tokens: int = 0,
+        salt: bytes | None = None,
     ) -> None:
         """The request entered the engine's queue with ``num_tokens`` tokens: read its blocks
         held below the host tier ahead (:meth:`OffloadManager.arrived
         <kvtier.offload.OffloadManager.arrived>`), unless ``control`` refuses loads; ``control``
         counts from now on, as from a first lookup. ``num_computed_tokens``: the tokens of the
-        blocks the engine's own prefix cache holds now (a multiple of the block size)."""
+        blocks the engine's own prefix cache holds now (a multiple of the block size).
+        ``salt``: the request's tenant salt (vLLM's ``cache_salt``), if it names one: the
+        lower tiers seal its blocks' records for that tenant (:mod:`kvtier.tiers.record`)."""
         if request_id not in self.requests:
             self.requests[request_id] = RequestSession(control)
+        self._tenant(request_id, salt)
         if control is None or control.load:
             # an engine that recomputes the last token wants the full block holding it
             self.manager.arrived(
@@ -139,6 +143,8 @@ class OffloadSession:
         num_computed_tokens: int,
         num_tokens: int,
         control: RequestControl | None = None,
+        *,
+        salt: bytes | None = None,
     ) -> tuple[int | None, bool]:
         """Tokens past the engine's ``num_computed_tokens`` that the tier loads, and whether
         asynchronously (:meth:`OffloadManager.lookup
@@ -148,11 +154,13 @@ class OffloadSession:
         step's forward, which computes the request's remaining tokens: it stops one token
         short of the request's last (the full block holding that token is still loaded,
         and the forward writes the token's KV into it again). ``control`` counts from the
-        request's first lookup on. ``(None, False)``: ask again later.
+        request's first lookup on. ``salt``: as for :meth:`arrived`. ``(None, False)``: ask
+        again later.
         """
         session = self.requests.get(request_id)
         if session is None:
             session = self.requests[request_id] = RequestSession(control)
+            self._tenant(request_id, salt)
         session.looked_up_at = num_computed_tokens
         hit = self.manager.lookup(
             request_id,
@@ -171,6 +179,10 @@ class OffloadSession:
         session.same_step = True
         self._same_step.append(session)
         return min(hit, num_tokens - 1 - num_computed_tokens), False
+
+    def _tenant(self, request_id: str, salt: bytes | None) -> None:
+        if salt and self.manager.setup.lower_tiers:  # the manager forgets it with the request
+            self.manager.requests.salts[request_id] = salt
 
     def allocated(
         self,

@@ -76,8 +76,9 @@ class TierMover:
         self._clock = clock
         self._fetches: dict[int, tuple[Promotion, Fetch]] = {}
         self._promoted: dict[int, tuple[int, int]] = {}
-        # Per host slot, the block it holds and the tiers that lack it, by position.
-        self._owed: dict[int, tuple[int, bytes, tuple[int, ...]]] = {}
+        # Per host slot, the block it holds, the tiers that lack it (by position), and the
+        # salt of its tenant (empty for none).
+        self._owed: dict[int, tuple[int, bytes, tuple[int, ...], bytes]] = {}
         self.flush_counts: dict[str, dict[str, int]] = {}
         """Per write_back or write_through tier, what :meth:`close` wrote of the blocks it
         lacked (``FLUSH_COUNTERS`` names the counts)."""
@@ -119,14 +120,19 @@ class TierMover:
         if not (tiers and transfer.block_hashes):
             return
         group = transfer.group
-        for slot, block_hash in zip(transfer.host_slots, transfer.block_hashes, strict=True):
-            self._owed[slot] = (group, block_hash, tiers)
+        salts = transfer.salts or (None,) * len(transfer.block_hashes)
+        for slot, block_hash, salt in zip(
+            transfer.host_slots, transfer.block_hashes, salts, strict=True
+        ):
+            self._owed[slot] = (group, block_hash, tiers, salt or b"")
 
     def promote(self, promotions: Sequence[Promotion]) -> None:
         """Start reading each promotion's blocks down the chain, for its slots."""
         for promotion in promotions:
             self.forget(promotion.host_slots)
-            fetch = self.chain.fetch(promotion.group, promotion.block_hashes, promotion.skip_tiers)
+            fetch = self.chain.fetch(
+                promotion.group, promotion.block_hashes, promotion.skip_tiers, promotion.salt
+            )
             self._fetches[promotion.batch_id] = (promotion, fetch)
 
     def poll(self, idle_step: bool) -> None:
@@ -192,7 +198,7 @@ class TierMover:
         if not write.tiers:
             return  # an evicted block no tier writes back
         records = [self._host_bytes[slot].tobytes() for slot in write.host_slots]
-        self.chain.store(write.group, write.block_hashes, records, write.tiers)
+        self.chain.store(write.group, write.block_hashes, records, write.tiers, write.salt)
 
     def _written(self, write: Demotion) -> None:
         """The blocks of ``write`` are no longer owed to its tiers."""
@@ -200,10 +206,10 @@ class TierMover:
             owed = self._owed.get(slot)
             if owed is None:
                 continue
-            group, block_hash, tiers = owed
+            group, block_hash, tiers, salt = owed
             lacking = tuple(p for p in tiers if p not in write.tiers)
             if lacking:
-                self._owed[slot] = (group, block_hash, lacking)
+                self._owed[slot] = (group, block_hash, lacking, salt)
             else:
                 del self._owed[slot]
 
@@ -220,21 +226,21 @@ class TierMover:
         ):
             lacking = tuple(p for p in back if p < positions[source])
             if lacking:
-                self._owed[slot] = (promotion.group, block_hash, lacking)
+                self._owed[slot] = (promotion.group, block_hash, lacking, promotion.salt or b"")
 
     def _flush_owed(self, until: float) -> list[tuple[str, Future[PutResult]]]:
         """Write the owed blocks down the chain until ``until``; count the skipped ones in
         :attr:`flush_counts` and return the puts, per tier name."""
-        batches: dict[tuple[int, tuple[int, ...]], list[tuple[bytes, int]]] = {}
-        for slot, (group, block_hash, tiers) in self._owed.items():
-            batches.setdefault((group, tiers), []).append((block_hash, slot))
+        batches: dict[tuple[int, tuple[int, ...], bytes], list[tuple[bytes, int]]] = {}
+        for slot, (group, block_hash, tiers, salt) in self._owed.items():
+            batches.setdefault((group, tiers, salt), []).append((block_hash, slot))
         self._owed = {}
         counts = {
             self.chain.tiers[p][0]: {counter.name: 0 for counter in FLUSH_COUNTERS}
             for p in self.chain.flushed_tiers
         }
         puts: list[tuple[str, Future[PutResult]]] = []
-        for (group, tiers), blocks in sorted(batches.items()):
+        for (group, tiers, salt), blocks in sorted(batches.items()):
             names = [self.chain.tiers[p][0] for p in tiers]
             for start in range(0, len(blocks), FLUSH_BATCH_BLOCKS):
                 batch = blocks[start : start + FLUSH_BATCH_BLOCKS]
@@ -245,7 +251,7 @@ class TierMover:
                     continue
                 records = [self._host_bytes[slot].tobytes() for _, slot in batch]
                 hashes = [block_hash for block_hash, _ in batch]
-                futures = self.chain.store(group, hashes, records, tiers)
+                futures = self.chain.store(group, hashes, records, tiers, salt or None)
                 # a put still running at the deadline ends while the tier closes
                 concurrent.futures.wait(futures, timeout=left)
                 puts.extend(zip(names, futures, strict=True))

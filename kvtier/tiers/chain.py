@@ -70,11 +70,13 @@ class Fetch:
         group: int,
         block_hashes: Sequence[bytes],
         skip: frozenset[str] = frozenset(),
+        salt: bytes | None = None,
     ) -> None:
         self._chain = chain
         self._group = group
         self._hashes = tuple(block_hashes)
         self._skip = skip
+        self._salt = salt
         self._asked_at = 0.0
         self.records: list[memoryview] = []
         """Payloads of the leading blocks found, in order (complete once :attr:`done`)."""
@@ -101,7 +103,7 @@ class Fetch:
             self._done.set()
             return
         name, tier = tiers[position]
-        keys = tier.keys.keys(self._hashes[start:], self._group)
+        keys = tier.keys.keys(self._hashes[start:], self._group, self._salt)
         self._asked_at = time.monotonic()
         future = tier.get(keys)
         future.add_done_callback(lambda answered: self._answered(position, name, answered))
@@ -209,11 +211,16 @@ class TierChain:
         )
 
     def fetch(
-        self, group: int, block_hashes: Sequence[bytes], skip: frozenset[str] = frozenset()
+        self,
+        group: int,
+        block_hashes: Sequence[bytes],
+        skip: frozenset[str] = frozenset(),
+        salt: bytes | None = None,
     ) -> Fetch:
         """Start looking up the blocks of ``group`` named by ``block_hashes`` in every tier
-        but those named in ``skip``; returns at once."""
-        return Fetch(self, group, block_hashes, skip)
+        but those named in ``skip``, as records of the tenant that names ``salt`` (if any);
+        returns at once."""
+        return Fetch(self, group, block_hashes, skip, salt)
 
     def store(
         self,
@@ -221,13 +228,15 @@ class TierChain:
         block_hashes: Sequence[bytes],
         records: Sequence[bytes],
         tiers: Sequence[int],
+        salt: bytes | None = None,
     ) -> list[Future[PutResult]]:
         """Queue ``records`` (stable copies) under their blocks' keys in the tiers at the
-        positions ``tiers``; one future per tier."""
+        positions ``tiers``, sealed for the tenant that names ``salt`` (if any); one future
+        per tier."""
         futures = []
         for position in tiers:
             name, tier = self.tiers[position]
-            future = tier.put(tier.keys.keys(block_hashes, group), records)
+            future = tier.put(tier.keys.keys(block_hashes, group, salt), records)
             if self.report_blocks:
                 future.add_done_callback(
                     partial(self._landed, name, tier.shared, group, tuple(block_hashes))

@@ -365,7 +365,8 @@ class DiskTier(QueuedTier, RemovalLog):
                     payload = _cause_of(exc)
                 if isinstance(payload, (RecordFault, Cause)):
                     self._count_error(payload)
-                    untrusted.append(key)
+                    if payload is not RecordFault.TENANT:  # another tenant's record stays
+                        untrusted.append(key)
                     found.append(None)
                 else:
                     found.append(payload)

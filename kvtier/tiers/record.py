@@ -10,8 +10,11 @@ header, little-endian:
 - payload length (8);
 - layout fingerprint (16): BLAKE2b digest of the layout fingerprint;
 - sequence (8): the writer's counter (the disk tier orders a warm restart by it);
-- scheme (1, then 3 zero bytes): how the record is sealed, a :class:`Scheme`;
-- key id (4): which of the tier's :class:`RecordKeys` sealed it (zeros without a key);
+- scheme (1): how the record is sealed, a :class:`Scheme`;
+- tenant (1, then 2 zero bytes): 1 when the record is sealed under a tenant's key
+  (below), 0 otherwise;
+- key id (4): which of the tier's :class:`RecordKeys`, or of a tenant's keys derived
+  from them, sealed it (zeros without a key);
 - nonce (12): the nonce of a keyed scheme (zeros for checksums);
 - codec (4), codec version (2), then 2 zero bytes: the record codec (see
   :mod:`kvtier.codecs`) that encoded the payload, as :func:`codec_id` names it,
@@ -41,6 +44,15 @@ The seal, by scheme:
   a random 96-bit nonce, with the header before the seal and the key as
   associated data; the seal is the GCM tag and the body is the ciphertext.
 
+A tenant's records: a tier with a key seals the records of a
+:class:`~kvtier.keys.TenantKey` (a request that names a salt, vLLM's
+``cache_salt``) under keys derived from each of its own and the salt with
+HKDF-SHA256 (:meth:`RecordKeys.for_tenant`), and sets the header's tenant
+byte. Only a reader asking with the same salt holds those keys: for any other
+reader (another salt, or none) the record is a miss counted as ``tenant``,
+never taken for a damaged one: it stays in the store. The salt itself is never
+written. Records of plain keys are sealed as they were, with the tenant byte 0.
+
 Random nonces need no state shared across processes or restarts; up to 2**32
 records per key, the chance that two of them repeat stays below 2**-33.
 
@@ -53,6 +65,7 @@ tier is ever unpickled or evaluated.
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 import logging
@@ -66,11 +79,14 @@ from pathlib import Path
 
 import xxhash
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from kvtier.codecs.base import Codec, CodecError, CodecSpec
 from kvtier.index.base import BlockKey
+from kvtier.keys import TenantKey
 from kvtier.kinds import RECORD_CODEC
 from kvtier.layout.base import RecordRegion
 from kvtier.plugins import default_registry
@@ -86,7 +102,7 @@ Version 1 had no scheme, key id or nonce and always used checksums; version 2's 
 took the header as associated data, before the payload, where version 3 encrypts it;
 version 4 names the record codec."""
 
-_FIXED = struct.Struct("<4sHHQ16sQB3x4s12s4sH2x16s")
+_FIXED = struct.Struct("<4sHHQ16sQBB2x4s12s4sH2x16s")
 _VERSIONED = struct.Struct("<4sH")
 _SEAL_OFFSET = _FIXED.size - 16
 _CHECKSUM_OFFSET = _SEAL_OFFSET + 8
@@ -106,6 +122,9 @@ MAX_KEY_BYTES = 1024
 """Longest key a record may carry."""
 MIN_SECRET_BYTES = 32
 MAX_SECRET_BYTES = 64
+TENANTS_CACHED = 1024
+"""Tenants whose derived keys a tier keeps (the least recently used are derived anew)."""
+_TENANT_INFO = b"kvtier tenant record key\x00"
 
 
 class RecordFault(enum.Enum):
@@ -126,6 +145,10 @@ class RecordFault(enum.Enum):
     """Shorter or longer than a record of this layout."""
     CODEC = "codec"
     """Encoded by another record codec or version than the tier's, or not decodable by it."""
+    TENANT = "tenant"
+    """Sealed for another tenant than the key asked for (another salt, or none where the
+    reader names one, or one where it names none), or under a tier key no longer held:
+    another writer's record, which stays in the store."""
 
 
 class Scheme(enum.IntEnum):
@@ -151,6 +174,8 @@ class RecordHeader:
     key_id: bytes
     nonce: bytes
     seal: bytes
+    tenant: bool
+    """Whether the record is sealed under a tenant's keys (:meth:`RecordKeys.for_tenant`)."""
     encoded: bool
     """Whether the payload is the codec's encoded form, not the record as it is."""
     sealed: bytes
@@ -193,6 +218,8 @@ class RecordKeys:
     def __init__(self, secrets: Sequence[bytes]) -> None:
         if not secrets:
             raise ValueError("no key given")
+        self._secrets = tuple(secrets)
+        self._tenants = functools.lru_cache(maxsize=TENANTS_CACHED)(self._derive_for_tenant)
         self._mac: dict[bytes, AESGCM] = {}
         self._aead: dict[bytes, bytes] = {}
         for secret in secrets:
@@ -277,6 +304,26 @@ class RecordKeys:
                 "(openssl rand -hex 32)"
             ) from None
 
+    def for_tenant(self, salt: bytes) -> RecordKeys:
+        """The keys of the tenant that names ``salt``: one per key of these, in the same
+        order (so rotation works alike), each 32 bytes of HKDF-SHA256 of that key, with no
+        HKDF salt and ``b"kvtier tenant record key\\x00" + salt`` as its info. Derived once
+        per salt while it is among the last :data:`TENANTS_CACHED` asked for."""
+        return self._tenants(salt)
+
+    def _derive_for_tenant(self, salt: bytes) -> RecordKeys:
+        return RecordKeys(
+            [
+                HKDF(
+                    algorithm=hashes.SHA256(),
+                    length=MIN_SECRET_BYTES,
+                    salt=None,
+                    info=_TENANT_INFO + salt,
+                ).derive(secret)
+                for secret in self._secrets
+            ]
+        )
+
     def mac_key(self, key_id: bytes) -> AESGCM | None:
         """The MAC key named ``key_id``, or ``None`` when it is not one of these keys."""
         return self._mac.get(key_id)
@@ -354,7 +401,9 @@ class RecordCodec:
             if encoded.nbytes < len(payload):
                 payload, written_by = encoded, self.codec_id
         end = HEADER_FIXED_BYTES + len(key)
-        keys = self.keys
+        keys, tenant = self.keys, False
+        if keys is not None and isinstance(key, TenantKey):
+            keys, tenant = keys.for_tenant(key.salt), True
         key_id = _NO_KEY_ID if keys is None else keys.signing_id
         nonce = _NO_NONCE if keys is None else os.urandom(_NONCE_BYTES)
         _FIXED.pack_into(
@@ -367,6 +416,7 @@ class RecordCodec:
             self.fingerprint,
             sequence,
             self.scheme,
+            tenant,
             key_id,
             nonce,
             *written_by,
@@ -409,6 +459,7 @@ class RecordCodec:
             fingerprint,
             sequence,
             scheme,
+            tenant,
             key_id,
             nonce,
             written_by,
@@ -421,6 +472,8 @@ class RecordCodec:
         view = memoryview(data)
         if scheme != self.scheme:
             return RecordFault.AUTH if scheme in _SCHEMES else RecordFault.VERSION
+        if tenant > (scheme != Scheme.CHECKSUM):
+            return RecordFault.VERSION
         if scheme == Scheme.CHECKSUM:
             digest = xxhash.xxh3_64()
             digest.update(view[:_CHECKSUM_OFFSET])
@@ -428,7 +481,8 @@ class RecordCodec:
             digest.update(view[HEADER_FIXED_BYTES:end])
             if digest.intdigest() != _SUMMED.unpack_from(seal, 8)[0]:
                 return RecordFault.CHECKSUM
-        elif self.keys is None or self.keys.mac_key(key_id) is None:
+        elif self.keys is None or (not tenant and self.keys.mac_key(key_id) is None):
+            # A tenant's keys are known only from the key asked for: unseal() checks them.
             return RecordFault.AUTH
         if fingerprint != self.fingerprint:
             return RecordFault.FINGERPRINT
@@ -451,24 +505,37 @@ class RecordCodec:
             key_id,
             nonce,
             seal,
+            bool(tenant),
             encoded,
             b"".join((view[:_SEAL_OFFSET], key)),
         )
 
-    def sealed_here(self, data: memoryview | bytes) -> bool:
-        """Whether ``data`` starts with a header of this format that names this codec's
-        scheme and, for a keyed scheme, one of its keys.
+    def sealed_here(self, key: BlockKey, data: memoryview | bytes) -> bool:
+        """Whether ``data``, read for ``key``, starts with a header of this format that names
+        this codec's scheme and, for a keyed scheme, one of the keys ``key`` is sealed under
+        (the tier's, or its tenant's for a :class:`~kvtier.keys.TenantKey`).
 
         Such a record that fails its checks is damaged or forged: every engine
-        holding these keys rejects it alike. One that names another format, scheme
-        or key may be a valid record of a writer this codec cannot read.
+        holding these keys rejects it alike. One that names another format, scheme,
+        key or tenant may be a valid record of a writer this codec cannot read.
         """
         if len(data) < HEADER_FIXED_BYTES:
             return False
-        magic, version, _, _, _, _, scheme, key_id, *_ = _FIXED.unpack_from(data)
+        magic, version, _, _, _, _, scheme, tenant, key_id, *_ = _FIXED.unpack_from(data)
         if (magic, version, scheme) != (MAGIC, FORMAT_VERSION, self.scheme):
             return False
-        return self.keys is None or self.keys.mac_key(key_id) is not None
+        if self.keys is None:
+            return True
+        keys = self._keys_of(key, bool(tenant))
+        return keys is not None and keys.mac_key(key_id) is not None
+
+    def _keys_of(self, key: BlockKey, tenant: bool) -> RecordKeys | None:
+        """The keys a record read for ``key`` must be sealed under, when it says it is a
+        ``tenant``'s or not; ``None`` when the two disagree."""
+        assert self.keys is not None
+        if isinstance(key, TenantKey):
+            return self.keys.for_tenant(key.salt) if tenant else None
+        return None if tenant else self.keys
 
     def unseal(
         self, key: BlockKey, header: RecordHeader | RecordFault, body: memoryview | bytes
@@ -507,16 +574,20 @@ class RecordCodec:
             if payload_checksum(body) != _SUMMED.unpack_from(header.seal)[0]:
                 return RecordFault.CHECKSUM
             return memoryview(body)
-        assert self.keys is not None
+        keys = self._keys_of(key, header.tenant)
+        if keys is None:
+            return RecordFault.TENANT
         if self.scheme is Scheme.MAC:
-            mac_key = self.keys.mac_key(header.key_id)
-            assert mac_key is not None
+            mac_key = keys.mac_key(header.key_id)
+            if mac_key is None:
+                return RecordFault.TENANT
             tag = _mac(mac_key, header.nonce, header.sealed, body)
             if not hmac.compare_digest(tag, header.seal):
                 return RecordFault.AUTH
             return memoryview(body)
-        aead_key = self.keys.aead_key(header.key_id)
-        assert aead_key is not None
+        aead_key = keys.aead_key(header.key_id)
+        if aead_key is None:
+            return RecordFault.TENANT
         decryptor = Cipher(
             algorithms.AES(aead_key), modes.GCM(header.nonce, header.seal)
         ).decryptor()

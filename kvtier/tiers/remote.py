@@ -245,7 +245,7 @@ class RemoteTier(QueuedTier):
             return payload
         self._count_error(payload)
         self._faulty.remember(key)
-        if self._codec.sealed_here(record):
+        if self._codec.sealed_here(key, record):
             try:
                 self.delete([key])
             except RuntimeError:  # closing: the next engine to read the record deletes it

@@ -523,6 +523,7 @@ class OffloadedEngine:
         self.mismatches: list[str] = []
         self._late_reports: list[WorkerReport | None] = []
         self._waiting: list[tuple[list[int], int, str]] = []
+        self._salts: dict[str, bytes] = {}
         self._preempted: set[str] = set()
         self._running: dict[str, _Running] = {}
         self._held: dict[str, list[int]] = {}
@@ -562,10 +563,13 @@ class OffloadedEngine:
         """Withhold worker ``rank``'s reports for the next ``steps`` steps, then deliver them."""
         self._silent_steps[rank] = max(self._silent_steps[rank], steps)
 
-    def submit(self, tokens: Sequence[int], decode_steps: int = 1) -> str:
+    def submit(
+        self, tokens: Sequence[int], decode_steps: int = 1, *, salt: bytes | None = None
+    ) -> str:
         """Queue a request, and return its id; it is admitted by a later :meth:`step` once its
         blocks fit. The session hears of it now (:meth:`OffloadSession.arrived
-        <kvtier.offload.session.OffloadSession.arrived>`)."""
+        <kvtier.offload.session.OffloadSession.arrived>`). ``salt``: its tenant's salt (the
+        engine's own prefix cache ignores it, as the tiers' keys do: only sealing differs)."""
         blocks = -(-len(tokens) // self.spec.block_tokens)
         if blocks > self.spec.num_blocks // 2:
             raise ValueError(f"a request of {blocks} blocks never fits in this engine")
@@ -573,7 +577,9 @@ class OffloadedEngine:
         self._next_request += 1
         self._waiting.append((list(tokens), decode_steps, request_id))
         keys = hash_token_blocks(tokens, self.spec.block_tokens)
-        self.session.arrived(request_id, keys, len(tokens))
+        if salt is not None:
+            self._salts[request_id] = salt
+        self.session.arrived(request_id, keys, len(tokens), salt=salt)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -648,7 +654,8 @@ class OffloadedEngine:
         if self.engine.num_free - hits_now_free < total_blocks - engine_hits:
             return False
         computed = engine_hits * spec.block_tokens
-        tier_tokens, _ = self.session.lookup(request_id, keys, computed, len(tokens))
+        salt = self._salts.get(request_id)
+        tier_tokens, _ = self.session.lookup(request_id, keys, computed, len(tokens), salt=salt)
         if tier_tokens is None:
             return False  # the lower tiers are being searched: ask again next step
         tier_hits = tier_tokens // spec.block_tokens
@@ -756,6 +763,7 @@ class OffloadedEngine:
 
     def _finish(self, request_id: str) -> None:
         state = self._running.pop(request_id)
+        self._salts.pop(request_id, None)
         if self.session.finished(request_id, state.computed_tokens):
             self._held[request_id] = state.blocks
         else:

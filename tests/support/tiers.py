@@ -25,7 +25,7 @@ from kvtier.config import PluginConfig
 from kvtier.index.base import BlockKey
 from kvtier.tiers.base import StorageTier, TierSpec
 from kvtier.tiers.queued import QueuedTier
-from kvtier.tiers.record import RecordCodec, RecordFault
+from kvtier.tiers.record import RecordCodec, RecordFault, RecordKeys
 
 if TYPE_CHECKING:
     from kvtier.plugins import Registry
@@ -48,11 +48,13 @@ class MemoryTier(QueuedTier):
         store: dict[BlockKey, bytes] | None = None,
         fail: Callable[[str, Sequence[BlockKey]], None] | None = None,
         put_batch_bytes: int | None = None,
+        record_keys: RecordKeys | None = None,
     ) -> None:
         """Build a tier over ``store`` (a new dict if ``None``; share one to share a store).
 
         ``fail(op, keys)`` runs before each batch (``op`` is ``"read"``,
         ``"write"``, ``"exists"`` or ``"remove"``) and may raise to make it fail.
+        ``record_keys``: seal records with these keys (checksums without).
         """
         super().__init__(
             spec,
@@ -69,7 +71,7 @@ class MemoryTier(QueuedTier):
         self.batches: list[tuple[str, tuple[BlockKey, ...]]] = []
         """Each batch run, in the order the I/O threads started them."""
         self._fail = fail
-        self._codec = RecordCodec(self.keys.layout_fingerprint, spec.record_bytes)
+        self._codec = RecordCodec(self.keys.layout_fingerprint, spec.record_bytes, keys=record_keys)
         self._start()
 
     def close(self) -> None:

@@ -284,8 +284,10 @@ class VllmSteps:
         prompt: Sequence[int],
         max_tokens: int = 1,
         kv_transfer_params: Mapping[str, Any] | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request, with ``kv_transfer_params`` if given; return its id."""
+        """Queue a request, with ``kv_transfer_params`` and a tenant's ``cache_salt`` if
+        given; return its id."""
         from vllm.v1.request import Request
 
         request_id = f"req-{self._next_id}"
@@ -299,6 +301,7 @@ class VllmSteps:
             ),
             pooling_params=None,
             block_hasher=self._hasher,
+            cache_salt=cache_salt,
         )
         self.scheduler.add_request(request)
         self.outputs[request_id] = []

@@ -533,6 +533,25 @@ def test_a_writer_without_the_key_cannot_plant_a_record(
             assert tier.stats().errors == {"auth": 2, "key": 1}
 
 
+def test_a_tenants_records_are_misses_for_another_salt_and_stay_in_the_store(
+    server: RedisServer, tiers: Callable[..., RedisTier], key_file: Path
+) -> None:
+    """Engines holding the tier's key but another salt, or none, miss a tenant's records;
+    the records are not taken for damaged ones and deleted."""
+    server.client().flushall()
+    hashes, records = block_hashes("tenant", 2), payloads(2, RECORD)
+    owner = tiers(url=server.url, key_file=key_file, encrypt=True)
+    store(owner, owner.keys.keys(hashes, 0, b"salt-of-a"), records)
+    for salt in (b"salt-of-b", None):
+        other = tiers(url=server.url, key_file=key_file, encrypt=True)
+        assert fetch(other, other.keys.keys(hashes, 0, salt)) == [None, None]
+        assert other.stats().errors == {"tenant": 2}
+    assert fetch(owner, owner.keys.keys(hashes, 0, b"salt-of-a")) == records
+    client = server.client()
+    stored = b"".join(client.get(name) for name in client.keys())
+    assert b"salt-of-a" not in stored and records[0] not in stored
+
+
 def test_rotating_keys_keeps_the_records_of_the_old_one(
     server: RedisServer, tiers: Callable[..., RedisTier], tmp_path: Path
 ) -> None:

@@ -169,6 +169,13 @@ def group_windows_of(kv_cache_config: KVCacheConfig, block_tokens: int) -> list[
     return windows
 
 
+def tenant_salt(request: Request) -> bytes | None:
+    """The request's ``cache_salt`` as the tiers take it (``None`` without one): their records
+    of its blocks are sealed for the tenant that names it."""
+    salt = request.cache_salt
+    return salt.encode() if salt else None
+
+
 def lazy_frontier_blocks(num_groups: int, max_num_batched_tokens: int, block_tokens: int) -> int:
     """How far down vLLM's free block queue lazy mode stores: :data:`LAZY_HEADROOM` steps' worth.
 
@@ -285,6 +292,7 @@ class KVTierScheduler:
             request.num_tokens,
             control,
             num_computed_tokens=self._device_blocks(request.block_hashes) * self.block_tokens,
+            salt=tenant_salt(request),
         )
 
     def _device_blocks(self, block_hashes: list[BlockHash]) -> int:
@@ -315,6 +323,7 @@ class KVTierScheduler:
             num_computed_tokens,
             request.num_tokens,
             control,
+            salt=tenant_salt(request),
         )
 
     def _control(self, request: Request) -> RequestControl | None:

@@ -499,3 +499,46 @@ def test_metrics_count_what_the_tier_did(engine_factory: Callable[..., VllmSteps
     assert len(engine.observations("load_seconds")) == 2
     assert all(seconds >= 0 for seconds in engine.observations("load_seconds"))
     assert engine.observations("request_hit_tokens")[2:] == [len(p) // BLOCK * BLOCK for p in batch]
+
+
+def test_a_tenants_blocks_are_sealed_for_its_salt_and_hit_only_with_it(
+    engine_factory: Callable[..., VllmSteps], tmp_path: Path
+) -> None:
+    from kvtier.integrations.checkpoints import TinyLlamaSpec
+    from kvtier.tiers.record import MAGIC
+
+    record_bytes = TinyLlamaSpec().kv_bytes_per_token() * BLOCK
+    key_file = tmp_path / "tier.key"
+    key_file.write_text("5e" * 32 + "\n")
+    key_file.chmod(0o600)
+    disk = {
+        "type": "disk",
+        "path": str(tmp_path / "disk"),
+        "capacity_bytes": 64 * 2 * record_bytes,
+        "key_file": str(key_file),
+    }
+    engine = engine_factory({"cpu_bytes": 4 * record_bytes, "tiers": [disk]})
+    first, *later = prompts(19, 3, 4 * BLOCK + 3, 4 * BLOCK + 4)
+
+    def serve(prompt: list[int], salt: str) -> None:
+        engine.add(prompt, cache_salt=salt)
+        engine.run()
+
+    for prompt in (first, *later):  # the later prompts evict the first one's blocks to disk
+        serve(prompt, "salt-of-tenant-a")
+    manager = engine.connector.manager
+    deadline = time.monotonic() + 10
+    while manager.stats().tiers.get("disk", {}).get("stores", 0) < 4:
+        assert time.monotonic() < deadline, "the first prompt's blocks never reached the disk"
+        engine.step()
+        time.sleep(0.01)
+    data = b"".join(path.read_bytes() for path in (tmp_path / "disk").rglob("*.kvtier"))
+    headers = [at for at in range(0, len(data), 4096) if data[at : at + 4] == MAGIC]
+    assert len(headers) >= 4 and all(data[at + 41] == 1 for at in headers)  # tenant records
+    assert b"salt-of-tenant-a" not in data
+    for salt, hits in (("salt-of-tenant-b", 0), ("salt-of-tenant-a", 4)):
+        reset_device_cache(engine)
+        before = manager.stats().promoted_blocks
+        serve(first, salt)
+        assert manager.stats().promoted_blocks - before == hits
+    assert engine.mismatches == []
