@@ -23,7 +23,7 @@ Checks: no request outlives its deadline; every output equals the vanilla one to
 (a disconnected stream, the part it read); RSS, descriptors and threads stop growing after the
 warm-up; each tier stores or returns records again within two backoff periods
 (``2 * MAX_BACKOFF_S``) after its fault ends; per tier, the records handed to it equal those it
-stored plus those it dropped.
+stored, dropped and already held, exactly.
 
     python benchmarks/soak.py --minutes 15 [--s3] [--plot soak.png] [--output soak.json]
 
@@ -299,7 +299,16 @@ def resources(root: int) -> dict[str, Any]:
     return totals
 
 
-TIER_FIELDS = ("stores", "drops", "queue_drops", "hits", "misses", "errors", "deadline_misses")
+TIER_FIELDS = (
+    "stores",
+    "drops",
+    "held",
+    "queue_drops",
+    "hits",
+    "misses",
+    "errors",
+    "deadline_misses",
+)
 TOTALS = ("demoted_blocks", "written_through_blocks", "promoted_blocks", "hit_tokens")
 
 
@@ -642,13 +651,9 @@ def growth(samples: Sequence[dict[str, Any]], warmup_s: float, rss_limit: float)
 
 def balances(server: Server, tiers: dict[str, str]) -> dict[str, Any]:
     """Per tier, records handed to it (the demoted blocks for the write-back tier, the
-    written-through ones for the others) against those it stored plus those it dropped, once
-    the counters stopped moving.
-
-    A write-through tier must balance exactly. The disk tier answers a record it already
-    holds as stored without counting it (a block promoted from it and evicted again is handed
-    to it again), so there the check is that it never counts more than it was handed, and the
-    difference is reported as ``uncounted``."""
+    written-through ones for the others) against those it stored, dropped and already held,
+    once the counters stopped moving: every tier must balance exactly, and what does not is
+    reported as ``uncounted``."""
     previous, deadline = None, time.monotonic() + QUIET_S
     while time.monotonic() < deadline:
         counts = scrape(server)
@@ -657,21 +662,24 @@ def balances(server: Server, tiers: dict[str, str]) -> dict[str, Any]:
         previous = counts
         time.sleep(3)
     counts = previous or scrape(server)
-    rows = {}
-    for tier, policy in tiers.items():
-        given = counts.get(
-            "demoted_blocks" if policy == "write_back" else "written_through_blocks", 0.0
-        )
-        row = counts["tiers"].get(tier, {})
-        taken = row.get("stores", 0.0) + row.get("drops", 0.0)
-        rows[tier] = {
-            "handed": given,
-            "stored": row.get("stores", 0.0),
-            "dropped": row.get("drops", 0.0),
-            "uncounted": given - taken,
-            "ok": taken <= given if policy == "write_back" else taken == given,
-        }
-    return rows
+    return {tier: balance(counts, tier, policy) for tier, policy in tiers.items()}
+
+
+def balance(counts: dict[str, Any], tier: str, policy: str) -> dict[str, Any]:
+    """One tier's records handed against stored + dropped + held, from one scrape."""
+    given = counts.get(
+        "demoted_blocks" if policy == "write_back" else "written_through_blocks", 0.0
+    )
+    row = counts["tiers"].get(tier, {})
+    taken = row.get("stores", 0.0) + row.get("drops", 0.0) + row.get("held", 0.0)
+    return {
+        "handed": given,
+        "stored": row.get("stores", 0.0),
+        "dropped": row.get("drops", 0.0),
+        "held": row.get("held", 0.0),
+        "uncounted": given - taken,
+        "ok": taken == given,
+    }
 
 
 def kvtier_config(disk: Path, disk_bytes: int, redis_url: str, s3: dict[str, str] | None) -> str:

@@ -236,6 +236,13 @@ TIER_COUNTERS: tuple[Counter, ...] = (
         "Records a storage tier did not store (queue full, failure, refused).",
     ),
     Counter(
+        "held",
+        _C,
+        "records",
+        "Records a storage tier was handed and already held, answered as stored without "
+        "writing them again (the disk tier, for a block promoted from it and evicted again).",
+    ),
+    Counter(
         "queue_drops",
         _C,
         "records",

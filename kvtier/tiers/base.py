@@ -166,6 +166,9 @@ class TierStats:
     """Keys written."""
     drops: int = 0
     """Keys a put did not store: refused by a full queue, failed, or not admitted."""
+    held: int = 0
+    """Keys a put found already stored and answered as stored without writing them again:
+    every key a put is handed is counted once, in ``stores``, ``drops`` or ``held``."""
     queue_drops: int = 0
     """Keys of requests answered at once because the tier's queue was full."""
     deadline_misses: int = 0
