@@ -520,7 +520,8 @@ def intervals(soak: Soak, interval_s: float) -> list:
         done = [o for o in soak.outcomes if end - interval_s <= o.end - soak.started < end]
         latencies = [o.latency_s for o in done if o.error is None and not o.disconnected]
         sample = min(scraped, key=lambda s: abs(s["t"] - end))
-        within = [s for s in scraped if end - interval_s <= s["t"] < end] or [sample]
+        # the interval's samples, and the one its row reports at its end (which may follow it)
+        within = [s for s in scraped if end - interval_s <= s["t"] < end] + [sample]
         tiers = {}
         for tier, counts in sample["tiers"].items():
             before = last.get("tiers", {}).get(tier, {})
