@@ -16,14 +16,15 @@ ids returned); then the vanilla server stops and the soak begins:
   ``503 SlowDown`` and then stalled;
 - every interval (60 s, or 20 s in runs under 10 minutes): requests done, errors by class,
   p50/p99 latency, the server's RSS, open descriptors and threads (its process tree, from
-  ``/proc``), the host tier's occupancy, each tier's counters and queue drops, its state (from
-  the server's log: up, backing off, disabled) and vLLM's preemptions.
+  ``/proc``), the host tier's occupancy, each tier's counters, queue depth and state (up,
+  backing off, disabled; ``vllm:kvtier_tier_queued`` and ``vllm:kvtier_tier_state``) and
+  vLLM's preemptions.
 
 Checks: no request outlives its deadline; every output equals the vanilla one token for token
 (a disconnected stream, the part it read); RSS, descriptors and threads stop growing after the
 warm-up; each tier stores or returns records again within two backoff periods
 (``2 * MAX_BACKOFF_S``) after its fault ends; per tier, the records handed to it equal those it
-stored plus those it dropped.
+stored, dropped and already held, exactly.
 
     python benchmarks/soak.py --minutes 15 [--s3] [--plot soak.png] [--output soak.json]
 
@@ -299,15 +300,33 @@ def resources(root: int) -> dict[str, Any]:
     return totals
 
 
-TIER_FIELDS = ("stores", "drops", "queue_drops", "hits", "misses", "errors", "deadline_misses")
+TIER_FIELDS = (
+    "stores",
+    "drops",
+    "held",
+    "queue_drops",
+    "hits",
+    "misses",
+    "errors",
+    "deadline_misses",
+)
 TOTALS = ("demoted_blocks", "written_through_blocks", "promoted_blocks", "hit_tokens")
 
 
+TIER_STATES = ("up", "backing off", "disabled")
+"""``vllm:kvtier_tier_state``'s values, by number."""
+
+
 def scrape(server: Server) -> dict[str, Any]:
-    """kvtier's counters (per tier where they have one), its host-tier gauges and vLLM's
-    preemptions, from the server's ``/metrics``."""
+    """kvtier's counters (per tier where they have one), its host-tier gauges, each tier's
+    queue depth and state, and vLLM's preemptions, from the server's ``/metrics``."""
     with urllib.request.urlopen(server.url("/metrics"), timeout=30) as reply:
-        text = reply.read().decode()
+        return parse_metrics(reply.read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, Any]:
+    """What :func:`scrape` keeps of a ``/metrics`` page, summed over engines (a tier's state:
+    the worst)."""
     values: dict[str, Any] = {"tiers": {}}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -316,6 +335,14 @@ def scrape(server: Server) -> dict[str, Any]:
                 counter = name.removeprefix("kvtier_tier_").removesuffix("_total")
                 row = values["tiers"].setdefault(sample.labels["tier"], {})
                 row[counter] = row.get(counter, 0.0) + sample.value
+            elif name == "kvtier_tier_queued":
+                row = values["tiers"].setdefault(sample.labels["tier"], {})
+                row["queued"] = row.get("queued", 0.0) + sample.value
+            elif name == "kvtier_tier_state":
+                row = values["tiers"].setdefault(sample.labels["tier"], {})
+                row["state"] = max(
+                    row.get("state", "up"), TIER_STATES[int(sample.value)], key=TIER_STATES.index
+                )
             elif name.removeprefix("kvtier_").removesuffix("_total") in TOTALS and name.endswith(
                 "_total"
             ):
@@ -326,38 +353,6 @@ def scrape(server: Server) -> dict[str, Any]:
             elif name == "num_preemptions_total":
                 values["preemptions"] = values.get("preemptions", 0.0) + sample.value
     return values
-
-
-class LogStates:
-    """Each tier's state, from the server's log as it grows: the backoff's warning when a store
-    stops answering, its line when it answers again, and a tier started disabled."""
-
-    MARKS = (
-        ("misses and dropped stores until it answers", "backing off"),
-        ("answers again", "up"),
-        ("running with the tier disabled", "disabled"),
-    )
-
-    def __init__(self, log: Path, tiers: Sequence[str]) -> None:
-        self._log = log
-        self._offset = 0
-        self.state = dict.fromkeys(tiers, "up")
-        self.changes: list[tuple[float, str, str]] = []
-
-    def poll(self) -> None:
-        with self._log.open("rb") as handle:
-            handle.seek(self._offset)
-            data = handle.read()
-        complete = data.rfind(b"\n") + 1
-        self._offset += complete
-        now = time.monotonic()
-        for line in data[:complete].decode(errors="replace").splitlines():
-            for mark, state in self.MARKS:
-                if mark in line:
-                    for tier in self.state:
-                        if f"{tier} tier:" in line:
-                            self.state[tier] = state
-                            self.changes.append((now, tier, state))
 
 
 # -- faults ------------------------------------------------------------------------------------
@@ -484,18 +479,24 @@ class Soak:
             window["end_s"] = self.now()
             self.windows.append(window)
 
-    def sample_loop(self, states: LogStates) -> None:
-        while not self.stop.wait(SAMPLE_S):
-            self.sample(states)
+    def states(self) -> dict[str, str]:
+        """Each tier's state in the latest sample that has one."""
+        with self.lock:
+            scraped = [s for s in self.samples if "tiers" in s]
+        if not scraped:
+            return {}
+        return {tier: row.get("state", "up") for tier, row in scraped[-1]["tiers"].items()}
 
-    def sample(self, states: LogStates) -> None:
-        states.poll()
+    def sample_loop(self) -> None:
+        while not self.stop.wait(SAMPLE_S):
+            self.sample()
+
+    def sample(self) -> None:
         sample = {"t": self.now(), **resources(self.server.process.pid)}
         try:
             sample.update(scrape(self.server))
         except OSError as exc:
             sample["scrape_error"] = str(exc)
-        sample["states"] = dict(states.state)
         with self.lock:
             self.samples.append(sample)
 
@@ -507,8 +508,10 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def intervals(soak: Soak, interval_s: float, changes: Sequence[tuple[float, str, str]]) -> list:
-    """One row per interval: requests, errors, latencies, resources, tier counters and states."""
+def intervals(soak: Soak, interval_s: float) -> list:
+    """One row per interval: requests, errors, latencies, resources, and per tier its
+    counters, its queue depth and state at the interval's end, the deepest queue and the
+    states of the samples in it."""
     rows = []
     scraped = [s for s in soak.samples if "tiers" in s]
     last: dict[str, Any] = {}
@@ -517,20 +520,19 @@ def intervals(soak: Soak, interval_s: float, changes: Sequence[tuple[float, str,
         done = [o for o in soak.outcomes if end - interval_s <= o.end - soak.started < end]
         latencies = [o.latency_s for o in done if o.error is None and not o.disconnected]
         sample = min(scraped, key=lambda s: abs(s["t"] - end))
+        # the interval's samples, and the one its row reports at its end (which may follow it)
+        within = [s for s in scraped if end - interval_s <= s["t"] < end] + [sample]
         tiers = {}
         for tier, counts in sample["tiers"].items():
             before = last.get("tiers", {}).get(tier, {})
-            began = soak.started + end - interval_s
             tiers[tier] = {
                 **{f: counts.get(f, 0.0) - before.get(f, 0.0) for f in TIER_FIELDS},
-                "state": sample["states"].get(tier, "up"),
+                "queued": counts.get("queued", 0.0),
+                "queued_max": max(s["tiers"].get(tier, {}).get("queued", 0.0) for s in within),
+                "state": counts.get("state", "up"),
                 "states_seen": sorted(
-                    {
-                        state
-                        for at, name, state in changes
-                        if name == tier and began <= at < began + interval_s
-                    }
-                    | {sample["states"].get(tier, "up")}
+                    {s["tiers"].get(tier, {}).get("state", "up") for s in within},
+                    key=TIER_STATES.index,
                 ),
             }
         rows.append(
@@ -642,13 +644,9 @@ def growth(samples: Sequence[dict[str, Any]], warmup_s: float, rss_limit: float)
 
 def balances(server: Server, tiers: dict[str, str]) -> dict[str, Any]:
     """Per tier, records handed to it (the demoted blocks for the write-back tier, the
-    written-through ones for the others) against those it stored plus those it dropped, once
-    the counters stopped moving.
-
-    A write-through tier must balance exactly. The disk tier answers a record it already
-    holds as stored without counting it (a block promoted from it and evicted again is handed
-    to it again), so there the check is that it never counts more than it was handed, and the
-    difference is reported as ``uncounted``."""
+    written-through ones for the others) against those it stored, dropped and already held,
+    once the counters stopped moving: every tier must balance exactly, and what does not is
+    reported as ``uncounted``."""
     previous, deadline = None, time.monotonic() + QUIET_S
     while time.monotonic() < deadline:
         counts = scrape(server)
@@ -657,21 +655,24 @@ def balances(server: Server, tiers: dict[str, str]) -> dict[str, Any]:
         previous = counts
         time.sleep(3)
     counts = previous or scrape(server)
-    rows = {}
-    for tier, policy in tiers.items():
-        given = counts.get(
-            "demoted_blocks" if policy == "write_back" else "written_through_blocks", 0.0
-        )
-        row = counts["tiers"].get(tier, {})
-        taken = row.get("stores", 0.0) + row.get("drops", 0.0)
-        rows[tier] = {
-            "handed": given,
-            "stored": row.get("stores", 0.0),
-            "dropped": row.get("drops", 0.0),
-            "uncounted": given - taken,
-            "ok": taken <= given if policy == "write_back" else taken == given,
-        }
-    return rows
+    return {tier: balance(counts, tier, policy) for tier, policy in tiers.items()}
+
+
+def balance(counts: dict[str, Any], tier: str, policy: str) -> dict[str, Any]:
+    """One tier's records handed against stored + dropped + held, from one scrape."""
+    given = counts.get(
+        "demoted_blocks" if policy == "write_back" else "written_through_blocks", 0.0
+    )
+    row = counts["tiers"].get(tier, {})
+    taken = row.get("stores", 0.0) + row.get("drops", 0.0) + row.get("held", 0.0)
+    return {
+        "handed": given,
+        "stored": row.get("stores", 0.0),
+        "dropped": row.get("drops", 0.0),
+        "held": row.get("held", 0.0),
+        "uncounted": given - taken,
+        "ok": taken == given,
+    }
 
 
 def kvtier_config(disk: Path, disk_bytes: int, redis_url: str, s3: dict[str, str] | None) -> str:
@@ -772,7 +773,6 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         tiers = {"disk": "write_back", "redis": "write_through"} | (
             {"s3": "write_through"} if args.s3 else {}
         )
-        states = LogStates(server.log, list(tiers))
         faults = [
             Fault("redis_kill", "redis", redis.kill, redis.start),
             Fault("redis_stall", "redis", redis.pause, redis.resume),
@@ -803,7 +803,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         threads += [
             threading.Thread(target=soak.long_loop, name="long"),
             threading.Thread(target=soak.fault_loop, args=(timeline,), name="faults"),
-            threading.Thread(target=soak.sample_loop, args=(states,), name="samples"),
+            threading.Thread(target=soak.sample_loop, name="samples"),
         ]
         for thread in threads:
             thread.start()
@@ -814,7 +814,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 if soak.now() - reported >= interval_s:
                     reported = soak.now()
                     print(
-                        f"{reported:7.1f} s: {len(soak.outcomes)} requests, states {states.state}",
+                        f"{reported:7.1f} s: {len(soak.outcomes)} requests, states {soak.states()}",
                         file=sys.stderr,
                     )
         soak.stop.set()
@@ -822,9 +822,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             thread.join(DEADLINE_S + 30)
         hung = [t.name for t in threads if t.is_alive()]
         exited = server.process.poll()
-        soak.sample(states)
+        soak.sample()
         counters = balances(server, tiers)
-        rows = intervals(soak, interval_s, states.changes)
+        rows = intervals(soak, interval_s)
     late = [o for o in soak.outcomes if o.latency_s > DEADLINE_S or o.error == "timeout"]
     outputs = compare(soak.outcomes, reference)
     grown = growth(soak.samples, warmup_s, args.rss_growth)
@@ -895,6 +895,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
             "tier stores per interval",
             {
                 tier: [r["tiers"].get(tier, {}).get("stores", 0) for r in rows]
+                for tier in rows[0]["tiers"]
+            }
+            if rows
+            else {},
+        ),
+        (
+            "deepest tier queue per interval (requests)",
+            {
+                tier: [r["tiers"].get(tier, {}).get("queued_max", 0) for r in rows]
                 for tier in rows[0]["tiers"]
             }
             if rows

@@ -195,6 +195,7 @@ class BatchLedger:
         for report in reports:
             touched |= self.count(report)
             self.counters.add_tier_counts(report.tier_counts)
+        self.counters.set_tier_gauges(reports)
         self.settle(touched, collected)
         self.expire(collected)
         return collected

@@ -209,6 +209,11 @@ class WorkerReport:
     """Lower tier name -> per read of a promotion: (records it returned, seconds from asking
     to its answer), for the cost guard; every worker's, one after the other (not compared,
     as ``load_times``)."""
+    tier_gauges: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    """Lower tier name -> ``queued`` (requests waiting or running in the tier) and ``state``
+    (a :class:`~kvtier.tiers.base.TierState`) when the report was taken: summed and the
+    worst over workers. A worker sends them when they changed or are not all 0, so a tier
+    no report names has nothing queued and is up."""
 
     def merge(self, other: WorkerReport) -> WorkerReport:
         """Return a report holding both reports' counts."""
@@ -226,6 +231,11 @@ class WorkerReport:
         read_times = dict(self.read_times)
         for name, times in other.read_times.items():
             read_times[name] = read_times.get(name, ()) + times
+        tier_gauges = {name: dict(gauges) for name, gauges in self.tier_gauges.items()}
+        for name, gauges in other.tier_gauges.items():
+            merged = tier_gauges.setdefault(name, {"queued": 0, "state": 0})
+            merged["queued"] += gauges["queued"]
+            merged["state"] = max(merged["state"], gauges["state"])
         return WorkerReport(
             _add_counts(self.done, other.done),
             _add_counts(self.failed, other.failed),
@@ -237,6 +247,7 @@ class WorkerReport:
             _add_counts(self.tier_removed, other.tier_removed),
             self.load_times + other.load_times,
             read_times,
+            tier_gauges,
         )
 
     @classmethod
@@ -262,6 +273,7 @@ class WorkerReport:
             or self.tier_removed
             or self.load_times
             or self.read_times
+            or self.tier_gauges
         )
 
     @property

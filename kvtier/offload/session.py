@@ -317,9 +317,14 @@ class OffloadSession:
 
     @property
     def has_pending_work(self) -> bool:
-        """Whether copies are in flight or lower-tier work waits for the next plan."""
+        """Whether copies are in flight, lower-tier work waits for the next plan, or a lower
+        tier still runs requests whose counts no report carried yet."""
         manager = self.manager
-        return manager.num_inflight_batches > 0 or manager.moves.has_work
+        return (
+            manager.num_inflight_batches > 0
+            or manager.moves.has_work
+            or manager.counters.pending_tier_requests()
+        )
 
     @property
     def tracked_requests(self) -> Collection[str]:

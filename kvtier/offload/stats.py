@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, make_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.index.base import IndexStats
 from kvtier.offload.failures import FailureCause, FailureLog
+
+if TYPE_CHECKING:
+    from kvtier.offload.messages import WorkerReport
 
 
 class CounterKind(enum.Enum):
@@ -236,6 +239,13 @@ TIER_COUNTERS: tuple[Counter, ...] = (
         "Records a storage tier did not store (queue full, failure, refused).",
     ),
     Counter(
+        "held",
+        _C,
+        "records",
+        "Records a storage tier was handed and already held, answered as stored without "
+        "writing them again (the disk tier, for a block promoted from it and evicted again).",
+    ),
+    Counter(
         "queue_drops",
         _C,
         "records",
@@ -275,6 +285,29 @@ TIER_COUNTERS: tuple[Counter, ...] = (
 """Per storage tier below the host tier, the workers' counts added up (keys, not blocks),
 under the :class:`~kvtier.tiers.TierStats` counter each names (its ``source``), and the
 cost guard's skips (:mod:`~kvtier.offload.costguard`), which the scheduler counts."""
+
+
+TIER_GAUGES: tuple[Counter, ...] = (
+    Counter(
+        "queued",
+        _G,
+        "requests",
+        "Requests waiting in a storage tier's queues or being run, all ranks, as their last "
+        "reports gave them; while any is, the scheduler keeps the engine stepping so that "
+        "their counts are reported.",
+    ),
+    Counter(
+        "state",
+        _G,
+        "state",
+        "Whether a storage tier calls its store: 0 up, 1 backing off (its store stopped "
+        "answering), 2 disabled (started without its store); the worst of the ranks.",
+    ),
+)
+"""Per storage tier below the host tier, the gauges the workers report
+(:attr:`~kvtier.tiers.TierStats.queued` and :attr:`~kvtier.tiers.TierStats.state`)."""
+
+_TIER_GAUGES = tuple(gauge.name for gauge in TIER_GAUGES)
 
 
 FLUSH_COUNTERS: tuple[Counter, ...] = (
@@ -328,6 +361,7 @@ def _since(self: Any, last: Any) -> Any:
     }
     tiers = {name: _grown(counts, last.tiers.get(name, {})) for name, counts in self.tiers.items()}
     changes["tiers"] = {name: grown for name, grown in tiers.items() if grown}
+    changes["tier_gauges"] = self.tier_gauges
     changes["failures"] = _grown(self.failures, last.failures)
     return type(self)(**changes)
 
@@ -337,6 +371,7 @@ OffloadStats = make_dataclass(
     [
         *((counter.name, int, field(default=0)) for counter in OFFLOAD_COUNTERS),
         ("tiers", dict[str, dict[str, int]], field(default_factory=dict)),
+        ("tier_gauges", dict[str, dict[str, int]], field(default_factory=dict)),
         ("failures", Mapping[FailureCause, int], field(default_factory=dict)),
     ],
     frozen=True,
@@ -347,6 +382,8 @@ OffloadStats.__doc__ = """The manager's numbers: one field per :data:`OFFLOAD_CO
 
 - ``tiers``: per lower tier, the workers' counters added up (``TierStats`` field names,
   and ``errors.<cause>`` per fault); empty without lower tiers;
+- ``tier_gauges``: per lower tier, :data:`TIER_GAUGES` as the workers last reported them
+  (``queued`` summed, ``state`` the worst), handed out as they are now;
 - ``failures``: failures the manager detected, by cause (the workers count theirs).
 
 Every field defaults to 0 (or empty): ``OffloadStats()`` is "nothing yet".
@@ -471,6 +508,9 @@ class Counters:
         self.observed = False
         """Whether :attr:`observations` holds any measurement."""
         self.tiers: dict[str, dict[str, int]] = {}
+        self.tier_gauges: dict[str, dict[str, int]] = {}
+        """Per lower tier, ``queued`` and ``state`` summed and the worst over the workers, as
+        their last reports gave them."""
         self.failures = FailureLog(logger)
         self.changes = 0
         """Grows whenever a counter may have changed: a record built at the same value
@@ -500,6 +540,23 @@ class Counters:
             for counter, value in grown.items():
                 totals[counter] = totals.get(counter, 0) + value
 
+    def set_tier_gauges(self, reports: Sequence[WorkerReport]) -> None:
+        """Take the tiers' gauges from one step's ``reports``: a tier none names has nothing
+        queued and is up (a worker sends them while they are not, and once when they change)."""
+        gauges = {name: dict.fromkeys(_TIER_GAUGES, 0) for name in self.tier_gauges}
+        for report in reports:
+            for name, values in report.tier_gauges.items():
+                row = gauges.setdefault(name, dict.fromkeys(_TIER_GAUGES, 0))
+                row["queued"] += values["queued"]
+                row["state"] = max(row["state"], values["state"])
+        if gauges != self.tier_gauges:
+            self.tier_gauges = gauges
+            self.changes += 1
+
+    def pending_tier_requests(self) -> bool:
+        """Whether a worker's lower tier still runs requests whose counts it has not reported."""
+        return any(row["queued"] for row in self.tier_gauges.values())
+
     def take_observations(self) -> Observations:
         observations, self.observations = self.observations, Observations()
         self.observed = False
@@ -513,6 +570,7 @@ class Counters:
             quarantined_blocks=quarantined_slots,
             failures=self.failures.counts,
             tiers={name: dict(counts) for name, counts in self.tiers.items()},
+            tier_gauges={name: dict(gauges) for name, gauges in self.tier_gauges.items()},
             **self.values,
         )
 

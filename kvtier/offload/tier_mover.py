@@ -60,6 +60,7 @@ class TierOutcomes(NamedTuple):
     tier_stored: dict[TierBlock, int]
     tier_removed: dict[TierBlock, int]
     read_times: dict[str, tuple[tuple[int, float], ...]]
+    tier_gauges: dict[str, dict[str, int]]
 
 
 class TierMover:
@@ -79,6 +80,7 @@ class TierMover:
         # Per host slot, the block it holds, the tiers that lack it (by position), and the
         # salt of its tenant (empty for none).
         self._owed: dict[int, tuple[int, bytes, tuple[int, ...], bytes]] = {}
+        self._sent_gauges = {name: dict(each) for name, each in chain.gauges.items()}
         self.flush_counts: dict[str, dict[str, int]] = {}
         """Per write_back or write_through tier, what :meth:`close` wrote of the blocks it
         lacked (``FLUSH_COUNTERS`` names the counts)."""
@@ -157,16 +159,23 @@ class TierMover:
 
     def take_outcomes(self) -> TierOutcomes | None:
         """The promotions that ended and the tiers' counts, stores, removals and read times
-        since the last call, or ``None`` when there are none."""
+        since the last call, or ``None`` when there are none; the tiers' gauges when they
+        changed since they were last handed out or are not all 0 (a tier still running
+        requests keeps the scheduler stepping until their counts are reported)."""
         chain = self.chain
         counts = chain.take_counts()
+        gauges = {name: dict(each) for name, each in chain.gauges.items()}
+        if gauges == self._sent_gauges and not any(any(each.values()) for each in gauges.values()):
+            gauges = {}
+        else:
+            self._sent_gauges = gauges
         stored, removed = chain.take_blocks()
         read_times = chain.take_read_times() if chain.read_times else {}
         promoted = self._promoted
-        if not (promoted or counts or stored or removed or read_times):
+        if not (promoted or counts or stored or removed or read_times or gauges):
             return None
         self._promoted = {}
-        return TierOutcomes(promoted, counts, stored, removed, read_times)
+        return TierOutcomes(promoted, counts, stored, removed, read_times, gauges)
 
     def close(self, flush_deadline_s: float) -> None:
         """Write the owed blocks to the tiers lacking them for at most ``flush_deadline_s``,

@@ -185,6 +185,18 @@ class StorageTierContract:
         assert after.drops == before.drops and after.queue_drops == before.queue_drops
         assert after.errors == before.errors
 
+    def test_every_key_handed_to_a_put_is_counted_once(self, make_tier: TierFactory) -> None:
+        """Stored, dropped or already held: a key put again lands in one counter too."""
+        tier = make_tier(make_spec())
+        keys = tier.keys.keys(block_hashes("handed", 3))
+        records = payloads(3, seed=11)
+        before = tier.stats()
+        store(tier, keys[:2], records[:2])
+        store(tier, keys, records)
+        after = tier.stats()
+        counted = sum(getattr(after, f) - getattr(before, f) for f in ("stores", "drops", "held"))
+        assert counted == 5, after
+
     # ----------------------------------------------------------------- misuse
 
     def test_misuse_raises_at_the_call(self, make_tier: TierFactory) -> None:

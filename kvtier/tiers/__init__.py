@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         StorageTier,
         TierError,
         TierSpec,
+        TierState,
         TierStats,
     )
     from kvtier.tiers.host import HostTier
@@ -34,6 +35,7 @@ _HOMES = {
     "StorageTier": "kvtier.tiers.base",
     "TierError": "kvtier.tiers.base",
     "TierSpec": "kvtier.tiers.base",
+    "TierState": "kvtier.tiers.base",
     "TierStats": "kvtier.tiers.base",
 }
 
@@ -54,5 +56,6 @@ __all__ = [
     "StorageTier",
     "TierError",
     "TierSpec",
+    "TierState",
     "TierStats",
 ]

@@ -21,7 +21,8 @@ rank. Primitives, in the order they are called:
    as all misses; its late result is dropped.
 5. :meth:`StorageTier.contains` and :meth:`StorageTier.delete` ask about and
    remove keys, also asynchronously.
-6. :meth:`StorageTier.stats` returns the counters at any time.
+6. :meth:`StorageTier.stats` returns the counters, the requests still queued and the
+   tier's state at any time.
 7. :meth:`StorageTier.close` finishes queued requests, then releases the store.
 
 A tier that knows which of its records went away (evicted to make room,
@@ -87,6 +88,19 @@ class Cause(str, enum.Enum):
     """The tier started disabled (an optional store that was down at start-up)."""
     INTERNAL = "internal"
     """An unexpected exception in the tier's own code (logged with its traceback)."""
+
+
+class TierState(enum.IntEnum):
+    """Whether a tier calls its store, as :attr:`TierStats.state` and the ``tier_state`` gauge
+    give it (a number, so ranks and engines can take the worst)."""
+
+    UP = 0
+    """The tier calls its store for each batch."""
+    BACKING_OFF = 1
+    """The store stopped answering: requests are answered at once until its back-off
+    window ends (a shared tier, see :mod:`kvtier.tiers.backoff`)."""
+    DISABLED = 2
+    """The tier started without its store and answers every request at once."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +180,9 @@ class TierStats:
     """Keys written."""
     drops: int = 0
     """Keys a put did not store: refused by a full queue, failed, or not admitted."""
+    held: int = 0
+    """Keys a put found already stored and answered as stored without writing them again:
+    every key a put is handed is counted once, in ``stores``, ``drops`` or ``held``."""
     queue_drops: int = 0
     """Keys of requests answered at once because the tier's queue was full."""
     deadline_misses: int = 0
@@ -181,6 +198,11 @@ class TierStats:
     :class:`Cause` value."""
     records: int | None = None
     """Records held, where the tier knows (the disk tier does; a shared store does not)."""
+    queued: int = 0
+    """A gauge, not a counter: requests waiting in the tier's queues or being run. Read
+    before the counters, so once it is 0 the counters hold every request answered."""
+    state: TierState = TierState.UP
+    """A gauge: whether the tier calls its store, backs off, or is disabled."""
 
 
 class StorageTier(ABC):

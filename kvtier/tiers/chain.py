@@ -11,7 +11,8 @@ with its write policy (:data:`~kvtier.models.WritePolicy`).
 - :meth:`TierChain.store` hands copies of records to the tiers named; a tier
   whose queue is full drops them and counts it.
 - :meth:`TierChain.take_counts` returns what each tier's counters gained since
-  the last call, and :meth:`TierChain.take_read_times` how long each fetch's
+  the last call, :attr:`TierChain.gauges` each tier's queue and state as that
+  call read them, and :meth:`TierChain.take_read_times` how long each fetch's
   reads took, for the worker's report.
 - :meth:`TierChain.take_blocks` (with ``report_blocks``) returns the blocks
   each tier stored and removed since the last call, for KV-cache events: a
@@ -38,13 +39,24 @@ from kvtier.keys import KeyNamespace
 from kvtier.kinds import STORAGE_TIER
 from kvtier.layout.base import RecordRegion
 from kvtier.models import WritePolicy, write_policy_of
-from kvtier.tiers.base import GetResult, PutResult, RemovalLog, StorageTier, TierSpec, TierStats
+from kvtier.tiers.base import (
+    GetResult,
+    PutResult,
+    RemovalLog,
+    StorageTier,
+    TierSpec,
+    TierState,
+    TierStats,
+)
 
 if TYPE_CHECKING:
     from kvtier.config.model import KVTierConfig
     from kvtier.plugins import Registry
 
 logger = logging.getLogger(__name__)
+
+_GAUGES = frozenset({"records", "queued", "state"})
+"""The :class:`TierStats` fields that are no counters."""
 
 
 class TierBlock(NamedTuple):
@@ -152,6 +164,11 @@ class TierChain:
         the write_back ones, and the write_through ones (the blocks stored last, whose
         write-through no plan carried yet)."""
         self._reported: dict[str, TierStats] = {name: TierStats() for name in names}
+        self.gauges: dict[str, dict[str, int]] = {
+            name: {"queued": 0, "state": int(TierState.UP)} for name in names
+        }
+        """Per tier, as the last :meth:`take_counts` read them: ``queued`` (requests waiting
+        or running, read before the counters) and ``state`` (a :class:`TierState`)."""
         self.report_blocks = report_blocks
         self._stored: dict[TierBlock, int] = {}
         self._stored_lock = threading.Lock()
@@ -289,10 +306,11 @@ class TierChain:
         for name, tier in self.tiers:
             now, last = tier.stats(), self._reported[name]
             self._reported[name] = now
+            self.gauges[name] = {"queued": now.queued, "state": int(now.state)}
             counts = {
                 field: value - getattr(last, field)
                 for field, value in asdict(now).items()
-                if isinstance(value, int) and field != "records" and value != getattr(last, field)
+                if isinstance(value, int) and field not in _GAUGES and value != getattr(last, field)
             }
             for cause, value in now.errors.items():
                 if value != last.errors.get(cause, 0):

@@ -445,6 +445,7 @@ class DiskTier(QueuedTier, RemovalLog):
         self._count(
             evictions=len(evicted),
             stores=len(written),
+            held=present.count(True),
             bytes_written=len(written) * self.record_bytes,
         )
         done = set(written)

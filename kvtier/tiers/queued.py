@@ -51,6 +51,7 @@ from kvtier.tiers.base import (
     PutResult,
     StorageTier,
     TierSpec,
+    TierState,
     TierStats,
 )
 
@@ -151,6 +152,8 @@ class QueuedTier(StorageTier):
         self._writes: deque[_Request] = deque()
         self._tasks: deque[_Task] = deque()
         self._closed = False
+        self._in_flight = 0
+        """Requests queued and not yet done with by an I/O thread (under ``_work``)."""
         self._threads: list[threading.Thread] = []
         self._deadlines: list[tuple[float, int, _Request]] = []
         self._deadline_order = itertools.count()
@@ -243,6 +246,10 @@ class QueuedTier(StorageTier):
         """Records held, for :attr:`TierStats.records`; ``None`` when unknown."""
         return None
 
+    def _state(self) -> TierState:
+        """The tier's state, for :attr:`TierStats.state`."""
+        return TierState.UP if self._disabled is None else TierState.DISABLED
+
     # ------------------------------------------------------------------- public
 
     def put(self, keys: Sequence[BlockKey], records: Sequence[Buffer]) -> Future[PutResult]:
@@ -268,10 +275,17 @@ class QueuedTier(StorageTier):
         return self._submit(_Op.DELETE, keys, (), None)
 
     def stats(self) -> TierStats:
+        # The queue first: a request is counted before it leaves it, so when none is left
+        # the counters read next hold every answer.
+        with self._work:
+            queued = self._in_flight
+        state = self._state()
         with self._stats_lock:
             counts = dict(self._counts)
             errors = dict(self._errors)
-        return TierStats(**counts, errors=errors, records=self._held_records())
+        return TierStats(
+            **counts, errors=errors, records=self._held_records(), queued=queued, state=state
+        )
 
     def close(self) -> None:
         with self._work:
@@ -341,6 +355,7 @@ class QueuedTier(StorageTier):
             full = len(queue) >= self._queue_depth
             if not full:
                 queue.append(request)
+                self._in_flight += 1
                 self._work.notify()
         if full:
             self._count(queue_drops=len(keys))
@@ -419,16 +434,21 @@ class QueuedTier(StorageTier):
                 continue
             if len(requests) > 1:
                 self._serve_puts(requests)
-                continue
-            request = requests[0]
-            if request.answered:
-                continue  # answered at its deadline while it waited
-            try:
-                result = self._run(request)
-            except Exception:  # a bug in a tier must not kill its I/O thread
-                self._failed(request.op, len(request.keys))
-                result = self._unanswered(request)
-            self._answer(request, result)
+            else:
+                self._serve_one(requests[0])
+            with self._work:
+                self._in_flight -= len(requests)
+
+    def _serve_one(self, request: _Request) -> None:
+        """Run one request and answer it, unless its deadline answered it while it waited."""
+        if request.answered:
+            return
+        try:
+            result = self._run(request)
+        except Exception:  # a bug in a tier must not kill its I/O thread
+            self._failed(request.op, len(request.keys))
+            result = self._unanswered(request)
+        self._answer(request, result)
 
     def _serve_puts(self, requests: list[_Request]) -> None:
         """Store the records of several put requests in one ``_write`` call; answer each."""

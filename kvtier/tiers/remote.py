@@ -53,6 +53,7 @@ from kvtier.tiers.base import (
     PutResult,
     TierError,
     TierSpec,
+    TierState,
 )
 from kvtier.tiers.configs import RemoteTierConfig
 from kvtier.tiers.queued import QueuedTier, _Op, _Request
@@ -197,6 +198,12 @@ class RemoteTier(QueuedTier):
             logger.warning("%s tier: %s; running with the tier disabled", self.name, problem)
             self._disable(Cause.DISABLED)
         self._start()
+
+    def _state(self) -> TierState:
+        """Disabled, backing off (its store failed and the wait is not over), or up."""
+        if self._disabled is None and self._backoff.waiting():
+            return TierState.BACKING_OFF
+        return super()._state()
 
     def _cause_of(self, failure: BaseException | int) -> Cause:
         """Why the store failed: an exception its client raised, or an error code it returned."""

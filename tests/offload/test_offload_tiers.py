@@ -302,3 +302,32 @@ def test_in_an_idle_step_a_worker_waits_for_a_lower_tier_read_in_flight(
         assert report is None or not report.promoted, "a step with work does not wait"
     tier.gate.set()
     engine.close()
+
+
+def test_the_engine_steps_until_the_tiers_finished_the_puts_handed_to_them() -> None:
+    """A served engine steps while the session has work. A put still running in a tier
+    after the step that handed it is such work: without a later step its stores and drops
+    never reach the scheduler's counters, and records handed to the tier go uncounted."""
+    fleet = Fleet(get_deadline_s=0.05)
+    engine = fleet.engine()
+    (tier,) = fleet.tiers
+    tier.gate.clear()
+    serve(engine, 1, 2)  # the second prompt evicts the first: its blocks go down the chain
+    session, manager = engine.session, engine.manager
+    assert manager.stats().demoted_blocks > 0
+    for _ in range(3):
+        engine.step()
+    assert session.has_pending_work, "the tier still runs a put"
+    assert manager.stats().tier_gauges["memory"]["queued"] > 0
+    tier.gate.set()
+    deadline = time.monotonic() + 10
+    while session.has_pending_work:
+        assert time.monotonic() < deadline, "the engine kept stepping after the tier finished"
+        engine.step()
+        time.sleep(0.001)
+    stats = manager.stats()
+    counts = stats.tiers["memory"]
+    counted = sum(counts.get(name, 0) for name in ("stores", "drops", "held"))
+    assert counted == stats.demoted_blocks, counts
+    assert stats.tier_gauges["memory"] == {"queued": 0, "state": 0}
+    engine.close()

@@ -21,7 +21,7 @@ from kvtier.testing.contracts_tier import (
     payloads,
     store,
 )
-from kvtier.tiers.base import Cause, GetResult, PutResult, TierSpec
+from kvtier.tiers.base import Cause, GetResult, PutResult, TierSpec, TierState
 from tests.support.tiers import MemoryTier
 
 RECORD = 256
@@ -304,6 +304,31 @@ def test_queued_puts_are_written_in_one_batch_up_to_the_limit(tiers: list[Memory
     ]
     assert fetch(tier, keys) == records
     assert tier.stats().stores == 9
+
+
+def test_queued_counts_requests_until_their_answers_are_counted(tiers: list[MemoryTier]) -> None:
+    """Queued or running, joined or alone, answered at their deadline or by the store: once
+    the gauge reads 0, every key handed to a put is a store or a drop."""
+    tier = memory_tier(tiers, queue_depth=8, put_batch_bytes=3 * RECORD, get_deadline_s=0.01)
+    keys = tier.keys.keys(block_hashes("queued", 5))
+    records = payloads(5, RECORD)
+    futures = held_puts(tier, keys, records, [2, 2])
+    late = tier.get(keys[:1])
+    assert done(late).hits == 0, "answered at its deadline while it waits"
+    assert tier.stats().queued == 4
+    tier.gate.set()
+    for future in futures:
+        done(future)
+    wait_for(lambda: tier.stats().queued == 0)
+    stats = tier.stats()
+    assert stats.stores + stats.drops == 5
+    assert stats.state is TierState.UP
+
+
+def test_a_disabled_tier_says_so(tiers: list[MemoryTier]) -> None:
+    tier = memory_tier(tiers)
+    tier._disable(Cause.DISABLED)
+    assert tier.stats().state is TierState.DISABLED
 
 
 def test_a_put_is_never_split_nor_joined_past_the_limit(tiers: list[MemoryTier]) -> None:

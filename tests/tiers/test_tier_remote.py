@@ -11,7 +11,7 @@ import pytest
 
 from kvtier.index.base import BlockKey
 from kvtier.testing.contracts_tier import block_hashes, make_spec, payloads
-from kvtier.tiers.base import Cause, TierError
+from kvtier.tiers.base import Cause, TierError, TierState
 from kvtier.tiers.configs import RemoteTierConfig
 from kvtier.tiers.remote import RemoteTier
 
@@ -147,6 +147,20 @@ def test_a_store_that_stops_answering_is_left_alone_until_its_wait_is_over(
     assert tier.stats().errors == {"timeout": 2, "connection": 2}
     tier.close()
     assert client.closed
+
+
+def test_the_state_is_backing_off_while_the_wait_lasts_and_up_once_it_is_over(
+    tiers: Callable[..., DictTier], client: DictClient
+) -> None:
+    tier = tiers(reconnect_backoff_s=0.05)
+    keys = tier.keys.keys(block_hashes("state", 2))
+    assert tier.stats().state is TierState.UP
+    client.failure = ConnectionError("refused")
+    tier.put(keys, payloads(2, RECORD)).result()
+    assert tier.stats().state is TierState.BACKING_OFF
+    time.sleep(0.06)
+    assert tier.stats().state is TierState.UP
+    assert tiers("gone", required=False).stats().state is TierState.DISABLED
 
 
 def test_a_failure_that_is_not_an_outage_opens_no_wait(

@@ -10,7 +10,7 @@ logs :meth:`KVTierStats.reduce` and feeds the merged dict to
 
 A counter's value is a number, or for a counter with an extra label a
 ``label value -> number`` dict; counters add up when payloads merge. A gauge's
-value is a number and the most recent one wins. A histogram's value is the list
+value is a number (or such a dict) and the most recent one wins. A histogram's value is the list
 of its observations, and lists are joined. The scheduler side counts transfers
 once every rank reported them (block counts count a transfer once, byte counts
 include every rank's shard) and measures their latency from planning to then;
@@ -25,7 +25,11 @@ Each storage tier below the host tier (the config's ``tiers``) has the
 counters of :data:`~kvtier.offload.stats.TIER_COUNTERS` (``tier_<name>``), labelled
 ``tier`` with the names
 :func:`~kvtier.tiers.chain.tier_names` gives; they add up every rank's counts
-(keys, not blocks) and are published at 0 from start-up for the configured tiers.
+(keys, not blocks) and are published at 0 from start-up for the configured tiers, as
+are the gauges of :data:`~kvtier.offload.stats.TIER_GAUGES` (``tier_queued``,
+``tier_state``). Those change only when the engine steps: the scheduler keeps it stepping
+while a tier has requests queued, so an idle engine shows every queue empty, and the state
+its tiers were in at its last step.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from kvtier.offload.stats import (
     OFFLOAD_COUNTERS,
     OFFLOAD_HISTOGRAMS,
     TIER_COUNTERS,
+    TIER_GAUGES,
     Counter,
     CounterKind,
     OffloadStats,
@@ -74,7 +79,8 @@ class MetricSpec:
     unit: str
     documentation: str
     label: str | None = None
-    """A counter's label besides vLLM's (``model_name``, ``engine``), if it has one."""
+    """A counter's or gauge's label besides vLLM's (``model_name``, ``engine``), if it has
+    one."""
     label_values: tuple[str, ...] = ()
     """The values of ``label``, each published at 0 from start-up."""
     buckets: tuple[float, ...] = ()
@@ -107,6 +113,7 @@ METRICS: Mapping[str, MetricSpec] = {
         for each in OFFLOAD_HISTOGRAMS
     },
     **{f"tier_{counter.name}": _declared(counter, "tier") for counter in TIER_COUNTERS},
+    **{f"tier_{gauge.name}": _declared(gauge, "tier") for gauge in TIER_GAUGES},
 }
 """Every metric the connector reports, by short name: the offload counters, gauges and
 histograms and the per-tier counters as :mod:`kvtier.offload.stats` declares them, and the
@@ -143,8 +150,10 @@ class KVTierStats(KVConnectorStats):
         if (label is None) != (spec.label is None):
             wanted = "no label" if spec.label is None else f"a {spec.label!r} label"
             raise ValueError(f"{name} takes {wanted}, got label={label!r}")
-        if spec.kind is MetricKind.GAUGE:
+        if spec.kind is MetricKind.GAUGE and label is None:
             self.data[name] = value
+        elif spec.kind is MetricKind.GAUGE:
+            self.data.setdefault(name, {})[label] = value
         elif label is None:
             self.data[name] = self.data.get(name, 0) + value
         else:
@@ -182,6 +191,9 @@ class KVTierStats(KVConnectorStats):
         for cause, count in grown.failures.items():
             self.record("failures", count, label=cause.value)
         self.record_tiers(grown.tiers)
+        for tier, gauges in grown.tier_gauges.items():
+            for gauge in TIER_GAUGES:
+                self.record(f"tier_{gauge.name}", gauges[gauge.name], label=tier)
 
     def record_tiers(self, grown: Mapping[str, Mapping[str, int]]) -> None:
         """Count what each storage tier's counters gained (a tier's name -> its counters'
@@ -197,8 +209,8 @@ class KVTierStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVTierStats:
         """Merge ``other`` into this payload.
 
-        Counters add up (per label value), gauges take ``other``'s value, histograms join
-        their observations.
+        Counters add up (per label value), gauges take ``other``'s value (per label value),
+        histograms join their observations.
         """
         if not isinstance(other, KVTierStats):
             raise TypeError(f"cannot merge {type(other).__name__} into KVTierStats")
@@ -284,10 +296,11 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                     name=full_name, documentation=spec.documentation, labelnames=labelnames + extra
                 )
             elif spec.kind is MetricKind.GAUGE:
+                extra = [spec.label] if spec.label is not None else []
                 family = self._gauge_cls(
                     name=full_name,
                     documentation=spec.documentation,
-                    labelnames=labelnames,
+                    labelnames=labelnames + extra,
                     multiprocess_mode="mostrecent",
                 )
             else:
@@ -303,7 +316,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         tiers = tuple(startup_tiers(vllm_config))
         for engine_idx in per_engine_labelvalues:
             for name, spec in METRICS.items():
-                if spec.kind is MetricKind.GAUGE:
+                if spec.kind is MetricKind.GAUGE and spec.label is None:
                     if name in gauges:
                         self._child(engine_idx, name).set(gauges[name])
                     continue
@@ -331,8 +344,11 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 child = self._child(engine_idx, name)
                 for observation in value:
                     child.observe(observation)
-            elif spec.kind is MetricKind.GAUGE:
+            elif spec.kind is MetricKind.GAUGE and spec.label is None:
                 self._child(engine_idx, name).set(value)
+            elif spec.kind is MetricKind.GAUGE:
+                for label, level in value.items():
+                    self._child(engine_idx, name, label).set(level)
             elif spec.label is not None:
                 for label, count in value.items():
                     self._child(engine_idx, name, label).inc(count)

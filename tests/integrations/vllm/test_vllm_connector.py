@@ -285,6 +285,33 @@ def test_per_tier_counters_publish_with_a_tier_label() -> None:
     assert value(f"{PROMETHEUS_PREFIX}tier_queue_drops_total", {**labels, "tier": "redis"}) == 4
 
 
+def test_tier_queues_and_states_publish_per_tier_and_the_latest_wins(tmp_path: Path) -> None:
+    stats = KVTierStats()
+    grown = OffloadStats(
+        tier_gauges={"redis": {"queued": 3, "state": 1}, "disk": {"queued": 0, "state": 0}}
+    )
+    stats.record_offload(grown, record_bytes=1, capacity_bytes=1)
+    later = KVTierStats()
+    later.record_offload(
+        OffloadStats(tier_gauges={"redis": {"queued": 0, "state": 0}}),
+        record_bytes=1,
+        capacity_bytes=1,
+    )
+    merged = stats.aggregate(later)
+    assert merged.data["tier_queued"] == {"redis": 0, "disk": 0}
+    assert merged.data["tier_state"] == {"redis": 0, "disk": 0}
+    bound = Registered()
+    tiers = [{"type": "disk", "path": str(tmp_path / "a"), "capacity_bytes": 4 * MIB}]
+    config = vllm_config({"cpu_bytes": 4 * MIB, "tiers": tiers})
+    prom = KVTierPromMetrics(config, bound.types, ["model_name", "engine"], {0: ["m", "0"]})
+    value = bound.registry.get_sample_value
+    assert value(f"{PROMETHEUS_PREFIX}tier_state", {**LABELS, "tier": "disk"}) == 0
+    prom.observe({"tier_queued": {"disk": 5}, "tier_state": {"disk": 2}}, engine_idx=0)
+    prom.observe({"tier_queued": {"disk": 1}}, engine_idx=0)
+    assert value(f"{PROMETHEUS_PREFIX}tier_queued", {**LABELS, "tier": "disk"}) == 1
+    assert value(f"{PROMETHEUS_PREFIX}tier_state", {**LABELS, "tier": "disk"}) == 2
+
+
 def test_docs_list_every_metric() -> None:
     text = DOCS.read_text()
     for name, spec in METRICS.items():
@@ -298,7 +325,11 @@ def test_docs_list_every_metric() -> None:
 
 
 def test_every_offload_counter_and_observation_is_published() -> None:
-    counters = {field.name for field in dataclasses.fields(OffloadStats)} - {"failures", "tiers"}
+    counters = {field.name for field in dataclasses.fields(OffloadStats)} - {
+        "failures",
+        "tiers",
+        "tier_gauges",
+    }
     assert {counter.name for counter in OFFLOAD_COUNTERS} == counters
     assert all(METRICS[c.name].kind.value == c.kind.value for c in OFFLOAD_COUNTERS)
     assert METRICS["stored_blocks"].kind is MetricKind.COUNTER
