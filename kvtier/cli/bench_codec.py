@@ -39,7 +39,7 @@ from kvtier.kinds import RECORD_CODEC
 from kvtier.layout.resolvers import PerLayerResolver
 from kvtier.plugins import PluginError, default_registry
 
-DEFAULT_CODECS = "lossless,lossless:shuffle=byte:compressor=zstd:level=1,fp8,int8"
+DEFAULT_CODECS = "lossless,fp8,int8"
 BENCH_MODEL = {
     "num_layers": 4,
     "hidden_size": 512,
