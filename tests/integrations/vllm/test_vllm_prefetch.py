@@ -107,9 +107,15 @@ def test_an_aborted_request_cancels_its_prefetch_and_leaves_no_slot_reserved(
     running, aborted = prompts(22, 2, PROMPT_BLOCKS, STEPS_BLOCK)
     fill_disk(disk_engine, [aborted])
     engine = disk_engine(max_num_seqs=1)
-    engine.add(running, max_tokens=6)
+    first = engine.scheduler.requests[engine.add(running, max_tokens=6)]
+    deadline = time.monotonic() + 20
+    while first.status != RequestStatus.RUNNING:  # its own prefetch (a miss) ends first
+        assert time.monotonic() < deadline
+        engine.step()
+        time.sleep(0.005)
     request_id = engine.add(aborted, max_tokens=2)
     engine.step()  # the plan carries its reads
+    assert request_id in engine.connector.manager.moves.prefetches.waiting
     engine.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
     manager = engine.connector.manager
     assert manager.moves.prefetches.reserved == 0
