@@ -28,6 +28,10 @@ stored, dropped and already held, exactly.
 
     python benchmarks/soak.py --minutes 15 [--s3] [--plot soak.png] [--output soak.json]
 
+``--server vanilla`` is the peer for the growth check: the same prompts, clients, long bursts
+and abort bursts served by the vanilla server itself (no tiers, so no tier faults), to tell
+the model runner's own RSS growth from kvtier's.
+
 Progress goes to stderr, the JSON report to stdout (or ``--output``); the exit status is 1
 when a check failed.
 """
@@ -755,11 +759,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         disk_root, full_possible = stack.enter_context(disk_mount(work, disk_bytes + (8 << 20)))
         config = kvtier_config(disk_root / "tier", disk_bytes, redis.url, s3_settings)
         (work / "kvtier.yaml").write_text(config)
-        print("starting vanilla vLLM and kvtier serve", file=sys.stderr)
-        starts = {
-            arm: functools.partial(launch, arm, model, work, env)
-            for arm, env in (("vanilla", {}), ("kvtier", s3_env))
-        }
+        arms = ("vanilla", "kvtier") if args.server == "kvtier" else ("vanilla",)
+        print(f"starting {' and '.join(arms)}", file=sys.stderr)
+        envs = {"vanilla": {}, "kvtier": s3_env}
+        starts = {arm: functools.partial(launch, arm, model, work, envs[arm]) for arm in arms}
         servers = {arm: start() for arm, start in starts.items()}
         stack.callback(lambda: [server.stop() for server in servers.values()])
         servers["vanilla"] = ready(servers["vanilla"], starts["vanilla"])
@@ -767,21 +770,24 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         began = time.monotonic()
         reference = references(servers["vanilla"], list(wanted.values()))
         reference_s = time.monotonic() - began
-        servers["vanilla"].stop()
         print(f"{len(reference)} reference outputs in {reference_s:.0f} s", file=sys.stderr)
-        server = servers["kvtier"] = ready(servers["kvtier"], starts["kvtier"])
-        tiers = {"disk": "write_back", "redis": "write_through"} | (
-            {"s3": "write_through"} if args.s3 else {}
-        )
-        faults = [
-            Fault("redis_kill", "redis", redis.kill, redis.start),
-            Fault("redis_stall", "redis", redis.pause, redis.resume),
-        ]
-        if full_possible:
+        if args.server == "kvtier":
+            servers["vanilla"].stop()
+            server = servers["kvtier"] = ready(servers["kvtier"], starts["kvtier"])
+            tiers = {"disk": "write_back", "redis": "write_through"} | (
+                {"s3": "write_through"} if args.s3 else {}
+            )
+            faults = [
+                Fault("redis_kill", "redis", redis.kill, redis.start),
+                Fault("redis_stall", "redis", redis.pause, redis.resume),
+            ]
+        else:  # the peer: the same load on vanilla vLLM, whose only fault is the abort burst
+            server, tiers, faults = servers["vanilla"], {}, []
+        if full_possible and tiers:
             filler = DiskFiller(disk_root)
             faults.append(Fault("disk_full", "disk", filler.fill, filler.free))
         faults.append(Fault("abort_burst", None, lambda: None, lambda: None, 0.0))
-        if moto is not None and proxy is not None:
+        if moto is not None and proxy is not None and tiers:
             faults.append(
                 Fault("s3_errors", "s3", lambda: proxy.throttle(1 << 30), lambda: proxy.throttle(0))
             )
@@ -846,6 +852,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "command": "python benchmarks/soak.py " + " ".join(args.argv),
         "cpus": os.cpu_count(),
         "minutes": args.minutes,
+        "server": args.server,
         "interval_s": interval_s,
         "warmup_s": warmup_s,
         "disk_full": "tmpfs filled" if full_possible else "skipped: not root, no tmpfs to fill",
@@ -932,6 +939,13 @@ def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=15.0, help="soak length (default 15)")
     parser.add_argument("--s3", action="store_true", help="add an S3 tier (moto) and its faults")
+    parser.add_argument(
+        "--server",
+        choices=("kvtier", "vanilla"),
+        default="kvtier",
+        help="serve the soak with kvtier (default) or, as the peer for growth, vanilla vLLM "
+        "under the same load and abort bursts (no tiers, no tier faults)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="prompts and plan seed (default 0)")
     parser.add_argument(
         "--rss-growth",
