@@ -28,7 +28,9 @@ them:
    deleted when it names this tier's format, scheme and one of its keys (every
    engine holding those keys would reject it too). A record of another format
    or sealed with a key this tier lacks (an engine mid-rotation, another
-   version) is left to its writer. A put of the key forgets it.
+   version) is left to its writer. A put of the key forgets it. Another tenant's
+   record (:attr:`~kvtier.tiers.record.RecordFault.TENANT`) is only counted: its
+   key is its tenant's too, whose reads must still find it.
 5. :meth:`RemoteTier._count_stored` counts the records a write stored.
 6. ``_release`` closes the client.
 """
@@ -246,11 +248,13 @@ class RemoteTier(QueuedTier):
     def _checked(self, key: BlockKey, record: memoryview | bytes) -> memoryview | None:
         """The payload of ``record``, read from the store for ``key``; ``None`` when it fails
         its checks (counted, remembered, and deleted when this tier sealed it; see the
-        module docstring)."""
+        module docstring); another tenant's record is only counted."""
         payload = self._codec.decode(key, record)
         if not isinstance(payload, RecordFault):
             return payload
         self._count_error(payload)
+        if payload is RecordFault.TENANT:
+            return None
         self._faulty.remember(key)
         if self._codec.sealed_here(key, record):
             try:

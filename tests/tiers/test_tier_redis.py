@@ -547,6 +547,9 @@ def test_a_tenants_records_are_misses_for_another_salt_and_stay_in_the_store(
         assert fetch(other, other.keys.keys(hashes, 0, salt)) == [None, None]
         assert other.stats().errors == {"tenant": 2}
     assert fetch(owner, owner.keys.keys(hashes, 0, b"salt-of-a")) == records
+    # one engine serving both tenants: another's miss is not remembered against the owner
+    assert fetch(owner, owner.keys.keys(hashes, 0, b"salt-of-b")) == [None, None]
+    assert fetch(owner, owner.keys.keys(hashes, 0, b"salt-of-a")) == records
     client = server.client()
     stored = b"".join(client.get(name) for name in client.keys())
     assert b"salt-of-a" not in stored and records[0] not in stored
