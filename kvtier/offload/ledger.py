@@ -363,9 +363,14 @@ class BatchLedger:
     def abort_store(self, batch: Batch) -> None:
         for key in batch.keys:
             del self.writing[key]
-        self.setup.index.abort(batch.keys)
-        self.note_departed(batch.keys)
-        self.requests.forget_salts(batch.keys)
+        self.give_up(batch.keys)
+
+    def give_up(self, keys: Sequence[BlockKey]) -> None:
+        """The store or promotion of these reserved keys was given up: free their host slots,
+        note them departed and forget their tenants' salts."""
+        self.setup.index.abort(keys)
+        self.note_departed(keys)
+        self.requests.forget_salts(keys)
 
     def expire(self, collected: Collected) -> None:
         """Fail the batches some worker did not report within ``report_deadline_s``."""

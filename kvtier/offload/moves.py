@@ -159,9 +159,7 @@ class LowerTierMoves:
             del self.promotions[message.batch_id]
             for key in promotion.keys:
                 del self.ledger.writing[key]
-            self.setup.index.abort(promotion.keys)
-            self.ledger.note_departed(promotion.keys)
-            self.ledger.requests.forget_salts(promotion.keys)
+            self.ledger.give_up(promotion.keys)
         self._to_plan = kept
 
     def _promote(
@@ -343,7 +341,6 @@ class LowerTierMoves:
                 self._complete(promotion)
 
     def _complete(self, promotion: PromotionBatch) -> None:
-        index = self.setup.index
         message = promotion.message
         del self.promotions[message.batch_id]
         for key in promotion.keys:
@@ -355,9 +352,7 @@ class LowerTierMoves:
             if self.setup.reuse_tiers:
                 self._reused.update(found)
         if promotion.found < len(promotion.keys):
-            index.abort(promotion.keys[promotion.found :])
-            self.ledger.note_departed(promotion.keys[promotion.found :])
-            self.ledger.requests.forget_salts(promotion.keys[promotion.found :])
+            self.ledger.give_up(promotion.keys[promotion.found :])
         self.counters.add("promoted_blocks", promotion.found)
         if promotion.prefetch:
             self.prefetches.landed(
