@@ -133,6 +133,17 @@ class StorageTierContract:
         assert store(tier, keys, given) == (True,) * 4
         assert fetch(tier, keys) == records
 
+    def test_a_record_held_stays_intact_while_later_gets_run(self, make_tier: TierFactory) -> None:
+        """A tier may read into buffers it reuses, but never into one a caller still holds."""
+        tier = make_tier(make_spec())
+        keys = tier.keys.keys(block_hashes("held", 6))
+        records = payloads(6, seed=12)
+        store(tier, keys, records)
+        held = done(tier.get(keys[:3], deadline_s=WAIT_S)).records
+        for _ in range(3):
+            assert fetch(tier, keys[3:]) == records[3:]
+        assert [None if record is None else bytes(record) for record in held] == records[:3]
+
     def test_absent_keys_miss_in_place(self, make_tier: TierFactory) -> None:
         tier = make_tier(make_spec())
         keys = tier.keys.keys(block_hashes("mixed", 3))

@@ -52,13 +52,12 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
 from kvtier.config import available_memory_bytes
 from kvtier.index.base import BlockIndex, BlockKey, EventKind
 from kvtier.kinds import BLOCK_INDEX
 from kvtier.plugins import default_registry
 from kvtier.tiers.base import Cause, RemovalLog, TierError, TierSpec
+from kvtier.tiers.buffers import ReadBuffers
 from kvtier.tiers.disk_config import DiskTierConfig
 from kvtier.tiers.disk_file import no_direct_io, open_rank_file
 from kvtier.tiers.queued import QueuedTier
@@ -185,6 +184,9 @@ class DiskTier(QueuedTier, RemovalLog):
         self._index_lock = threading.Lock()
         self.o_direct = config.o_direct
         self._thread_buffers = threading.local()
+        self._read_buffers = ReadBuffers(
+            self.slot_bytes, align=mmap.PAGESIZE if self.o_direct else 1
+        )
         self._file_slots = list(range(self.num_slots))
         padding = self.slot_bytes - HEADER_AREA_BYTES - spec.record_bytes
         self._padding = memoryview(bytes(padding)) if padding else None
@@ -379,23 +381,20 @@ class DiskTier(QueuedTier, RemovalLog):
         return found
 
     def _read_record(self, key: BlockKey, offset: int) -> memoryview | RecordFault:
-        """Header and payload in one read into a new buffer, then every check; with a record
-        codec (through the page cache) the header first, then only the bytes it names."""
+        """Header and payload in one read into a buffer of this thread's, then every check;
+        with a record codec (through the page cache) the header first, then only the bytes it
+        names."""
         header_first = self._codec.codec is not None and not self.o_direct
         size = HEADER_AREA_BYTES + (0 if header_first else self.record_bytes)
-        if self.o_direct:
-            slot = aligned_buffer(self.slot_bytes)
-            read = os.preadv(self._fd, [slot], offset)
-        else:
-            slot = memoryview(np.empty(size, np.uint8))  # no zero-fill: every byte is read
-            read = os.preadv(self._fd, [slot], offset)
+        slot = self._read_buffers.take(self.slot_bytes if self.o_direct else size)
+        read = os.preadv(self._fd, [slot], offset)
         if read < size:
             return RecordFault.LENGTH
         header = self._codec.parse(slot[:HEADER_AREA_BYTES])
         if isinstance(header, RecordFault):
             return header
         if header_first:
-            body = memoryview(np.empty(header.payload_bytes, np.uint8))
+            body = self._read_buffers.take(header.payload_bytes)
             if os.preadv(self._fd, [body], offset + HEADER_AREA_BYTES) < len(body):
                 return RecordFault.LENGTH
         else:

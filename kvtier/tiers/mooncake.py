@@ -8,8 +8,9 @@ ciphertext), sealed with the tier's keys when it has any. Each tier object
 - put: ``batch_put_from_multi_buffers``, header and body sent from where
   they are (the body is never joined to its header), with the config's
   replica count and soft pin;
-- get: ``batch_get_into``, each record read into a buffer of its own whose
-  payload view is returned;
+- get: ``batch_get_into``, each record read into a buffer of the I/O
+  thread's (:class:`~kvtier.tiers.buffers.ReadBuffers`) whose payload view is
+  returned;
 - contains: ``batch_is_exist``; delete: ``batch_remove`` with ``force`` (the
   master refuses to remove an object read within its lease, 10 s by default,
   which would make a delete after a get fail for no reason a caller could act on).
@@ -156,7 +157,7 @@ class MooncakeTier(RemoteTier):
 
     def _read(self, keys: Sequence[BlockKey]) -> list[memoryview | None]:
         client = self._client
-        buffers = [bytearray(self._codec.encoded_bytes(key)) for key in keys]
+        buffers = [self._read_buffers.take(self._codec.encoded_bytes(key)) for key in keys]
         addresses = [_address(buffer)[0] for buffer in buffers]
         sizes = [len(buffer) for buffer in buffers]
         names = [self._name(key) for key in keys]
@@ -166,7 +167,7 @@ class MooncakeTier(RemoteTier):
         found: list[memoryview | None] = []
         for key, buffer, code in zip(keys, buffers, codes, strict=True):
             if code >= 0:
-                found.append(self._checked(key, memoryview(buffer)[:code]))
+                found.append(self._checked(key, buffer[:code]))
                 continue
             if code == INVALID_PARAMS:  # longer than a record of this layout
                 self._count_error(RecordFault.LENGTH)

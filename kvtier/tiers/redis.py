@@ -91,8 +91,8 @@ def _client_replies(connection: Any, count: int) -> list[Any]:
 class _BulkReplies:
     """Reads the replies to pipelined ``GETRANGE``s (or ``GET``s) from a connected socket.
 
-    Each value lands in a ``bytearray`` of its own, read from the socket into
-    place; reply lines and the bytes that follow them in the same ``recv`` go
+    Each value lands in a buffer from ``take`` (a :meth:`ReadBuffers.take`), read
+    from the socket into place; reply lines and the bytes that follow them in the same ``recv`` go
     through a small scratch buffer. Replies are RESP2: a bulk string, a nil
     bulk string (``$-1``) or an error line. A socket failure is raised as
     redis-py's ``TimeoutError`` or ``ConnectionError``; the stream's position
@@ -101,17 +101,18 @@ class _BulkReplies:
 
     SCRATCH_BYTES = 64 << 10
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, take: Callable[[int], memoryview]) -> None:
         self._sock = sock
+        self._take = take
         self._scratch = bytearray(self.SCRATCH_BYTES)
         self._view = memoryview(self._scratch)
         self._start = self._end = 0
 
-    def read(self, count: int) -> list[bytearray | None | redis.exceptions.ResponseError]:
+    def read(self, count: int) -> list[memoryview | None | redis.exceptions.ResponseError]:
         """The next ``count`` replies: values, ``None`` for a missing key, or the server's error."""
         return [self._reply() for _ in range(count)]
 
-    def _reply(self) -> bytearray | None | redis.exceptions.ResponseError:
+    def _reply(self) -> memoryview | None | redis.exceptions.ResponseError:
         line = self._line()
         kind, rest = line[:1], line[1:]
         if kind == b"-":
@@ -121,8 +122,7 @@ class _BulkReplies:
         length = int(rest)
         if length < 0:
             return None
-        value = bytearray(length)
-        target = memoryview(value)
+        target = self._take(length)
         buffered = min(length, self._end - self._start)
         target[:buffered] = self._view[self._start : self._start + buffered]
         self._start += buffered
@@ -131,7 +131,7 @@ class _BulkReplies:
             filled += self._recv_into(target[filled:])
         if self._line():
             raise redis.exceptions.InvalidResponse("a bulk string ran past its length")
-        return value
+        return target
 
     def _line(self) -> bytes:
         """The next line without its ``\\r\\n``."""
@@ -330,7 +330,7 @@ class RedisTier(RemoteTier):
             buffered = getattr(getattr(connection, "_parser", None), "_buffer", None)
             resp2 = str(getattr(connection, "protocol", "")) == "2"
             if resp2 and sock is not None and (buffered is None or buffered.unread_bytes() == 0):
-                return _BulkReplies(sock).read(len(keys))
+                return _BulkReplies(sock, self._read_buffers.take).read(len(keys))
             return _client_replies(connection, len(keys))
 
         return self._exchange(lambda: [commands], read)

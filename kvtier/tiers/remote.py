@@ -57,6 +57,7 @@ from kvtier.tiers.base import (
     TierSpec,
     TierState,
 )
+from kvtier.tiers.buffers import ReadBuffers
 from kvtier.tiers.configs import RemoteTierConfig
 from kvtier.tiers.queued import QueuedTier, _Op, _Request
 from kvtier.tiers.record import RecordFault, tier_codec
@@ -176,6 +177,8 @@ class RemoteTier(QueuedTier):
             name, where, config.reconnect_backoff_s, config.reconnect_max_backoff_s
         )
         self._faulty = FaultyRecords(config.fault_memory_s)
+        self._read_buffers = ReadBuffers(self._codec.max_encoded_bytes + 1)
+        """What :meth:`_read` reads records into: the longest record and a byte past it."""
         self._client: Any = None
 
     def _open(self, connect: Callable[[], str | None], summary: str) -> None:
