@@ -13,7 +13,9 @@ could not tell, are copied as they are; a block holding a value that is not
 finite is stored as it is.
 
 Encoded form, for each run of regions in record order: the run's bytes as
-they are, or its scales (float32, group by group) followed by its 8-bit values.
+they are, or its scales (float32, group by group) followed by its 8-bit values
+in the run's own order (version 2; version 1 wrote them group by group, which
+took a permuting copy each way).
 """
 
 from __future__ import annotations
@@ -42,10 +44,16 @@ class _Run:
     """The values' type; ``None`` copies the bytes as they are."""
     shape: tuple[int, ...] = ()
     """The run's values, a leading axis for its regions, then one region's shape."""
-    order: tuple[int, ...] = ()
-    """The axes of :attr:`shape`, scale axes first."""
+    shared: tuple[int, ...] = ()
+    """The axes of :attr:`shape` whose values share a scale (the others index the groups)."""
     groups: int = 0
-    """Values of a run that share a scale: one group per index of the scale axes."""
+    """Values of a run that share a scale: one group per index of the other axes."""
+
+    @property
+    def scales_shape(self) -> tuple[int, ...]:
+        """:attr:`shape` with the :attr:`shared` axes cut to one: the scales, broadcastable
+        over the values."""
+        return tuple(1 if axis in self.shared else size for axis, size in enumerate(self.shape))
 
     @property
     def encoded_bytes(self) -> int:
@@ -80,9 +88,9 @@ def _runs(spec: CodecSpec) -> tuple[_Run, ...]:
         known: RegionFormat = first.format  # type: ignore[assignment]
         shape = (len(members), *known.shape)
         scale_axes = (0, *(axis + 1 for axis in known.scale_axes))
-        order = (*scale_axes, *(axis for axis in range(len(shape)) if axis not in scale_axes))
+        shared = tuple(axis for axis in range(len(shape)) if axis not in scale_axes)
         groups = math.prod(shape[axis] for axis in scale_axes)
-        runs.append(_Run(first.offset_bytes, end, _FLOATS[known.dtype], shape, order, groups))
+        runs.append(_Run(first.offset_bytes, end, _FLOATS[known.dtype], shape, shared, groups))
 
     for region in regions:
         if members and not (
@@ -105,7 +113,7 @@ def _writable(buffer: memoryview | bytes | bytearray) -> bytearray | memoryview:
 class QuantisedCodec(Codec):
     """Quantises KV values to ``fp8`` (e4m3) or ``int8`` with per-block, per-head scales."""
 
-    version = 1
+    version = 2
 
     def __init__(self, config: Fp8CodecConfig | Int8CodecConfig, spec: CodecSpec) -> None:
         self.name = config.type
@@ -140,25 +148,29 @@ class QuantisedCodec(Codec):
         if self.stores_as_is:
             return payload
         source = torch.frombuffer(_writable(payload), dtype=torch.uint8)
-        parts: list[torch.Tensor] = []
+        out = torch.empty(self.encoded_bytes, dtype=torch.uint8)
+        at = 0
         for run in self.runs:
             piece = source[run.start : run.end]
             if run.dtype is None:
-                parts.append(piece)
+                out[at : at + len(piece)] = piece
+                at += len(piece)
                 continue
-            grouped = piece.view(run.dtype).reshape(run.shape).permute(run.order)
-            values = grouped.reshape(run.groups, -1).float()
-            largest = values.abs().amax(dim=1)
+            values = piece.view(run.dtype).reshape(run.shape).float()
+            largest = values.abs().amax(dim=run.shared, keepdim=True)
             if not bool(torch.isfinite(largest).all()):
                 return payload
             scales = torch.where(largest > 0, largest / self._largest, 1.0)
-            scaled = values / scales[:, None]
+            values.div_(scales)
             if self._code is torch.int8:
-                codes = scaled.round_().clamp_(-self._largest, self._largest).to(torch.int8)
-            else:
-                codes = scaled.clamp_(-self._largest, self._largest).to(self._code)
-            parts += (scales.view(torch.uint8), codes.view(torch.uint8).reshape(-1))
-        return memoryview(torch.cat(parts).numpy())
+                values.round_()
+            values.clamp_(-self._largest, self._largest)
+            out[at : at + run.groups * _SCALE_BYTES].view(torch.float32).copy_(scales.reshape(-1))
+            at += run.groups * _SCALE_BYTES
+            count = math.prod(run.shape)
+            out[at : at + count].view(self._code).view(run.shape).copy_(values)
+            at += count
+        return memoryview(out.numpy())
 
     def decode(self, encoded: memoryview) -> memoryview:
         if len(encoded) != self.encoded_bytes:
@@ -176,16 +188,14 @@ class QuantisedCodec(Codec):
             scales = source[at : at + run.groups * _SCALE_BYTES].view(torch.float32)
             at += run.groups * _SCALE_BYTES
             count = math.prod(run.shape)
-            codes = source[at : at + count].reshape(run.groups, -1)
+            values = self._widened(source[at : at + count]).view(run.shape)
             at += count
-            values = (self._widened(codes) * scales[:, None]).to(run.dtype)
-            permuted = tuple(run.shape[axis] for axis in run.order)
-            restored = values.reshape(permuted).permute(_inverse(run.order))
-            out[run.start : run.end] = restored.contiguous().view(torch.uint8).reshape(-1)
+            values.mul_(scales.view(run.scales_shape))
+            out[run.start : run.end].view(run.dtype).view(run.shape).copy_(values)
         return memoryview(out.numpy())
 
     def _widened(self, codes: torch.Tensor) -> torch.Tensor:
-        """The 8-bit ``codes`` (as bytes) as float32 values, before scaling."""
+        """The 8-bit ``codes`` (as bytes) as new float32 values, before scaling."""
         if self._code is torch.int8:
             return codes.view(torch.int8).float()
         # torch widens fp8 one value at a time on CPU; a table of the 256 codes is 3x faster.
@@ -196,13 +206,6 @@ _FP8_VALUES = (
     torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 )
 """The float32 value of each e4m3 code."""
-
-
-def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
-    inverse = [0] * len(order)
-    for position, axis in enumerate(order):
-        inverse[axis] = position
-    return tuple(inverse)
 
 
 def build(config: Fp8CodecConfig | Int8CodecConfig, spec: CodecSpec) -> QuantisedCodec:
