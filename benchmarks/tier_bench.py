@@ -40,9 +40,14 @@ The comparisons, each pair of arms run in turn ``--repeats`` times
 
 - ``codec``: what a record codec buys. On records cut from the KV cache of a
   model run (``kvtier bench codec``'s: kvtier's random-weight Llama through
-  ``transformers``), the disk tier (page cache) and the redis tier with each
-  built-in codec against the same tier without one, in record bytes per
+  ``transformers``), the disk tier (page cache, and with ``o_direct`` where the
+  filesystem allows it), the redis tier and the s3
+  tier (one object per record, on moto's server or ``--s3-endpoint``) with
+  each built-in codec against the same tier without one, in record bytes per
   second (the bytes the engine hands over), the two arms alternating as above.
+  With ``--link-mbps N`` the redis and s3 tiers of these rows reach their
+  servers through a link of N megabits a second each way
+  (``benchmarks/link.py``), where a codec's smaller records should pay.
   A codec that cannot be built here (``lossless`` without blosc2) is listed
   with the reason.
 
@@ -73,6 +78,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
@@ -87,6 +93,7 @@ import numpy as np
 import redis
 import xxhash
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from link import ShapedLink
 from stats import spread
 
 from kvtier.cli.bench_codec import model_kv
@@ -602,36 +609,84 @@ def codec_records(record_bytes: int, count: int) -> tuple[CodecSpec, list[bytes]
     return kv.spec, [kv.records[i % len(kv.records)] for i in range(count)]
 
 
+class CodecStores(NamedTuple):
+    """Where the ``codec`` rows put their records: a directory, and the servers running."""
+
+    directory: Path
+    redis_url: str | None
+    s3: S3TierConfig | None
+
+
+@contextlib.contextmanager
+def shaped(stores: CodecStores, megabits_per_s: float) -> Iterator[CodecStores]:
+    """``stores`` with their servers reached through links of ``megabits_per_s`` each way."""
+
+    def through(address: str, stack: contextlib.ExitStack) -> str:
+        parts = urllib.parse.urlsplit(address)
+        assert parts.hostname is not None and parts.port is not None
+        link = stack.enter_context(ShapedLink((parts.hostname, parts.port), megabits_per_s))
+        return parts._replace(netloc=f"127.0.0.1:{link.port}").geturl()
+
+    with contextlib.ExitStack() as stack:
+        yield stores._replace(
+            redis_url=None if stores.redis_url is None else through(stores.redis_url, stack),
+            s3=None
+            if stores.s3 is None or stores.s3.endpoint_url is None
+            else stores.s3.model_copy(
+                update={"endpoint_url": through(stores.s3.endpoint_url, stack)}
+            ),
+        )
+
+
 def codec_disk_tier(
     args: argparse.Namespace,
-    directory: Path,
-    url: str | None,
+    stores: CodecStores,
     count: int,
     tier_spec: TierSpec,
     name: str | None,
 ) -> StorageTier:
     """A disk tier for ``count`` records, with the codec ``name`` (``None``: none)."""
-    config = DiskTierConfig(
-        path=directory / f"codec-{name}",
+    return build_disk_tier(codec_disk_config(args, stores, count, tier_spec, name), tier_spec)
+
+
+def codec_disk_o_direct_tier(
+    args: argparse.Namespace,
+    stores: CodecStores,
+    count: int,
+    tier_spec: TierSpec,
+    name: str | None,
+) -> StorageTier:
+    """The same with ``o_direct: true``."""
+    config = codec_disk_config(args, stores, count, tier_spec, name)
+    return build_disk_tier(config.model_copy(update={"o_direct": True}), tier_spec)
+
+
+def codec_disk_config(
+    args: argparse.Namespace,
+    stores: CodecStores,
+    count: int,
+    tier_spec: TierSpec,
+    name: str | None,
+) -> DiskTierConfig:
+    return DiskTierConfig(
+        path=stores.directory / f"codec-{name}",
         capacity_bytes=4096 + count * DiskTier.slot_bytes_for(tier_spec.record_bytes),
         queue_depth=count,
         codec=name,  # type: ignore[arg-type]
         **io_threads(args),
     )
-    return build_disk_tier(config, tier_spec)
 
 
 def codec_redis_tier(
     args: argparse.Namespace,
-    directory: Path,
-    url: str | None,
+    stores: CodecStores,
     count: int,
     tier_spec: TierSpec,
     name: str | None,
 ) -> StorageTier:
-    """A redis tier on ``url`` with the codec ``name`` (``None``: none)."""
+    """A redis tier with the codec ``name`` (``None``: none)."""
     config = RedisTierConfig(
-        url=url,  # type: ignore[arg-type]
+        url=stores.redis_url,  # type: ignore[arg-type]
         namespace=f"codec-{name}",
         queue_depth=count,
         codec=name,  # type: ignore[arg-type]
@@ -640,14 +695,34 @@ def codec_redis_tier(
     return RedisTier(config, tier_spec)
 
 
-def bench_codecs(
-    args: argparse.Namespace, sizes: list[int], directory: Path, url: str | None
-) -> dict[str, Any]:
-    """Each codec against no codec, on the disk tier and (given ``url``) the redis tier."""
+def codec_s3_tier(
+    args: argparse.Namespace,
+    stores: CodecStores,
+    count: int,
+    tier_spec: TierSpec,
+    name: str | None,
+) -> StorageTier:
+    """An s3 tier (one object per record) with the codec ``name`` (``None``: none)."""
+    assert stores.s3 is not None
+    fields = stores.s3.model_dump(exclude_unset=True)
+    fields.update(queue_depth=count, prefix=f"{stores.s3.prefix}codec-{name}/", codec=name)
+    return S3Tier(S3TierConfig(**fields), tier_spec)
+
+
+def bench_codecs(args: argparse.Namespace, sizes: list[int], stores: CodecStores) -> dict[str, Any]:
+    """Each codec against no codec, on the disk tier and on the redis and s3 tiers whose
+    servers run."""
     # The model run makes torch write a compile cache; keep it with the run's other files.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory / "torchinductor"))
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(stores.directory / "torchinductor"))
     registry = default_registry()
-    report: dict[str, Any] = {"disk": [], "redis": []}
+    builders: dict[str, Callable[..., StorageTier]] = {"disk": codec_disk_tier}
+    if o_direct_refused(stores.directory) is None:
+        builders["disk_o_direct"] = codec_disk_o_direct_tier
+    if stores.redis_url is not None:
+        builders["redis"] = codec_redis_tier
+    if stores.s3 is not None:
+        builders["s3"] = codec_s3_tier
+    report: dict[str, Any] = {name: [] for name in builders}
     for size in sizes:
         count = max(args.codec_total_mib * 2**20 // size, 1)
         codec_spec, records = codec_records(size, count)
@@ -665,17 +740,8 @@ def bench_codecs(
                 for record in records
                 for form in [bytes(codec.encode(memoryview(record)))]
             ]
-
-        builders = (
-            {"disk": codec_disk_tier}
-            if url is None
-            else {
-                "disk": codec_disk_tier,
-                "redis": codec_redis_tier,
-            }
-        )
         for tier_name, make in builders.items():
-            build = functools.partial(make, args, directory, url, count, tier_spec)
+            build = functools.partial(make, args, stores, count, tier_spec)
             row: dict[str, Any] = {"record_bytes": record_bytes, "records": count}
             plain = build(None)
             try:
@@ -694,8 +760,6 @@ def bench_codecs(
             finally:
                 plain.close()
             report[tier_name].append(row)
-    if url is None:
-        del report["redis"]
     return report
 
 
@@ -900,6 +964,12 @@ def main() -> int:
     )
     parser.add_argument("--s3-total-mib", type=int, default=64, help="MiB per s3 measurement")
     parser.add_argument("--codec-total-mib", type=int, default=64, help="MiB per codec measurement")
+    parser.add_argument(
+        "--link-mbps",
+        type=float,
+        default=None,
+        help="the codec rows reach Redis and S3 through a link of this many Mbit/s each way",
+    )
     parser.add_argument("--batch", type=int, default=8, help="records per request or pipeline")
     parser.add_argument(
         "--io-threads", type=int, default=None, help="the tiers' I/O threads (default: each tier's)"
@@ -971,8 +1041,19 @@ def main() -> int:
             report["redis"] = [bench_redis(args, size, url) for size in sizes]
         if "sealing" not in args.skip:
             report["sealing"] = bench_sealing(args, sizes, directory, url)
+        s3 = None
+        if not {"s3", "codec"} <= set(args.skip):
+            s3_server = None
+            if args.s3_endpoint is None:
+                os.environ.update(aws_test_environment())
+                s3_server = MotoS3Server().start()
+                stack.callback(s3_server.stop)
+            s3 = s3_config(args, s3_server)
         if "codec" not in args.skip:
-            report["codec"] = bench_codecs(args, sizes, directory, url)
+            stores = CodecStores(directory, url, s3)
+            if args.link_mbps is not None:
+                stores = stack.enter_context(shaped(stores, args.link_mbps))
+            report["codec"] = bench_codecs(args, sizes, stores)
         if "mooncake" not in args.skip:
             if mooncake_binaries() is None:
                 print(
@@ -988,13 +1069,8 @@ def main() -> int:
                     finally:
                         store.stop()
         if "s3" not in args.skip:
-            s3_server = None
-            if args.s3_endpoint is None:
-                os.environ.update(aws_test_environment())
-                s3_server = MotoS3Server().start()
-                stack.callback(s3_server.stop)
-            config = s3_config(args, s3_server)
-            report["s3"] = [bench_s3(args, size, config) for size in sizes]
+            assert s3 is not None
+            report["s3"] = [bench_s3(args, size, s3) for size in sizes]
     report["load_average"]["end"] = os.getloadavg()
     json.dump(report, sys.stdout, indent=2)
     print()

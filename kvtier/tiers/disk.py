@@ -20,8 +20,10 @@ such mix into a miss.
 With ``o_direct`` the file is opened with ``O_DIRECT``, bypassing the page
 cache. Every offset and length is already a multiple of 4 KiB; a write copies
 the payload into the I/O thread's page-aligned slot buffer behind the header
-and writes the whole slot at once, and a read takes the whole slot into a new
-page-aligned buffer. A filesystem that refuses ``O_DIRECT`` is a start-up error.
+and writes the pages holding them at once (the whole slot without a record
+codec), and a read takes the whole slot (with a codec, the header's page and
+then the pages of the body it names) into a page-aligned buffer of the I/O
+thread's. A filesystem that refuses ``O_DIRECT`` is a start-up error.
 
 Which key sits in which slot is a :class:`~kvtier.index.BlockIndex` (any
 registered one, ``lru`` by default), so the tier evicts with the same policies
@@ -382,21 +384,28 @@ class DiskTier(QueuedTier, RemovalLog):
 
     def _read_record(self, key: BlockKey, offset: int) -> memoryview | RecordFault:
         """Header and payload in one read into a buffer of this thread's, then every check;
-        with a record codec (through the page cache) the header first, then only the bytes it
-        names."""
-        header_first = self._codec.codec is not None and not self.o_direct
-        size = HEADER_AREA_BYTES + (0 if header_first else self.record_bytes)
-        slot = self._read_buffers.take(self.slot_bytes if self.o_direct else size)
-        read = os.preadv(self._fd, [slot], offset)
-        if read < size:
+        with a record codec the header first, then only the bytes it names (with ``o_direct``,
+        the pages holding them)."""
+        header_first = self._codec.codec is not None
+        if header_first:
+            size = HEADER_AREA_BYTES
+        else:
+            size = self.slot_bytes if self.o_direct else HEADER_AREA_BYTES + self.record_bytes
+        slot = self._read_buffers.take(size)
+        if os.preadv(self._fd, [slot], offset) < size:
             return RecordFault.LENGTH
         header = self._codec.parse(slot[:HEADER_AREA_BYTES])
         if isinstance(header, RecordFault):
             return header
         if header_first:
-            body = self._read_buffers.take(header.payload_bytes)
-            if os.preadv(self._fd, [body], offset + HEADER_AREA_BYTES) < len(body):
+            wanted = header.payload_bytes
+            if wanted > self.slot_bytes - HEADER_AREA_BYTES:
                 return RecordFault.LENGTH
+            span = -(-wanted // PAGE_BYTES) * PAGE_BYTES if self.o_direct else wanted
+            body = self._read_buffers.take(span)
+            if os.preadv(self._fd, [body], offset + HEADER_AREA_BYTES) < span:
+                return RecordFault.LENGTH
+            body = body[:wanted]
         else:
             body = slot[HEADER_AREA_BYTES : HEADER_AREA_BYTES + header.payload_bytes]
         return self._codec.unseal(key, header, body)
@@ -491,7 +500,9 @@ class DiskTier(QueuedTier, RemovalLog):
             _, body = areas.seal(0, key, payload, sequence)
             if body is not payload:
                 payload[: len(body)] = body
-            self._write_all([areas.buffer], offset, self.slot_bytes)
+            # The pages holding the header and the body: an encoded body needs fewer.
+            used = -(-(HEADER_AREA_BYTES + len(body)) // PAGE_BYTES) * PAGE_BYTES
+            self._write_all([areas.buffer[:used]], offset, used)
             return
         parts: list[memoryview | bytes] = []
         padding = self._padding

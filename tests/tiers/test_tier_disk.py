@@ -13,15 +13,18 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import torch
 
 from kvtier.codecs.configs import Int8CodecConfig
 from kvtier.codecs.quantised import QuantisedCodec
 from kvtier.index.base import BlockKey
 from kvtier.kinds import BLOCK_INDEX, STORAGE_TIER
 from kvtier.plugins import PluginError, default_registry
-from kvtier.testing.contracts_codec import CASES
+from kvtier.testing.contracts_codec import CASES, case_from_layout
+from kvtier.testing.contracts_layout import flash_attn_case
 from kvtier.testing.contracts_tier import (
     StorageTierContract,
     TierFactory,
@@ -952,3 +955,43 @@ def test_a_codec_shrinks_records_and_a_tier_without_it_never_serves_them(
     plain = open_tier(spec, o_direct=o_direct)
     assert fetch(plain, keys) == [None] * len(keys)
     assert plain.stats().errors == {"codec": len(keys)}
+
+
+@pytest.mark.parametrize("o_direct", [False, True], ids=["page_cache", "o_direct"])
+def test_a_codec_record_moves_only_the_pages_it_needs(
+    open_tier: Callable[..., DiskTier],
+    tmp_path: Path,
+    o_direct: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Half the bytes with int8, with and without O_DIRECT: the slot stays full size, the
+    writes and reads do not."""
+    refused = o_direct_refused(tmp_path) if o_direct else None
+    if refused is not None:
+        pytest.skip(refused)
+    layout = flash_attn_case(
+        num_blocks=2, block_tokens=64, num_heads=2, head_dim=64, num_layers=2, dtype=torch.bfloat16
+    )
+    case = case_from_layout(layout)
+    spec = TierSpec(case.spec.record_bytes, make_spec().keys, case.spec.regions)
+    capacity = SUPERBLOCK_BYTES + 4 * DiskTier.slot_bytes_for(case.spec.record_bytes)
+    tier = open_tier(spec, codec="int8", o_direct=o_direct, capacity_bytes=capacity)
+    moved: list[int] = []
+    for name in ("pwritev", "preadv"):
+        real = getattr(os, name)
+
+        def counting(fd: int, buffers: list[Any], offset: int, real: Any = real) -> int:
+            done_bytes: int = real(fd, buffers, offset)
+            moved.append(done_bytes)
+            return done_bytes
+
+        monkeypatch.setattr(os, name, counting)
+    keys = tier.keys.keys(block_hashes("pages", 1))
+    store(tier, keys, [case.records[0]])
+    written = sum(moved)
+    moved.clear()
+    assert fetch(tier, keys)[0] is not None
+    read = sum(moved)
+    full = HEADER_AREA_BYTES + case.spec.record_bytes
+    for moved_bytes in (written, read):
+        assert moved_bytes < 0.6 * full, (written, read, full)
