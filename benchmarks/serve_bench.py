@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -41,6 +42,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.support
 
 from stats import median_ci
+from vllm_bench.engine import MODEL as BENCH_MODEL
 
 from kvtier.integrations.checkpoints import TinyLlamaSpec, write_tiny_llama
 from kvtier.integrations.serve import (
@@ -60,9 +62,12 @@ LOWER_TIER_ARMS = tuple(
 """Arms with a host tier too small for the prefixes and a disk tier or Redis below it, named
 ``<tier>-<prefetch policy>``."""
 ALL_ARMS = (*ARMS, *LOWER_TIER_ARMS)
-SMALL_HOST_BYTES = 48 * 32 * 1024
-"""The lower-tier arms' host tier: 48 blocks of the float32 model (32 KiB each), fewer than a
-run's prefixes, more than the requests queued at once."""
+SMALL_HOST_BLOCKS = 48
+"""The lower-tier arms' host tier, in blocks of the model: fewer than a run's prefixes, more
+than the requests queued at once."""
+MODELS = {"tiny": TinyLlamaSpec(), "bench": BENCH_MODEL}
+"""``--model``: the 557,696-parameter Llama (2 layers), or the vLLM benchmarks' (4 layers, hidden
+512, 2 KV heads: 10 million parameters), each with random weights and a trained tokenizer."""
 PREFETCH_TIMEOUT_S = 0.1
 BLOCK = 32
 PREFIX_TOKENS = 256
@@ -140,7 +145,7 @@ def server_command(arm: str, model: str, port: int, config: Path) -> list[str]:
     return [sys.executable, "-m", "kvtier", "serve", "--kvtier-config", str(config), model, *common]
 
 
-def kvtier_config(arm: str, disk: Path | str, redis_url: str | None) -> str:
+def kvtier_config(arm: str, disk: Path | str, redis_url: str | None, model: TinyLlamaSpec) -> str:
     """The kvtier config of an arm: ``kvtier``'s, or a lower-tier arm's (its own ``disk``
     directory, or its own namespace in the shared Redis, so arms never see each other's
     records)."""
@@ -148,7 +153,7 @@ def kvtier_config(arm: str, disk: Path | str, redis_url: str | None) -> str:
         return KVTIER_CONFIG
     tier, policy = arm.split("-", 1)
     lines = [
-        f"cpu_bytes: {SMALL_HOST_BYTES}",
+        f"cpu_bytes: {SMALL_HOST_BLOCKS * model.kv_bytes_per_token(4) * BLOCK}",  # float32
         "store_mode: eager",
         f"namespace: {arm}",
         "prefetch:",
@@ -169,20 +174,25 @@ def start(
     work: Path,
     redis_url: str | None = None,
     server_args: Sequence[str] = (),
+    spec: TinyLlamaSpec = MODELS["tiny"],
 ) -> Server:
     port = free_port()
     config = work / f"kvtier-{arm}-{port}.yaml"
     disk = work / f"disk-{arm}-{port}"
     if arm.startswith("disk-"):
         disk.mkdir()
-    config.write_text(kvtier_config(arm, disk, redis_url))
+    config.write_text(kvtier_config(arm, disk, redis_url, spec))
     command = [*server_command(arm, model, port, config), *server_args]
     return Server.start(command, work / f"{arm}-{port}.log", port, model, SERVER_ENVIRONMENT)
 
 
 @contextlib.contextmanager
 def arm_servers(
-    model: str, work: Path, arms: Sequence[str], server_args: Sequence[str] = ()
+    model: str,
+    work: Path,
+    arms: Sequence[str],
+    server_args: Sequence[str] = (),
+    spec: TinyLlamaSpec = MODELS["tiny"],
 ) -> Iterator[dict[str, Server]]:
     """The arms' servers (and a Redis server for the ``redis-`` arms), started together so their
     start-ups overlap; stopped on exit. A server whose port another process took first starts
@@ -194,7 +204,7 @@ def arm_servers(
             redis = RedisServer(work / f"redis-{time.monotonic_ns()}").start()
         redis_url = redis.url if redis is not None else None
         for arm in arms:
-            started[arm] = start(arm, model, work, redis_url, server_args)
+            started[arm] = start(arm, model, work, redis_url, server_args, spec)
         deadline = time.monotonic() + START_TIMEOUT_S
         for arm in arms:
             while True:
@@ -202,7 +212,7 @@ def arm_servers(
                     started[arm].wait_ready(deadline)
                     break
                 except PortTaken:
-                    started[arm] = start(arm, model, work, redis_url, server_args)
+                    started[arm] = start(arm, model, work, redis_url, server_args, spec)
         yield started
     finally:
         for server in started.values():
@@ -424,22 +434,30 @@ def arguments() -> argparse.ArgumentParser:
         help="vLLM's --max-num-seqs on every server (default: vLLM's); below --max-concurrency "
         "requests queue",
     )
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="tiny",
+        help="tiny: 557,696 parameters, 2 layers (default); bench: the vLLM benchmarks' model, "
+        "10 million parameters, 4 layers",
+    )
     parser.add_argument("--output", type=Path, help="write the JSON here (default stdout)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None, servers: ServerPair | None = None) -> int:
     args = arguments().parse_args(argv)
+    spec = MODELS[args.model]
     arms = tuple(dict.fromkeys(["vanilla", *args.arms]))
     server_args = [] if args.max_num_seqs is None else ["--max-num-seqs", str(args.max_num_seqs)]
     if servers is None:
 
         def servers(model: str, work: Path) -> contextlib.AbstractContextManager[dict[str, Server]]:
-            return arm_servers(model, work, arms, server_args)
+            return arm_servers(model, work, arms, server_args, spec)
 
     with tempfile.TemporaryDirectory(prefix="kvtier-serve-bench-") as scratch:
         work = Path(scratch)
-        model = str(write_tiny_llama(work / "tiny-llama", TinyLlamaSpec()))
+        model = str(write_tiny_llama(work / f"{args.model}-llama", spec))
         runs = run_pairs(
             model,
             work,
@@ -453,10 +471,11 @@ def main(argv: Sequence[str] | None = None, servers: ServerPair | None = None) -
     result = {
         "command": "python benchmarks/serve_bench.py " + " ".join(argv or sys.argv[1:]),
         "cpus": os.cpu_count(),
+        "model": {"name": args.model, **dataclasses.asdict(spec)},
         "server": {
             "args": [*SERVER_ARGS, *server_args],
             "environment": SERVER_ENVIRONMENT,
-            "kvtier": {arm: kvtier_config(arm, "<directory>", "<redis>") for arm in arms[1:]},
+            "kvtier": {arm: kvtier_config(arm, "<directory>", "<redis>", spec) for arm in arms[1:]},
         },
         "datasets": report(runs),
     }
