@@ -644,37 +644,19 @@ def codec_disk_tier(
     count: int,
     tier_spec: TierSpec,
     name: str | None,
+    *,
+    o_direct: bool = False,
 ) -> StorageTier:
     """A disk tier for ``count`` records, with the codec ``name`` (``None``: none)."""
-    return build_disk_tier(codec_disk_config(args, stores, count, tier_spec, name), tier_spec)
-
-
-def codec_disk_o_direct_tier(
-    args: argparse.Namespace,
-    stores: CodecStores,
-    count: int,
-    tier_spec: TierSpec,
-    name: str | None,
-) -> StorageTier:
-    """The same with ``o_direct: true``."""
-    config = codec_disk_config(args, stores, count, tier_spec, name)
-    return build_disk_tier(config.model_copy(update={"o_direct": True}), tier_spec)
-
-
-def codec_disk_config(
-    args: argparse.Namespace,
-    stores: CodecStores,
-    count: int,
-    tier_spec: TierSpec,
-    name: str | None,
-) -> DiskTierConfig:
-    return DiskTierConfig(
+    config = DiskTierConfig(
         path=stores.directory / f"codec-{name}",
         capacity_bytes=4096 + count * DiskTier.slot_bytes_for(tier_spec.record_bytes),
         queue_depth=count,
         codec=name,  # type: ignore[arg-type]
+        o_direct=o_direct,
         **io_threads(args),
     )
+    return build_disk_tier(config, tier_spec)
 
 
 def codec_redis_tier(
@@ -717,7 +699,7 @@ def bench_codecs(args: argparse.Namespace, sizes: list[int], stores: CodecStores
     registry = default_registry()
     builders: dict[str, Callable[..., StorageTier]] = {"disk": codec_disk_tier}
     if o_direct_refused(stores.directory) is None:
-        builders["disk_o_direct"] = codec_disk_o_direct_tier
+        builders["disk_o_direct"] = functools.partial(codec_disk_tier, o_direct=True)
     if stores.redis_url is not None:
         builders["redis"] = codec_redis_tier
     if stores.s3 is not None:
