@@ -78,6 +78,12 @@ SUPERBLOCK_BYTES = PAGE_BYTES
 HEADER_AREA_BYTES = PAGE_BYTES
 assert HEADER_FIXED_BYTES + MAX_KEY_BYTES <= HEADER_AREA_BYTES
 
+
+def _whole_pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of :data:`PAGE_BYTES`."""
+    return -(-nbytes // PAGE_BYTES) * PAGE_BYTES
+
+
 _SUPERBLOCK = struct.Struct("<4sHQQQ")
 _SUPERBLOCK_MAGIC = b"KVTD"
 _SUPERBLOCK_VERSION = 1
@@ -213,7 +219,7 @@ class DiskTier(QueuedTier, RemovalLog):
     @staticmethod
     def slot_bytes_for(record_bytes: int) -> int:
         """File bytes of one slot: the header area and the payload rounded up to a page."""
-        return HEADER_AREA_BYTES + -(-record_bytes // PAGE_BYTES) * PAGE_BYTES
+        return HEADER_AREA_BYTES + _whole_pages(record_bytes)
 
     @classmethod
     def slots_for(cls, config: DiskTierConfig, spec: TierSpec) -> int:
@@ -401,7 +407,7 @@ class DiskTier(QueuedTier, RemovalLog):
             wanted = header.payload_bytes
             if wanted > self.slot_bytes - HEADER_AREA_BYTES:
                 return RecordFault.LENGTH
-            span = -(-wanted // PAGE_BYTES) * PAGE_BYTES if self.o_direct else wanted
+            span = _whole_pages(wanted) if self.o_direct else wanted
             body = self._read_buffers.take(span)
             if os.preadv(self._fd, [body], offset + HEADER_AREA_BYTES) < span:
                 return RecordFault.LENGTH
@@ -501,7 +507,7 @@ class DiskTier(QueuedTier, RemovalLog):
             if body is not payload:
                 payload[: len(body)] = body
             # The pages holding the header and the body: an encoded body needs fewer.
-            used = -(-(HEADER_AREA_BYTES + len(body)) // PAGE_BYTES) * PAGE_BYTES
+            used = _whole_pages(HEADER_AREA_BYTES + len(body))
             self._write_all([areas.buffer[:used]], offset, used)
             return
         parts: list[memoryview | bytes] = []

@@ -92,8 +92,8 @@ class _BulkReplies:
     """Reads the replies to pipelined ``GETRANGE``s (or ``GET``s) from a connected socket.
 
     Each value lands in a buffer from ``take`` (a :meth:`ReadBuffers.take`), read
-    from the socket into place; reply lines and the bytes that follow them in the same ``recv`` go
-    through a small scratch buffer. Replies are RESP2: a bulk string, a nil
+    from the socket into place; reply lines and the bytes that follow them in
+    the same ``recv`` go through a small scratch buffer. Replies are RESP2: a bulk string, a nil
     bulk string (``$-1``) or an error line. A socket failure is raised as
     redis-py's ``TimeoutError`` or ``ConnectionError``; the stream's position
     is then unknown and the caller must drop the connection.
