@@ -73,6 +73,7 @@ BLOCK = 32
 PREFIX_TOKENS = 256
 SUFFIX_TOKENS = 32
 OUTPUT_TOKENS = 16
+"""Tokens each request generates, unless ``--output-tokens`` says otherwise."""
 DEVICE_BLOCKS = 33
 """vLLM's own cache: 32 usable blocks (1,024 tokens), fewer than the prefixes of a run."""
 START_TIMEOUT_S = 600.0
@@ -102,7 +103,18 @@ SERVER_ARGS = [
 ]
 
 
-def dataset_args(name: str, num_prompts: int) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class Load:
+    """What the client sends each run: prompts, requests in flight, tokens each generates."""
+
+    num_prompts: int
+    concurrency: int
+    output_tokens: int = OUTPUT_TOKENS
+    uses_per_prefix: int = 2
+    """``prefix-repetition``: prompts per prefix."""
+
+
+def dataset_args(name: str, load: Load) -> list[str]:
     """``vllm bench serve`` arguments of one of the two datasets."""
     if name == "prefix-repetition":
         return [
@@ -112,12 +124,12 @@ def dataset_args(name: str, num_prompts: int) -> list[str]:
             str(PREFIX_TOKENS),
             "--prefix-repetition-suffix-len",
             str(SUFFIX_TOKENS),
-            # Each prefix twice, in shuffled order; 8 blocks each, so the device cache keeps
-            # fewer than 4 of them and most second uses find theirs evicted.
+            # Each prefix twice (by default), in shuffled order; 8 blocks each, so the device
+            # cache keeps fewer than 4 of them and most later uses find theirs evicted.
             "--prefix-repetition-num-prefixes",
-            str(max(1, num_prompts // 2)),
+            str(max(1, load.num_prompts // load.uses_per_prefix)),
             "--prefix-repetition-output-len",
-            str(OUTPUT_TOKENS),
+            str(load.output_tokens),
         ]
     if name == "shared-prefix":
         return [
@@ -128,7 +140,7 @@ def dataset_args(name: str, num_prompts: int) -> list[str]:
             "--random-input-len",
             str(SUFFIX_TOKENS),
             "--random-output-len",
-            str(OUTPUT_TOKENS),
+            str(load.output_tokens),
             "--random-range-ratio",
             "0",
         ]
@@ -245,7 +257,7 @@ def counters(server: Server) -> dict[str, float]:
     return values
 
 
-def bench_serve(server: Server, dataset: str, num_prompts: int, concurrency: int) -> dict[str, Any]:
+def bench_serve(server: Server, dataset: str, load: Load) -> dict[str, Any]:
     """One run of vLLM's benchmark client against ``server``; its result dictionary."""
     from vllm.benchmarks import serve as bench
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -261,9 +273,9 @@ def bench_serve(server: Server, dataset: str, num_prompts: int, concurrency: int
             "--model",
             server.model,
             "--num-prompts",
-            str(num_prompts),
+            str(load.num_prompts),
             "--max-concurrency",
-            str(concurrency),
+            str(load.concurrency),
             "--temperature",
             "0",
             "--ignore-eos",
@@ -279,7 +291,7 @@ def bench_serve(server: Server, dataset: str, num_prompts: int, concurrency: int
             "ttft,tpot,e2el",
             "--metric-percentiles",
             "50,99",
-            *dataset_args(dataset, num_prompts),
+            *dataset_args(dataset, load),
         ]
     )
     with contextlib.redirect_stdout(sys.stderr):
@@ -298,13 +310,13 @@ RUN_FIELDS = (
 )
 
 
-def measure(server: Server, dataset: str, num_prompts: int, concurrency: int) -> dict[str, Any]:
+def measure(server: Server, dataset: str, load: Load) -> dict[str, Any]:
     """The client's figures for one run, the counters it moved and its greedy texts."""
     before = counters(server)
-    result = bench_serve(server, dataset, num_prompts, concurrency)
+    result = bench_serve(server, dataset, load)
     after = counters(server)
     run = {field: result[field] for field in RUN_FIELDS}
-    run["failed"] = num_prompts - result["completed"]
+    run["failed"] = load.num_prompts - result["completed"]
     run["counters"] = {name: after[name] - before.get(name, 0.0) for name in after}
     run["generated_texts"] = result["generated_texts"]
     return run
@@ -382,8 +394,7 @@ def run_pairs(
     work: Path,
     pairs: int,
     datasets: Sequence[str],
-    num_prompts: int,
-    concurrency: int,
+    load: Load,
     servers: ServerPair = both_servers,
     arms: Sequence[str] = ARMS,
 ) -> dict[str, dict[str, list[dict[str, Any]]]]:
@@ -399,9 +410,7 @@ def run_pairs(
             for dataset in datasets:
                 for arm in order:
                     print(f"pair {pair + 1}/{pairs}: {dataset} on {arm}", file=sys.stderr)
-                    runs[dataset][arm].append(
-                        measure(running[arm], dataset, num_prompts, concurrency)
-                    )
+                    runs[dataset][arm].append(measure(running[arm], dataset, load))
     return runs
 
 
@@ -413,6 +422,18 @@ def arguments() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-concurrency", type=int, default=2, help="requests in flight (default 2)"
+    )
+    parser.add_argument(
+        "--output-tokens",
+        type=int,
+        default=OUTPUT_TOKENS,
+        help=f"tokens each request generates (default {OUTPUT_TOKENS})",
+    )
+    parser.add_argument(
+        "--uses-per-prefix",
+        type=int,
+        default=2,
+        help="prefix-repetition: prompts sharing each prefix (default 2)",
     )
     parser.add_argument(
         "--datasets",
@@ -458,20 +479,15 @@ def main(argv: Sequence[str] | None = None, servers: ServerPair | None = None) -
     with tempfile.TemporaryDirectory(prefix="kvtier-serve-bench-") as scratch:
         work = Path(scratch)
         model = str(write_tiny_llama(work / f"{args.model}-llama", spec))
-        runs = run_pairs(
-            model,
-            work,
-            args.pairs,
-            args.datasets,
-            args.num_prompts,
-            args.max_concurrency,
-            servers,
-            arms,
+        load = Load(
+            args.num_prompts, args.max_concurrency, args.output_tokens, args.uses_per_prefix
         )
+        runs = run_pairs(model, work, args.pairs, args.datasets, load, servers, arms)
     result = {
         "command": "python benchmarks/serve_bench.py " + " ".join(argv or sys.argv[1:]),
         "cpus": os.cpu_count(),
         "model": {"name": args.model, **dataclasses.asdict(spec)},
+        "load": dataclasses.asdict(load),
         "server": {
             "args": [*SERVER_ARGS, *server_args],
             "environment": SERVER_ENVIRONMENT,

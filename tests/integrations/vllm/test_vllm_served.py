@@ -163,9 +163,23 @@ def test_the_short_serving_benchmark_completes_every_prompt_with_the_same_greedy
     import serve_bench
 
     output = tmp_path / "serve.json"
-    argv = ["--pairs", "1", "--num-prompts", "4", "--output", str(output)]
+    argv = ["--pairs", "1", "--num-prompts", "4", "--output-tokens", "3", "--uses-per-prefix", "4"]
+    argv += ["--output", str(output)]
     assert serve_bench.main(argv, lambda model, work: contextlib.nullcontext(servers)) == 0
-    datasets = json.loads(output.read_text())["datasets"]
+    report = json.loads(output.read_text())
+    assert report["load"] == {
+        "num_prompts": 4,
+        "concurrency": 2,
+        "output_tokens": 3,
+        "uses_per_prefix": 4,
+    }
+    assert serve_bench.dataset_args("prefix-repetition", serve_bench.Load(4, 2, 3, 4))[-4:] == [
+        "--prefix-repetition-num-prefixes",
+        "1",
+        "--prefix-repetition-output-len",
+        "3",
+    ]
+    datasets = report["datasets"]
     assert sorted(datasets) == sorted(serve_bench.DATASETS)
     for name, dataset in datasets.items():
         for arm in serve_bench.ARMS:
