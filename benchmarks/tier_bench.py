@@ -48,6 +48,10 @@ The comparisons, each pair of arms run in turn ``--repeats`` times
   With ``--link-mbps N`` the redis and s3 tiers of these rows reach their
   servers through a link of N megabits a second each way
   (``benchmarks/link.py``), where a codec's smaller records should pay.
+  With ``--disk-mb-per-s N`` (root, cgroup v1) they run with the block device
+  under ``--dir`` capped at N MB/s each way (``benchmarks/slow_disk.py``):
+  the ``disk_o_direct`` row's reads and writes reach the device and feel the
+  cap; the page-cache ``disk`` row's do not.
   A codec that cannot be built here (``lossless`` without blosc2) is listed
   with the reason.
 
@@ -94,6 +98,7 @@ import redis
 import xxhash
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from link import ShapedLink
+from slow_disk import throttled_disk, why_not
 from stats import spread
 
 from kvtier.cli.bench_codec import model_kv
@@ -952,6 +957,13 @@ def main() -> int:
         default=None,
         help="the codec rows reach Redis and S3 through a link of this many Mbit/s each way",
     )
+    parser.add_argument(
+        "--disk-mb-per-s",
+        type=int,
+        default=None,
+        help="the codec rows run with the drive under --dir capped at this many MB/s each way "
+        "(root, cgroup v1 blkio)",
+    )
     parser.add_argument("--batch", type=int, default=8, help="records per request or pipeline")
     parser.add_argument(
         "--io-threads", type=int, default=None, help="the tiers' I/O threads (default: each tier's)"
@@ -978,6 +990,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.s3_endpoint is not None and args.s3_bucket is None:
         parser.error("--s3-endpoint needs --s3-bucket")
+    if args.disk_mb_per_s is not None:
+        refused = why_not(args.dir or Path(tempfile.gettempdir()))
+        if refused is not None:
+            parser.error(f"--disk-mb-per-s: {refused}")
     sizes = [int(size) for size in args.sizes.split(",")]
 
     report: dict[str, Any] = {
@@ -1035,7 +1051,10 @@ def main() -> int:
             stores = CodecStores(directory, url, s3)
             if args.link_mbps is not None:
                 stores = stack.enter_context(shaped(stores, args.link_mbps))
-            report["codec"] = bench_codecs(args, sizes, stores)
+            with contextlib.ExitStack() as throttle:
+                if args.disk_mb_per_s is not None:
+                    throttle.enter_context(throttled_disk(directory, args.disk_mb_per_s * 10**6))
+                report["codec"] = bench_codecs(args, sizes, stores)
         if "mooncake" not in args.skip:
             if mooncake_binaries() is None:
                 print(
