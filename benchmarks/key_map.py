@@ -70,19 +70,17 @@ class NumpyKeyMap:
         return slots
 
 
-def measure(slots: int, batch: int, steps: int) -> dict[str, dict[str, float]]:
+def measure(
+    keys: list[bytes], table: dict[bytes, int], array_map: NumpyKeyMap, batch: int, steps: int
+) -> dict[str, dict[str, float]]:
+    """Each arm's median time per step and per key over ``steps`` lookups of ``batch`` keys."""
     rng = np.random.default_rng(0)
-    keys = [os.urandom(32) for _ in range(slots)]
-    table = {key: slot for slot, key in enumerate(keys)}
-    array_map = NumpyKeyMap(keys)
+    slots = len(keys)
     junk = np.ones(EVICT_BYTES // 8)
     arms: dict[str, Callable[[list[bytes]], object]] = {
         "dict": lambda wanted: [table[key] for key in wanted],
         "numpy": array_map.lookup,
     }
-    probe = keys[:batch]
-    if list(array_map.lookup(probe)) != list(range(batch)):
-        raise AssertionError("the numpy table found other slots than the dict")
     times: dict[str, list[int]] = {name: [] for name in arms}
     for step in range(steps):
         if step % 2:
@@ -111,9 +109,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--keys", default="16,128,1024", help="comma list of keys per step")
     parser.add_argument("--steps", type=int, default=200, help="steps per batch size")
     args = parser.parse_args(argv)
+    keys = [os.urandom(32) for _ in range(args.slots)]
+    table = {key: slot for slot, key in enumerate(keys)}
+    array_map = NumpyKeyMap(keys)
+    if array_map.lookup(keys).tolist() != list(range(args.slots)):
+        raise AssertionError("the numpy table found other slots than the dict")
     batches = []
     for batch in (int(each) for each in args.keys.split(",")):
-        arms = measure(args.slots, batch, args.steps)
+        arms = measure(keys, table, array_map, batch, args.steps)
         ratio = arms["numpy"]["us_per_step"] / arms["dict"]["us_per_step"]
         batches.append({"keys": batch, **arms, "numpy_over_dict": round(ratio, 3)})
     json.dump({"slots": args.slots, "steps": args.steps, "batches": batches}, sys.stdout, indent=2)
