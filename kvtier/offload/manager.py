@@ -158,8 +158,8 @@ class OffloadManager:
         """A request entered the engine's queue: start reading the blocks :meth:`lookup` would
         want now that sit below the host tier into it (:mod:`~kvtier.offload.prefetch`)."""
         if self.moves.prefetches.enabled and self.setup.lower_tiers:
-            _, wanted, hits = self.requests.hits(block_hashes, num_computed_tokens, num_tokens)
-            self.moves.prefetch(request_id, wanted, hits)
+            first, wanted, hits = self.requests.hits(block_hashes, num_computed_tokens, num_tokens)
+            self.moves.prefetch(request_id, wanted, hits, first)
 
     @wakes
     def lookup(
@@ -181,7 +181,7 @@ class OffloadManager:
         first, wanted, hits = self.requests.hits(
             block_hashes, num_computed_tokens, num_tokens, last_block
         )
-        if self.setup.lower_tiers and self.moves.wait_for(request_id, wanted, hits):
+        if self.setup.lower_tiers and self.moves.wait_for(request_id, wanted, hits, first):
             return None
         if not self.guard.load_host_hit(request_id, hits):
             logger.debug("request %s: cost guard skips %d tier hit blocks", request_id, hits)

@@ -72,7 +72,9 @@ class Promotion:
 
     Workers search the tiers in order, each from the first block the tiers
     before it did not have, and report how many leading blocks they wrote into
-    ``host_slots``.
+    ``host_slots``. Without ``host_slots`` it is a *probe*: workers read nothing and
+    report how many leading blocks the tiers hold (any of them, each block), so
+    that host slots are reserved, and host blocks evicted, only for blocks found.
     """
 
     batch_id: int
@@ -82,7 +84,7 @@ class Promotion:
     block_hashes: tuple[bytes, ...]
     """The engine's hashes of the blocks, in prefix order (each rank namespaces them itself)."""
     host_slots: tuple[int, ...]
-    """Host tier slots reserved for them, one per block."""
+    """Host tier slots reserved for them, one per block; empty for a probe."""
     skip_tiers: frozenset[str] = frozenset()
     """Tiers not to ask: the cost guard predicted their read slower than recomputing."""
     salt: bytes | None = None
@@ -134,7 +136,7 @@ class TransferPlan:
     unavailable: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """Per request, device blocks promised as tier hits that cannot be loaded: report as failed."""
     promotions: tuple[Promotion, ...] = ()
-    """Lower-tier reads into host slots, for requests waiting on their lookup."""
+    """Lower-tier reads into host slots, and probes, for requests waiting on their lookup."""
     demotions: tuple[Demotion, ...] = ()
     """Blocks evicted from the host tier, to write to the lower tiers that write them back."""
     write_throughs: tuple[Demotion, ...] = ()
@@ -189,7 +191,8 @@ class WorkerReport:
     settled: Mapping[int, int] = field(default_factory=dict)
     """Batch id -> number of workers on which an abandoned copy of it is now over."""
     promoted: Mapping[int, tuple[int, int]] = field(default_factory=dict)
-    """Promotion batch id -> (workers that answered it, fewest leading blocks any of them found)."""
+    """Promotion batch id -> (workers that answered it, fewest leading blocks any of them found,
+    or for a probe held)."""
     tier_counts: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     """Lower tier name -> counters that grew since the last report (``TierStats`` field names,
     ``errors.<cause>`` for faults), added up over workers."""

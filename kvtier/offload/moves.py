@@ -1,8 +1,11 @@
 """Owns the moves between the host tier and the tiers below it: promotions and writes.
 
-A lookup that misses in the host tier reserves host slots for the missing
-blocks and plans a *promotion*: workers read the blocks from the lower tiers
-into those slots, and the blocks every worker found become host hits.
+A lookup that misses in the host tier plans a *promotion* of the missing
+blocks in two rounds: a probe asks the workers how many of them the lower tiers
+hold, reading none; then host slots are reserved for those (evicting host blocks
+only for blocks that exist below), workers read them into the slots, and the
+blocks every worker found become host hits. A miss in every tier thus costs
+the host tier nothing, at the price of one more report before a hit is read.
 
 Blocks go down the chain as each lower tier's write policy
 (:data:`~kvtier.models.WritePolicy`) says, each at most once per tier while it
@@ -67,6 +70,15 @@ class PromotionBatch:
     found: int = 0
     expired: bool = False
     prefetch: bool = False
+    probed: tuple[Sequence[bytes], int] | None = None
+    """For a probe (no keys, no slots): the request's wanted blocks and its host hits then."""
+    tries: int = 0
+    """For an answered probe: the reads of what it found tried so far."""
+
+
+READ_TRIES = 4
+"""Plans at which a read that found no free host slot for the blocks its probe found is tried
+again before its request computes them."""
 
 
 class LowerTierMoves:
@@ -84,6 +96,11 @@ class LowerTierMoves:
         self._to_plan: list[Promotion] = []
         # Requests whose lookup waits for promotions (batch ids), or got its answer (empty set).
         self._promoting: dict[str, set[int]] = {}
+        # Blocks promoted for a request whose lookup waited for them, pinned until it is
+        # allocated or finished.
+        self._pinned: dict[str, list[BlockKey]] = {}
+        # Answered probes whose blocks found no free host slot yet, by request.
+        self._unread: dict[str, PromotionBatch] = {}
         # Slots of readable blocks, to find an evicted block's bytes.
         self._slots: dict[BlockKey, int] = {}
         # Readable blocks a reuse does not write through again: written already, or promoted.
@@ -100,15 +117,17 @@ class LowerTierMoves:
 
     @property
     def has_work(self) -> bool:
-        """Whether writes or promotions wait for the next plan."""
-        return bool(self.demotions or self.write_throughs or self._to_plan)
+        """Whether writes, promotions or reads to try again wait for the next plan."""
+        return bool(self.demotions or self.write_throughs or self._to_plan or self._unread)
 
-    def wait_for(self, request_id: str, wanted: Sequence[bytes], hits: int) -> bool:
-        """Whether a lookup that found ``hits`` of ``wanted`` must be asked again later.
+    def wait_for(self, request_id: str, wanted: Sequence[bytes], hits: int, first: int) -> bool:
+        """Whether a lookup that found ``hits`` of ``wanted`` (from the request's block
+        ``first`` on) must be asked again later.
 
-        A request's first host miss starts a promotion of the missing blocks (as
-        many as host slots can be reserved for) and the answer is "later" until
-        every worker reported it; then the blocks found are host hits. One
+        A request's first host miss starts a promotion of the missing blocks (a
+        probe, then a read of those found, as many as host slots can be reserved
+        for) and the answer is "later" until every worker reported both; then the
+        blocks found are host hits, kept for the request until it is allocated. One
         promotion per request: later lookups answer from the host tier. A request
         prefetched at its arrival waits as the prefetch policy says, then promotes
         what its prefetch had no room for.
@@ -122,13 +141,15 @@ class LowerTierMoves:
             if prefetches.waits(request_id, missing and bool(waiting)):
                 return True
             waiting.clear()  # reads it stopped waiting for land as ordinary blocks
-            if missing and prefetches.rest_wanted(request_id):
+            self._unread.pop(request_id, None)
+            if missing and prefetches.rest_wanted(request_id, first + hits):
                 return bool(self._promote(request_id, wanted, hits))
         return missing and bool(waiting)
 
-    def prefetch(self, request_id: str, wanted: Sequence[bytes], hits: int) -> None:
-        """The request arrived and the host tier holds ``hits`` of its ``wanted`` blocks: start
-        promoting the rest, within the prefetches' share of the host tier."""
+    def prefetch(self, request_id: str, wanted: Sequence[bytes], hits: int, first: int) -> None:
+        """The request arrived and the host tier holds ``hits`` of its ``wanted`` blocks (from
+        its block ``first`` on): start promoting the rest, within the prefetches' share of the
+        host tier."""
         prefetches = self.prefetches
         room = prefetches.room // self.setup.num_groups
         if room <= 0 or hits >= len(wanted) or request_id in self._promoting:
@@ -139,17 +160,24 @@ class LowerTierMoves:
         if count == 0:
             del self._promoting[request_id]  # its first lookup promotes as without prefetch
             return
-        prefetches.started(request_id, self._promoting[request_id], count * self.setup.num_groups)
+        prefetches.started(
+            request_id, self._promoting[request_id], count * self.setup.num_groups, first + hits
+        )
 
     def forget(self, request_id: str, *, finished: bool = False) -> None:
         """The request was allocated, preempted or ``finished``: its next lookup may promote
         again; its prefetch ends (one that finished first is cancelled)."""
         self._promoting.pop(request_id, None)
+        self._unread.pop(request_id, None)
+        pinned = self._pinned.pop(request_id, None)
+        if pinned:
+            self.setup.index.unpin(pinned)
         if self.prefetches.release(request_id, cancelled=finished) and finished:
             self._unplan(request_id)
 
     def _unplan(self, request_id: str) -> None:
-        """Drop the request's prefetch reads no plan carried yet, and free their slots."""
+        """Drop the request's prefetch probes and reads no plan carried yet, and free the
+        reads' slots."""
         kept = []
         for message in self._to_plan:
             promotion = self.promotions[message.batch_id]
@@ -157,29 +185,96 @@ class LowerTierMoves:
                 kept.append(message)
                 continue
             del self.promotions[message.batch_id]
-            for key in promotion.keys:
-                del self.ledger.writing[key]
-            self.ledger.give_up(promotion.keys)
+            if promotion.keys:  # a read, not a probe
+                for key in promotion.keys:
+                    del self.ledger.writing[key]
+                self.ledger.give_up(promotion.keys)
         self._to_plan = kept
 
     def _promote(
         self, request_id: str, wanted: Sequence[bytes], hits: int, limit: int | None = None
     ) -> int | None:
-        """Reserve host slots for ``wanted[hits:]`` (at most ``limit`` blocks per group, for
-        a prefetch) and plan their promotion; how many blocks per group were (``None``: the
+        """Probe the lower tiers for ``wanted[hits:]`` (at most ``limit`` blocks, for a
+        prefetch): once every worker said how many leading blocks they hold, host slots are
+        reserved for those and their read planned (:meth:`_read`). A block no tier holds
+        takes no slot and evicts nothing. How many blocks were asked about (``None``: the
         cost guard found no tier worth reading)."""
         setup = self.setup
-        index, namespace = setup.index, setup.namespace
         self._promoting[request_id] = set()
         if setup.windowed:
             return 0  # a windowed group's hit needs other blocks than the prefix's
         missing = wanted[hits:] if limit is None else wanted[hits : hits + limit]
-        salt = self.ledger.requests.salts.get(request_id)
         skip = self.guard.skipped_tiers(len(missing))
         if skip and len(skip) == len(self.guard.tier_names):
             return None
+        salt = self.ledger.requests.salts.get(request_id)
+        # the first group's records stand for every group's: a read finding fewer gives up the rest
+        message = Promotion(self.ledger.new_batch_id(), 0, tuple(missing), (), skip, salt)
+        self.promotions[message.batch_id] = PromotionBatch(
+            message, (), request_id, setup.clock(), found=len(missing),
+            prefetch=limit is not None, probed=(tuple(wanted), hits),
+        )  # fmt: skip
+        self._to_plan.append(message)
+        self._promoting[request_id].add(message.batch_id)
+        return len(missing)
+
+    def _probed(self, probe: PromotionBatch) -> None:
+        """Every worker answered ``probe``: read the leading blocks they all hold, if its
+        request still waits for it. With no host slot free for them (every one pinned or
+        being written), the read is tried again at each of the next :data:`READ_TRIES`
+        plans, and the request's lookups wait meanwhile."""
+        assert probe.probed is not None
+        request_id = probe.request_id
+        waiting = self._promoting.get(request_id)
+        if waiting is None or probe.message.batch_id not in waiting:
+            return  # expired, or the request was allocated or finished meanwhile
+        self._unread[request_id] = probe
+        self._read_probed(probe, waiting)
+
+    def _read_probed(self, probe: PromotionBatch, waiting: set[int]) -> None:
+        """Try to read what ``probe`` found; once read, or out of tries, it is answered."""
+        assert probe.probed is not None
+        message, request_id = probe.message, probe.request_id
+        wanted, hits = probe.probed
+        count, batch_ids = self._read(
+            request_id, wanted, hits, probe.found, message.skip_tiers, probe.prefetch
+        )
+        probe.tries += 1
+        if not batch_ids and probe.found and probe.tries <= READ_TRIES:
+            return
+        del self._unread[request_id]
+        waiting.discard(message.batch_id)
+        waiting.update(batch_ids)
+        if probe.prefetch:
+            groups = self.setup.num_groups
+            asked = len(message.block_hashes)
+            self.prefetches.probed(
+                request_id, message.batch_id, batch_ids, asked * groups, count * groups,
+                short=probe.found < asked,
+            )  # fmt: skip
+
+    def _read_unread(self) -> None:
+        """Try again the reads that found no free host slot."""
+        for probe in list(self._unread.values()):
+            self._read_probed(probe, self._promoting[probe.request_id])
+
+    def _read(
+        self,
+        request_id: str,
+        wanted: Sequence[bytes],
+        hits: int,
+        count: int,
+        skip: frozenset[str],
+        prefetch: bool,
+    ) -> tuple[int, list[int]]:
+        """Reserve host slots for ``wanted[hits : hits + count]`` and plan their read from the
+        tiers not in ``skip``; how many blocks per group were, and the reads' batch ids."""
+        setup = self.setup
+        index, namespace = setup.index, setup.namespace
+        missing = wanted[hits : hits + count]
+        if not missing:
+            return 0, []
         reserved: list[tuple[int, list[BlockKey], list[int | None]]] = []
-        count = len(missing)
         for group in range(setup.num_groups):
             # blocks of this prefix still in the host tier, before the missing ones or among
             # them, are not the ones to make room with
@@ -201,8 +296,10 @@ class LowerTierMoves:
             if extra:
                 index.abort(extra)
         if count == 0:
-            return 0
+            return 0, []
         now = setup.clock()
+        salt = self.ledger.requests.salts.get(request_id)
+        batch_ids = []
         for group, keys, slots in reserved:
             message = Promotion(
                 self.ledger.new_batch_id(),
@@ -213,18 +310,19 @@ class LowerTierMoves:
                 salt,
             )
             self.promotions[message.batch_id] = PromotionBatch(
-                message, tuple(keys[:count]), request_id, now, found=count,
-                prefetch=limit is not None,
-            )  # fmt: skip
+                message, tuple(keys[:count]), request_id, now, found=count, prefetch=prefetch
+            )
             for key in keys[:count]:
                 self.ledger.writing[key] = message.batch_id
             if salt is not None:
                 self.ledger.requests.block_salts.update(dict.fromkeys(keys[:count], salt))
             self._to_plan.append(message)
-            self._promoting[request_id].add(message.batch_id)
-        return count
+            batch_ids.append(message.batch_id)
+        return count, batch_ids
 
     def take_promotions(self) -> tuple[Promotion, ...]:
+        if self._unread:
+            self._read_unread()
         promotions, self._to_plan = tuple(self._to_plan), []
         return promotions
 
@@ -323,7 +421,7 @@ class LowerTierMoves:
                 promotion is None
                 or workers <= 0
                 or promotion.reported + workers > self.setup.world_size
-                or not 0 <= found <= len(promotion.keys)
+                or not 0 <= found <= len(promotion.message.block_hashes)
             ):
                 self.counters.add("rejected_reports", 1)
                 self.counters.failures.failed(
@@ -343,6 +441,9 @@ class LowerTierMoves:
     def _complete(self, promotion: PromotionBatch) -> None:
         message = promotion.message
         del self.promotions[message.batch_id]
+        if promotion.probed is not None:
+            self._probed(promotion)
+            return
         for key in promotion.keys:
             del self.ledger.writing[key]
         found = promotion.keys[: promotion.found]
@@ -358,6 +459,10 @@ class LowerTierMoves:
             self.prefetches.landed(
                 promotion.request_id, message.batch_id, found, len(promotion.keys)
             )
+        elif found and message.batch_id in self._promoting.get(promotion.request_id, ()):
+            # kept for the request until it is allocated, as a prefetch's blocks are
+            self.setup.index.pin(found)
+            self._pinned.setdefault(promotion.request_id, []).extend(found)
         self._answer(promotion)
         logger.debug(
             "request %s: %d of %d blocks promoted from the lower tiers",
@@ -399,6 +504,10 @@ class LowerTierMoves:
         write on closing leaves as a demotion to no tier, so that none of them is written.
         """
         self.prefetches.reset()
+        self._unread.clear()
+        pinned = [key for keys in self._pinned.values() for key in keys]
+        if pinned:  # they leave the tier as their requests' pins end
+            self.setup.index.discard(pinned)
         forgotten = {key: slot for key, (slot, _) in self.demotions.items()}
         forgotten.update(self._slots)
         self.demotions.clear()

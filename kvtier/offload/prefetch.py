@@ -2,11 +2,12 @@
 
 When a request enters the engine's queue (:meth:`OffloadManager.arrived
 <kvtier.offload.OffloadManager.arrived>`), its blocks missing from the host tier
-are promoted at once (:mod:`~kvtier.offload.moves` reserves the slots and plans
-the reads), instead of at its first lookup. This module keeps, per waiting
+are promoted at once (:mod:`~kvtier.offload.moves` probes the lower tiers, then
+reserves slots for the blocks they hold and plans their reads), instead of at its
+first lookup. This module keeps, per waiting
 request, what was read for it and decides what its lookups answer meanwhile:
 
-- ``wait_complete``: "ask again" until every rank reported the reads;
+- ``wait_complete``: "ask again" until every rank reported the probe and the reads;
 - ``timeout``: the same until ``timeout_s`` after the request arrived;
 - ``best_effort``: the host tier's hits at once.
 
@@ -51,10 +52,14 @@ class Prefetch:
     batches: set[int]
     """Its promotions (one per kv-cache group) not reported by every rank yet."""
     slots: int
-    """Host slots it counts against the share: reserved for reads in flight, or pinned."""
+    """Host slots it counts against the share: asked about by probes in flight, reserved for
+    reads in flight, or pinned."""
+    start: int
+    """The request's first block (counted from its prompt's start) the prefetch asked for."""
     pinned: list[BlockKey] = field(default_factory=list)
     short: bool = False
-    """Some rank found fewer blocks than were reserved: the tiers hold no more of the prefix."""
+    """Some rank found fewer blocks than were asked for: from :attr:`start` on, the tiers hold
+    no more of the prefix."""
     rest_asked: bool = False
     """Its request's lookup promoted what it still missed."""
     read_at: float | None = None
@@ -88,11 +93,34 @@ class Prefetches:
         """Host slots a new prefetch may still take."""
         return self.share - self.reserved
 
-    def started(self, request_id: str, batch_ids: Iterable[int], slots: int) -> None:
-        """Reads of ``slots`` reserved slots were planned for the arriving ``request_id``."""
-        self.waiting[request_id] = Prefetch(self.setup.clock(), set(batch_ids), slots)
+    def started(self, request_id: str, batch_ids: Iterable[int], slots: int, start: int) -> None:
+        """Probes of ``slots`` blocks, from the request's block ``start`` on, were planned for
+        the arriving ``request_id``: they count against the share as if reserved until
+        answered."""
+        self.waiting[request_id] = Prefetch(self.setup.clock(), set(batch_ids), slots, start)
         self.reserved += slots
         self.counters.add("prefetches_started", 1)
+
+    def probed(
+        self,
+        request_id: str,
+        probe_id: int,
+        batch_ids: Iterable[int],
+        asked: int,
+        slots: int,
+        *,
+        short: bool,
+    ) -> None:
+        """The probe ``probe_id`` of ``asked`` slots' blocks of a waiting request was
+        answered: reads of ``slots`` reserved slots were planned (``batch_ids``); ``short``:
+        the tiers hold fewer blocks than were asked about."""
+        prefetch = self.waiting[request_id]
+        prefetch.batches.discard(probe_id)
+        prefetch.batches.update(batch_ids)
+        prefetch.slots += slots - asked
+        self.reserved += slots - asked
+        prefetch.short |= short
+        self._complete(prefetch)
 
     def landed(self, request_id: str, batch_id: int, found: Sequence[BlockKey], asked: int) -> None:
         """Every rank reported a prefetch's promotion, which found the first ``found`` of its
@@ -112,6 +140,9 @@ class Prefetches:
             prefetch.pinned.extend(found)
         prefetch.slots -= asked - kept
         self.reserved -= asked - kept
+        self._complete(prefetch)
+
+    def _complete(self, prefetch: Prefetch) -> None:
         if not prefetch.batches:
             prefetch.read_at = self.setup.clock()
             self.counters.add("prefetches_completed", 1)
@@ -143,12 +174,15 @@ class Prefetches:
         self.reserved -= in_flight
         return False
 
-    def rest_wanted(self, request_id: str) -> bool:
-        """Whether a lookup that still misses blocks past its host hits should promote them:
-        those the prefetch had no room for, or that left the engine's or the host tier's
-        cache since. Once, and not after a read that found the tiers hold no more."""
+    def rest_wanted(self, request_id: str, missing_from: int) -> bool:
+        """Whether a lookup that still misses blocks from the request's block ``missing_from``
+        on should promote them: those the prefetch had no room for, or that left the
+        engine's or the host tier's cache since. Once, and not from where a probe found the
+        tiers hold no more."""
         prefetch = self.waiting.get(request_id)
-        if prefetch is None or prefetch.short or prefetch.batches or prefetch.rest_asked:
+        if prefetch is None or prefetch.batches or prefetch.rest_asked:
+            return False
+        if prefetch.short and missing_from >= prefetch.start:
             return False
         prefetch.rest_asked = True
         return True

@@ -227,7 +227,7 @@ TIER_COUNTERS: tuple[Counter, ...] = (
         "misses",
         _C,
         "records",
-        "Records asked of a storage tier and not returned, whatever the reason.",
+        "Records a read asked of a storage tier and not returned, whatever the reason.",
     ),
     Counter("bytes_read", _C, "bytes", "Payload bytes a storage tier returned, all ranks."),
     Counter("bytes_written", _C, "bytes", "Payload bytes written to a storage tier, all ranks."),

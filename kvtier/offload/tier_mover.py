@@ -9,9 +9,10 @@ this order:
 2. :meth:`TierMover.write_down` — copy the plan's demotions and write-throughs
    out of their slots (the plan's stores and promotions may reuse them) and
    queue them to the tiers named.
-3. :meth:`TierMover.promote` — start reading the plan's promotions down the chain.
+3. :meth:`TierMover.promote` — start reading the plan's promotions down the chain
+   (and asking the tiers what they hold, for its probes).
 4. :meth:`TierMover.poll` — write the records of each read that ended into its
-   slots.
+   slots; note what each probe that ended found.
 5. :meth:`TierMover.take_outcomes` — the promotions that ended and what the
    tiers counted, stored and removed since the last call, for the worker's report.
 
@@ -36,7 +37,7 @@ from kvtier.offload.copies import check_slots
 from kvtier.offload.messages import Demotion, Promotion, Transfer, TransferPlan
 from kvtier.offload.stats import FLUSH_COUNTERS
 from kvtier.tiers.base import PutResult
-from kvtier.tiers.chain import Fetch, TierBlock, TierChain
+from kvtier.tiers.chain import Fetch, Presence, TierBlock, TierChain
 from kvtier.tiers.host import HostTier
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class TierMover:
         self._host_bytes = tier.buffer.numpy()
         self._clock = clock
         self._fetches: dict[int, tuple[Promotion, Fetch]] = {}
+        self._probes: dict[int, Presence] = {}
         self._promoted: dict[int, tuple[int, int]] = {}
         # Per host slot, the block it holds, the tiers that lack it (by position), and the
         # salt of its tenant (empty for none).
@@ -87,11 +89,11 @@ class TierMover:
 
     @property
     def idle(self) -> bool:
-        """Whether no promotion is reading or waiting to be reported.
+        """Whether no promotion or probe is running or waiting to be reported.
 
         The tiers' own threads are not part of it: they finish writes and count
         on their own, so a worker with lower tiers asks them every step."""
-        return not (self._fetches or self._promoted)
+        return not (self._fetches or self._probes or self._promoted)
 
     def check(self, plan: TransferPlan) -> None:
         """Raise ``ValueError`` if one of the plan's lower-tier moves names a missing slot."""
@@ -129,8 +131,14 @@ class TierMover:
             self._owed[slot] = (group, block_hash, tiers, salt or b"")
 
     def promote(self, promotions: Sequence[Promotion]) -> None:
-        """Start reading each promotion's blocks down the chain, for its slots."""
+        """Start reading each promotion's blocks down the chain, for its slots, or asking the
+        tiers which of a probe's blocks they hold."""
         for promotion in promotions:
+            if not promotion.host_slots:
+                self._probes[promotion.batch_id] = self.chain.probe(
+                    promotion.group, promotion.block_hashes, promotion.skip_tiers, promotion.salt
+                )
+                continue
             self.forget(promotion.host_slots)
             fetch = self.chain.fetch(
                 promotion.group, promotion.block_hashes, promotion.skip_tiers, promotion.salt
@@ -138,16 +146,26 @@ class TierMover:
             self._fetches[promotion.batch_id] = (promotion, fetch)
 
     def poll(self, idle_step: bool) -> None:
-        """Write the leading blocks of each read that ended into its slots.
+        """Write the leading blocks of each read that ended into its slots; keep what each
+        probe that ended found.
 
         In an ``idle_step`` (the engine computes nothing), first wait up to
-        :data:`IDLE_FETCH_WAIT_S` for the oldest read, so that the tiers' threads run.
+        :data:`IDLE_FETCH_WAIT_S` for the oldest read (or probe), so that the tiers' threads
+        run.
         """
-        if not self._fetches:  # most steps
+        if not (self._fetches or self._probes):  # most steps
             return
         if idle_step:
-            _, oldest = next(iter(self._fetches.values()))
+            oldest = (
+                next(iter(self._fetches.values()))[1]
+                if self._fetches
+                else next(iter(self._probes.values()))
+            )
             oldest.wait(IDLE_FETCH_WAIT_S)
+        for batch_id, presence in list(self._probes.items()):
+            if presence.done:
+                del self._probes[batch_id]
+                self._promoted[batch_id] = (1, presence.held)
         for batch_id, (promotion, fetch) in list(self._fetches.items()):
             if not fetch.done:
                 continue
@@ -188,6 +206,7 @@ class TierMover:
         started = self._clock()
         puts = self._flush_owed(started + flush_deadline_s) if self._owed else []
         self._fetches.clear()  # their slots are never read again
+        self._probes.clear()
         self.chain.close()
         if not self.flush_counts:
             return

@@ -241,11 +241,14 @@ class EngineReplay:
         self.device_hits += on_device
         block_ids = [range(num_blocks)]
         hits, _ = session.lookup(request_id, keys, on_device, num_blocks)
-        if hits is None:
-            # a promotion: the instant workers answer it in the next step
+        for _ in range(2):
+            if hits is not None:
+                break
+            # a promotion: the instant workers answer its probe in the next step, its read in
+            # the one after
             _step(session, (), chain, written_on_store)
             hits, _ = session.lookup(request_id, keys, on_device, num_blocks)
-            assert hits is not None, "an instant promotion is answered in one step"
+        assert hits is not None, "an instant promotion is answered in two steps"
         session.allocated(request_id, keys, block_ids, hits)
         session.scheduled(request_id, num_computed_tokens=num_blocks, new_block_ids=block_ids)
         candidates: list[LazyCandidate] = []
@@ -345,6 +348,7 @@ def _instant_reports(
             start = found
             while found < len(keys) and tier.holds(keys[found]):
                 found += 1
-            tier.served += found - start
+            if promotion.host_slots:  # a read, not a probe
+                tier.served += found - start
         promoted[promotion.batch_id] = (1, found)
     return [WorkerReport(done=done, promoted=promoted) for _ in range(world_size)]

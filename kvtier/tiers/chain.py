@@ -8,6 +8,8 @@ with its write policy (:data:`~kvtier.models.WritePolicy`).
   for the blocks from the first one the tiers before it did not have, so the
   result is the longest prefix found across the chain. Every read runs on the
   tiers' own threads; the caller polls the returned :class:`Fetch`.
+- :meth:`TierChain.probe` asks every tier at once which blocks it holds, reading
+  none, so that host slots are reserved only for blocks some tier has.
 - :meth:`TierChain.store` hands copies of records to the tiers named; a tier
   whose queue is full drops them and counts it.
 - :meth:`TierChain.take_counts` returns what each tier's counters gained since
@@ -40,6 +42,7 @@ from kvtier.kinds import STORAGE_TIER
 from kvtier.layout.base import RecordRegion
 from kvtier.models import WritePolicy, write_policy_of
 from kvtier.tiers.base import (
+    ContainsResult,
     GetResult,
     PutResult,
     RemovalLog,
@@ -130,6 +133,56 @@ class Fetch:
             found += 1
         self._chain.read_times.append((name, found, time.monotonic() - self._asked_at))
         self._ask(position + 1)
+
+
+class Presence:
+    """Which leading blocks the chain holds, asked of every tier at once; :attr:`held` once
+    :attr:`done`."""
+
+    def __init__(
+        self,
+        chain: TierChain,
+        group: int,
+        block_hashes: Sequence[bytes],
+        skip: frozenset[str] = frozenset(),
+        salt: bytes | None = None,
+    ) -> None:
+        tiers = [(name, tier) for name, tier in chain.tiers if name not in skip]
+        self._present = [False] * len(block_hashes)
+        self._left = len(tiers)
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self.held = 0
+        """Leading blocks some tier holds, each (complete once :attr:`done`)."""
+        if not tiers or not block_hashes:
+            self._done.set()
+            return
+        for _, tier in tiers:
+            tier.contains(tier.keys.keys(block_hashes, group, salt)).add_done_callback(
+                self._answered
+            )
+
+    @property
+    def done(self) -> bool:
+        """Whether every tier asked answered."""
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for every answer; whether they all came."""
+        return self._done.wait(timeout_s)
+
+    def _answered(self, future: Future[ContainsResult]) -> None:
+        answer = future.result().present if future.exception() is None else ()
+        with self._lock:
+            for position, present in enumerate(answer):
+                self._present[position] |= present
+            self._left -= 1
+            if self._left:
+                return
+            self.held = next(
+                (i for i, present in enumerate(self._present) if not present), len(self._present)
+            )
+        self._done.set()
 
 
 class TierChain:
@@ -238,6 +291,17 @@ class TierChain:
         but those named in ``skip``, as records of the tenant that names ``salt`` (if any);
         returns at once."""
         return Fetch(self, group, block_hashes, skip, salt)
+
+    def probe(
+        self,
+        group: int,
+        block_hashes: Sequence[bytes],
+        skip: frozenset[str] = frozenset(),
+        salt: bytes | None = None,
+    ) -> Presence:
+        """Start asking every tier but those named in ``skip`` which of the blocks it holds,
+        without reading them; returns at once."""
+        return Presence(self, group, block_hashes, skip, salt)
 
     def store(
         self,

@@ -57,9 +57,15 @@ def found_all(plan: TransferPlan) -> WorkerReport:
     return WorkerReport(promoted={p.batch_id: (1, len(p.block_hashes)) for p in plan.promotions})
 
 
-def read_all(manager: OffloadManager) -> None:
-    """The workers read every promotion of the next plan and found every block."""
-    manager.process(found_all(manager.build_plan()))
+def read_all(manager: OffloadManager, probe_plan: TransferPlan | None = None) -> None:
+    """The workers find every block the promotions of the next plans ask for: its probes
+    (``probe_plan`` if built already), then the reads the probes' answers planned."""
+    probes = manager.build_plan() if probe_plan is None else probe_plan
+    assert probes.promotions and not any(p.host_slots for p in probes.promotions)
+    manager.process(found_all(probes))
+    reads = manager.build_plan()
+    assert reads.promotions and all(p.host_slots for p in reads.promotions)
+    manager.process(found_all(reads))
 
 
 def test_an_arriving_request_is_read_ahead_and_its_first_lookup_is_a_host_hit() -> None:
@@ -113,10 +119,17 @@ def test_what_a_lookup_answers_while_the_prefetch_is_read(
     assert [first, second] == answers
     expired = answers[-1] is not None
     assert manager.stats().prefetches_expired == expired
-    (promotion,) = plan.promotions
-    manager.process(WorkerReport(promoted={promotion.batch_id: (1, PROMPT_BLOCKS)}))
-    # blocks read after the lookup stopped waiting are ordinary ones: not pinned for it
-    assert manager.index.stats().pinned == (0 if expired else PROMPT_BLOCKS)
+    (probe,) = plan.promotions
+    manager.process(WorkerReport(promoted={probe.batch_id: (1, PROMPT_BLOCKS)}))
+    if expired:
+        # a probe answered after the lookup stopped waiting reads nothing: the request
+        # computes those blocks and stores them itself
+        assert manager.build_plan().promotions == ()
+        assert manager.lookup("r", hashes, 0, TOKENS) == 0
+        assert manager.moves.prefetches.reserved == 0
+        return
+    manager.process(found_all(manager.build_plan()))
+    assert manager.index.stats().pinned == PROMPT_BLOCKS  # kept for it until allocated
     assert manager.lookup("r", hashes, 0, TOKENS) == FULL_HIT
 
 
@@ -126,14 +139,14 @@ def test_prefetches_take_at_most_their_share_and_the_lookup_reads_the_rest() -> 
     manager.arrived("a", first, 0, TOKENS)
     manager.arrived("b", second, 0, TOKENS)  # no room left
     assert manager.stats().prefetches_started == 1
-    (promotion,) = manager.build_plan().promotions
-    assert promotion.block_hashes == tuple(first[:2])
-    manager.process(WorkerReport(promoted={promotion.batch_id: (1, 2)}))
+    (probe,) = manager.build_plan().promotions
+    assert probe.block_hashes == tuple(first[:2])
+    read_all(manager, probe_plan=TransferPlan(promotions=(probe,)))
     # the first lookup promotes what the prefetch had no room for
     assert manager.lookup("a", first, 0, TOKENS) is None
     (rest,) = manager.build_plan().promotions
     assert rest.block_hashes == tuple(first[2:PROMPT_BLOCKS])
-    manager.process(WorkerReport(promoted={rest.batch_id: (1, len(rest.block_hashes))}))
+    read_all(manager, probe_plan=TransferPlan(promotions=(rest,)))
     assert manager.lookup("a", first, 0, TOKENS) == FULL_HIT
     # a request that got no prefetch promotes at its first lookup, as without prefetch
     assert manager.lookup("b", second, 0, TOKENS) is None
@@ -143,8 +156,11 @@ def test_a_prefetch_that_found_fewer_blocks_ends_the_search() -> None:
     manager, _ = manager_with(slots=8, share=0.25)
     hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
     manager.arrived("r", hashes, 0, TOKENS)
-    (promotion,) = manager.build_plan().promotions
-    manager.process(WorkerReport(promoted={promotion.batch_id: (1, 1)}))
+    (probe,) = manager.build_plan().promotions
+    manager.process(WorkerReport(promoted={probe.batch_id: (1, 1)}))
+    (read,) = manager.build_plan().promotions  # of the one block the tiers hold
+    assert len(read.host_slots) == 1
+    manager.process(found_all(TransferPlan(promotions=(read,))))
     assert manager.lookup("r", hashes, 0, TOKENS) == BLOCK_TOKENS
     assert manager.moves.prefetches.reserved == 1
 
@@ -163,10 +179,11 @@ def test_an_aborted_request_cancels_its_prefetch_and_keeps_no_slot() -> None:
     assert manager.moves.prefetches.reserved == PROMPT_BLOCKS  # the request still waiting
     manager.finished("unplanned")
     assert manager.moves.prefetches.reserved == 0
-    # reads already planned land as ordinary blocks
+    # probes already planned are answered, and read nothing for requests that left
     manager.process(found_all(plan))
+    assert manager.build_plan().promotions == ()
     index = manager.index.stats()
-    assert (index.pinned, index.writing, index.readable) == (0, 0, 2 * PROMPT_BLOCKS)
+    assert (index.pinned, index.writing, index.readable) == (0, 0, 0)
     assert manager.stats().prefetches_cancelled == 3
     assert manager.settled
 
@@ -249,7 +266,8 @@ def test_a_queued_request_is_promoted_before_it_is_admitted_byte_for_byte() -> N
     second, tier = engine()
     for seed in (1, 2, 3, 1):  # two fit the device at a time: the others queue
         second.submit(prompt(seed), decode_steps=3)
-    assert second.manager.stats().prefetches_started == 3  # the last one's blocks are taken
+    # the last one, a repeat of the first, probes too; its read finds the blocks taken
+    assert second.manager.stats().prefetches_started == 4
     deadline = time.monotonic() + 10
     while not second.idle:
         assert time.monotonic() < deadline, "the engine did not drain"
@@ -283,7 +301,29 @@ def test_a_lookup_reads_again_what_left_the_engine_while_it_waited() -> None:
     read_all(manager)
     # the engine evicted the first two blocks meanwhile: the lookup promotes them
     assert manager.lookup("r", hashes, 0, TOKENS) is None
-    (rest,) = manager.build_plan().promotions
+    (probe,) = manager.build_plan().promotions
+    assert probe.block_hashes[:2] == tuple(hashes[:2])
+    manager.process(found_all(TransferPlan(promotions=(probe,))))
+    (rest,) = manager.build_plan().promotions  # up to the blocks the host tier holds
     assert rest.block_hashes == tuple(hashes[:2])
     manager.process(found_all(TransferPlan(promotions=(rest,))))
     assert manager.lookup("r", hashes, 0, TOKENS) == FULL_HIT
+
+
+def test_a_prefetch_that_found_nothing_still_lets_the_lookup_read_blocks_before_it() -> None:
+    manager, _ = manager_with()
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("r", hashes, 2 * BLOCK_TOKENS, TOKENS)  # the engine holds two blocks
+    (probe,) = manager.build_plan().promotions
+    manager.process(WorkerReport(promoted={probe.batch_id: (1, 0)}))  # none of the rest
+    # the engine evicted its two blocks meanwhile: the tiers were never asked about them
+    assert manager.lookup("r", hashes, 0, TOKENS) is None
+    (again,) = manager.build_plan().promotions
+    assert again.block_hashes[:2] == tuple(hashes[:2])
+    manager.process(WorkerReport(promoted={again.batch_id: (1, 2)}))
+    read_all_reads = manager.build_plan().promotions
+    assert [len(p.host_slots) for p in read_all_reads] == [2]
+    manager.process(found_all(TransferPlan(promotions=read_all_reads)))
+    assert manager.lookup("r", hashes, 0, TOKENS) == 2 * BLOCK_TOKENS
+    # where the probe found nothing, nothing is asked again
+    assert manager.lookup("r", hashes, 2 * BLOCK_TOKENS, TOKENS) == 0

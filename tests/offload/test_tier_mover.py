@@ -57,6 +57,27 @@ def test_a_promotion_keeps_the_mover_busy_until_it_is_reported() -> None:
     mover.close(flush_deadline_s=1.0)
 
 
+def test_a_probe_reports_the_blocks_held_and_writes_no_slot() -> None:
+    mover, host, (tier,), _ = rig("write_back")
+    fill(host, 0, 7)
+    mover.write_down(TransferPlan(demotions=(Demotion(0, (b"a",), (0,), (0,)),)))
+    tier.delete([tier.keys.key(b"drain")]).result()  # the one I/O thread wrote before this
+    fill(host, 0, 1)
+    mover.promote((Promotion(6, 0, (b"a", b"b"), ()),))
+    deadline = time.monotonic() + 10
+    promoted: dict[int, tuple[int, int]] = {}
+    while not promoted:
+        assert time.monotonic() < deadline, "the probe did not end"
+        mover.poll(idle_step=True)
+        outcomes = mover.take_outcomes()
+        if outcomes is not None:
+            promoted = outcomes.promoted
+    assert promoted == {6: (1, 1)}, "one leading block held"
+    assert mover.idle
+    assert set(host.buffer.numpy().reshape(-1).tolist()) <= {0, 1}, "no record was written"
+    mover.close(flush_deadline_s=1.0)
+
+
 def test_a_close_flushes_what_is_owed_and_nothing_written_or_replaced() -> None:
     mover, host, (back, through), _ = rig("write_back", "write_through")
     for slot in range(4):

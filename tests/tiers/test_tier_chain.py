@@ -60,6 +60,23 @@ def test_a_fetch_continues_in_the_next_tier_from_the_first_block_missed() -> Non
     chain.close()
 
 
+def test_a_probe_counts_the_leading_blocks_some_tier_holds_and_reads_none() -> None:
+    first, second, skipped = (MemoryTier(make_spec()) for _ in range(3))
+    chain = TierChain([("disk", first), ("redis", second), ("s3", skipped)])
+    hashes = block_hashes("prompt", 6)
+    records = payloads(6)
+    first.put(first.keys.keys(hashes[:2] + hashes[3:4]), records[:3]).result()
+    second.put(second.keys.keys(hashes[2:3]), records[3:4]).result()
+    skipped.put(skipped.keys.keys(hashes[4:]), records[4:]).result()
+    chain.take_counts()
+    presence = chain.probe(0, hashes, frozenset({"s3"}))
+    assert presence.wait(10)
+    assert presence.held == 4, "blocks 0-3, each in one of the tiers asked; 4 only in s3"
+    assert all(not counts.get("hits") for counts in chain.take_counts().values())
+    assert chain.probe(0, hashes, frozenset({"disk", "redis", "s3"})).held == 0
+    chain.close()
+
+
 def test_store_writes_every_tier_and_a_stalled_one_drops_without_blocking() -> None:
     fast, stalled = MemoryTier(make_spec()), MemoryTier(make_spec(), queue_depth=1)
     stalled.gate.clear()
