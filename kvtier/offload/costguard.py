@@ -11,8 +11,9 @@ load, whatever the tier:
   (:attr:`WorkerReport.load_times <kvtier.offload.WorkerReport.load_times>`);
 - **lower-tier reads**: each tier read of a promotion, from asking the tier to
   its answer (:attr:`WorkerReport.read_times
-  <kvtier.offload.WorkerReport.read_times>`, per tier), so a tier that
-  answers misses at its deadline is measured as slow as it is;
+  <kvtier.offload.WorkerReport.read_times>`, per tier), and each tier's answer
+  to a promotion's probe as a read of no record, so a tier that answers at its
+  deadline is measured as slow as it is, misses included;
 - **prefill**: the engine integration reports each step's scheduled tokens
   and duration (:meth:`OffloadManager.step_timed
   <kvtier.offload.OffloadManager.step_timed>`).

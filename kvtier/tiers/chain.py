@@ -9,7 +9,8 @@ with its write policy (:data:`~kvtier.models.WritePolicy`).
   result is the longest prefix found across the chain. Every read runs on the
   tiers' own threads; the caller polls the returned :class:`Fetch`.
 - :meth:`TierChain.probe` asks every tier at once which blocks it holds, reading
-  none, so that host slots are reserved only for blocks some tier has.
+  none, so that host slots are reserved only for blocks some tier has; each
+  answer is timed as a read of no record.
 - :meth:`TierChain.store` hands copies of records to the tiers named; a tier
   whose queue is full drops them and counts it.
 - :meth:`TierChain.take_counts` returns what each tier's counters gained since
@@ -157,9 +158,10 @@ class Presence:
         if not tiers or not block_hashes:
             self._done.set()
             return
-        for _, tier in tiers:
+        asked_at = time.monotonic()
+        for name, tier in tiers:
             tier.contains(tier.keys.keys(block_hashes, group, salt)).add_done_callback(
-                self._answered
+                partial(self._answered, chain, name, asked_at)
             )
 
     @property
@@ -171,7 +173,11 @@ class Presence:
         """Wait at most ``timeout_s`` for every answer; whether they all came."""
         return self._done.wait(timeout_s)
 
-    def _answered(self, future: Future[ContainsResult]) -> None:
+    def _answered(
+        self, chain: TierChain, name: str, asked_at: float, future: Future[ContainsResult]
+    ) -> None:
+        # timed as a read that returned no record: what a lookup pays a tier for a miss
+        chain.read_times.append((name, 0, time.monotonic() - asked_at))
         answer = future.result().present if future.exception() is None else ()
         with self._lock:
             for position, present in enumerate(answer):

@@ -117,13 +117,14 @@ class MemoryTier(QueuedTier):
 
 
 class MemoryTierConfig(PluginConfig):
-    """A :class:`MemoryTier` whose reads each take ``read_delay_s`` (tests and benchmarks)."""
+    """A :class:`MemoryTier` whose reads and presence checks each take ``read_delay_s`` (tests
+    and benchmarks)."""
 
     type: Literal["memory"] = Field(
         default="memory", description="Keep records in this process's memory (tests only)."
     )
     read_delay_s: float = Field(
-        0.0, ge=0, description="Seconds every batch read waits before it reads."
+        0.0, ge=0, description="Seconds every batch read or presence check waits before it runs."
     )
 
 
@@ -137,7 +138,7 @@ class _MemoryTierPlugin:
             delay_s = config.read_delay_s
 
             def slow_reads(op: str, keys: Sequence[BlockKey]) -> None:
-                if op == "read" and delay_s:
+                if op in ("read", "exists") and delay_s:
                     time.sleep(delay_s)
 
             return MemoryTier(spec, store=self.store, fail=slow_reads)

@@ -69,10 +69,16 @@ def test_a_probe_counts_the_leading_blocks_some_tier_holds_and_reads_none() -> N
     second.put(second.keys.keys(hashes[2:3]), records[3:4]).result()
     skipped.put(skipped.keys.keys(hashes[4:]), records[4:]).result()
     chain.take_counts()
+    chain.read_times.clear()
     presence = chain.probe(0, hashes, frozenset({"s3"}))
     assert presence.wait(10)
     assert presence.held == 4, "blocks 0-3, each in one of the tiers asked; 4 only in s3"
     assert all(not counts.get("hits") for counts in chain.take_counts().values())
+    # each answer is timed, for the cost guard, as a read that returned no record
+    assert sorted((name, found) for name, found, _ in chain.read_times) == [
+        ("disk", 0),
+        ("redis", 0),
+    ]
     assert chain.probe(0, hashes, frozenset({"disk", "redis", "s3"})).held == 0
     chain.close()
 

@@ -29,9 +29,9 @@ WIDER = TinyLlamaSpec(
     num_layers=4, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1024
 )
 """The lower-tier benchmark's model: its prefill of a block costs more than reading it back."""
-READ_DELAY_S = 1.0
-"""Each read of the slow tier: far above the tiny model's prefill of a few blocks, even on a
-machine busy enough to make that prefill take a few hundred milliseconds."""
+READ_DELAY_S = 0.3
+"""Each read or presence check of the slow tier: far above the tiny model's prefill of a few
+blocks."""
 
 
 def serve_one_by_one(llm: Any, prompts: list[list[int]]) -> list[list[int]]:  # noqa: ANN401
@@ -66,12 +66,11 @@ def test_reads_of_a_slow_tier_are_skipped_with_identical_tokens(
     finally:
         shutdown(llm)
     tier = stats.tiers["memory"]
-    # the first pass's probes found nothing, so nothing was read; the second pass's first
-    # reads went ahead and measured the tier, every later one was skipped, though its
-    # blocks were there
-    assert "misses" not in tier
-    assert tier["hits"] == stats.promoted_blocks >= MIN_SAMPLES * 4
+    # the warm-up's presence checks (the first pass's lookups, which found nothing) measured
+    # the tier; every later read was skipped, though the second pass's blocks were there
+    assert "misses" not in tier and "hits" not in tier
     assert tier["guard_skipped_records"] > 0
+    assert stats.promoted_blocks == 0
 
 
 @pytest.fixture(scope="module")
