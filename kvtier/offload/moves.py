@@ -77,8 +77,9 @@ class PromotionBatch:
 
 
 READ_TRIES = 4
-"""Plans at which a read that found no free host slot for the blocks its probe found is tried
-again before its request computes them."""
+"""Plans of steps that compute something at which a read that found no free host slot for the
+blocks its probe found is tried again before its request computes them (it is tried at every
+plan; steps that compute nothing come in quick succession and do not count)."""
 
 
 class LowerTierMoves:
@@ -221,8 +222,9 @@ class LowerTierMoves:
     def _probed(self, probe: PromotionBatch) -> None:
         """Every worker answered ``probe``: read the leading blocks they all hold, if its
         request still waits for it. With no host slot free for them (every one pinned or
-        being written), the read is tried again at each of the next :data:`READ_TRIES`
-        plans, and the request's lookups wait meanwhile."""
+        being written), the read is tried again at every plan, for :data:`READ_TRIES` plans
+        of steps that compute something and within ``report_deadline_s`` of the probe, and
+        the request's lookups wait meanwhile."""
         assert probe.probed is not None
         request_id = probe.request_id
         waiting = self._promoting.get(request_id)
@@ -231,16 +233,18 @@ class LowerTierMoves:
         self._unread[request_id] = probe
         self._read_probed(probe, waiting)
 
-    def _read_probed(self, probe: PromotionBatch, waiting: set[int]) -> None:
-        """Try to read what ``probe`` found; once read, or out of tries, it is answered."""
+    def _read_probed(self, probe: PromotionBatch, waiting: set[int], counted: bool = True) -> None:
+        """Try to read what ``probe`` found; once read, or out of tries, it is answered.
+        ``counted``: the try counts against :data:`READ_TRIES`."""
         assert probe.probed is not None
         message, request_id = probe.message, probe.request_id
         wanted, hits = probe.probed
         count, batch_ids = self._read(
             request_id, wanted, hits, probe.found, message.skip_tiers, probe.prefetch
         )
-        probe.tries += 1
-        if not batch_ids and probe.found and probe.tries <= READ_TRIES:
+        probe.tries += counted
+        late = self.setup.clock() - probe.planned_at > self.setup.report_deadline_s
+        if not batch_ids and probe.found and probe.tries <= READ_TRIES and not late:
             return
         del self._unread[request_id]
         waiting.discard(message.batch_id)
@@ -253,10 +257,10 @@ class LowerTierMoves:
                 short=probe.found < asked,
             )  # fmt: skip
 
-    def _read_unread(self) -> None:
+    def _read_unread(self, counted: bool) -> None:
         """Try again the reads that found no free host slot."""
         for probe in list(self._unread.values()):
-            self._read_probed(probe, self._promoting[probe.request_id])
+            self._read_probed(probe, self._promoting[probe.request_id], counted)
 
     def _read(
         self,
@@ -320,9 +324,11 @@ class LowerTierMoves:
             batch_ids.append(message.batch_id)
         return count, batch_ids
 
-    def take_promotions(self) -> tuple[Promotion, ...]:
+    def take_promotions(self, idle: bool) -> tuple[Promotion, ...]:
+        """The promotions to plan; reads that found no free slot are tried again first (in a
+        step that computes nothing, ``idle``, without counting the try)."""
         if self._unread:
-            self._read_unread()
+            self._read_unread(counted=not idle)
         promotions, self._to_plan = tuple(self._to_plan), []
         return promotions
 

@@ -98,7 +98,7 @@ class Planner:
             flush=self.flush,
             holds=requests.announce_holds(due),
             unavailable=unavailable,
-            promotions=moves.take_promotions(),
+            promotions=moves.take_promotions(idle),
             demotions=moves.take_demotions(),
             write_throughs=moves.take_write_throughs(),
             same_step=same_step,
