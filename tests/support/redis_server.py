@@ -21,6 +21,7 @@ import redis
 
 START_TIMEOUT_S = 10.0
 _CLUSTER_BUS_OFFSET = 10000
+_EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 _PORTS = random.SystemRandom()
 """Draws ports from the OS, not from ``random``'s shared state: vLLM seeds that (with the
 model's seed) in every process that builds an engine, so test processes running side by
@@ -41,13 +42,25 @@ def _bindable(port: int) -> bool:
     return True
 
 
+def first_ephemeral_port() -> int:
+    """The first port the kernel hands to outgoing connections (Linux's default: 32768)."""
+    try:
+        return int(Path(_EPHEMERAL_RANGE).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(*, with_cluster_bus: bool = False) -> int:
-    """A port free on 127.0.0.1 now (and its cluster bus port, ``port + 10000``, if asked)."""
+    """A port free on 127.0.0.1 now (and its cluster bus port, ``port + 10000``, if asked),
+    below the kernel's ephemeral range: a port in it may be taken by any outgoing connection
+    (a client of another test's server) between this check and the server's bind."""
+    low = 10000
+    high = min(first_ephemeral_port(), 65536) - (_CLUSTER_BUS_OFFSET if with_cluster_bus else 0)
     for _ in range(200):
-        port = _PORTS.randrange(20000, 45000)
+        port = _PORTS.randrange(low, high)
         if _bindable(port) and (not with_cluster_bus or _bindable(port + _CLUSTER_BUS_OFFSET)):
             return port
-    raise RuntimeError("no free port found on 127.0.0.1 between 20000 and 45000")
+    raise RuntimeError(f"no free port found on 127.0.0.1 between {low} and {high}")
 
 
 class RedisServer:

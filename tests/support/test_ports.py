@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from tests.support.redis_server import free_port
+from tests.support.redis_server import first_ephemeral_port, free_port
 
 
 def test_free_ports_do_not_follow_the_shared_random_state() -> None:
@@ -14,3 +14,11 @@ def test_free_ports_do_not_follow_the_shared_random_state() -> None:
     first = [free_port() for _ in range(4)]
     random.seed(0)
     assert [free_port() for _ in range(4)] != first
+
+
+def test_free_ports_stay_below_the_ephemeral_range() -> None:
+    """A port an outgoing connection may take (as one took a Mooncake master's metadata port
+    between its check and its bind) is never handed out."""
+    first = first_ephemeral_port()
+    assert all(free_port() < first for _ in range(200))
+    assert all(free_port(with_cluster_bus=True) + 10000 < first for _ in range(50))
