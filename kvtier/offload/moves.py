@@ -117,6 +117,11 @@ class LowerTierMoves:
         return not (self.promotions or self.has_work)
 
     @property
+    def unread(self) -> bool:
+        """Whether reads wait for a free host slot (:meth:`read_again`)."""
+        return bool(self._unread)
+
+    @property
     def has_work(self) -> bool:
         """Whether writes, promotions or reads to try again wait for the next plan."""
         return bool(self.demotions or self.write_throughs or self._to_plan or self._unread)
@@ -257,10 +262,12 @@ class LowerTierMoves:
                 short=probe.found < asked,
             )  # fmt: skip
 
-    def _read_unread(self, counted: bool) -> None:
-        """Try again the reads that found no free host slot."""
+    def read_again(self, idle: bool) -> None:
+        """Try again the reads that found no free host slot, before the plan's stores take the
+        slots freed since (waiting requests' hits first); in a step that computes nothing,
+        ``idle``, without counting the try."""
         for probe in list(self._unread.values()):
-            self._read_probed(probe, self._promoting[probe.request_id], counted)
+            self._read_probed(probe, self._promoting[probe.request_id], counted=not idle)
 
     def _read(
         self,
@@ -324,11 +331,7 @@ class LowerTierMoves:
             batch_ids.append(message.batch_id)
         return count, batch_ids
 
-    def take_promotions(self, idle: bool) -> tuple[Promotion, ...]:
-        """The promotions to plan; reads that found no free slot are tried again first (in a
-        step that computes nothing, ``idle``, without counting the try)."""
-        if self._unread:
-            self._read_unread(counted=not idle)
+    def take_promotions(self) -> tuple[Promotion, ...]:
         promotions, self._to_plan = tuple(self._to_plan), []
         return promotions
 

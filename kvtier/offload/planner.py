@@ -84,6 +84,8 @@ class Planner:
             idle and moves.promotions
         ):
             return NO_PLAN  # most decode steps
+        if moves.unread:
+            moves.read_again(idle)
         now = self.setup.clock()
         due = requests.take_due()
         loads, unavailable, same_step = self.plan_loads(due, now)
@@ -98,7 +100,7 @@ class Planner:
             flush=self.flush,
             holds=requests.announce_holds(due),
             unavailable=unavailable,
-            promotions=moves.take_promotions(idle),
+            promotions=moves.take_promotions(),
             demotions=moves.take_demotions(),
             write_throughs=moves.take_write_throughs(),
             same_step=same_step,

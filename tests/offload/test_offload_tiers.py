@@ -305,6 +305,26 @@ def test_a_read_without_a_free_slot_is_tried_again_at_the_next_plans() -> None:
     assert manager.lookup("r", wanted, 0, len(prompt(1))) == PROMPT_BLOCKS * BLOCK_TOKENS
 
 
+def test_a_read_waiting_for_room_takes_freed_slots_before_the_steps_stores() -> None:
+    manager = small_manager()
+    wanted = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    pinned = fill_pinned(manager)
+    assert manager.lookup("r", wanted, 0, len(prompt(1))) is None
+    (probe,) = manager.build_plan().promotions
+    manager.process(WorkerReport(promoted={probe.batch_id: (1, PROMPT_BLOCKS)}))
+    for keys in pinned:
+        manager.index.unpin(keys)
+    computed = hash_token_blocks(prompt(4), BLOCK_TOKENS)[:4]  # a running request's blocks
+    manager.scheduled(
+        "s", num_computed_tokens=0, new_block_ids=[list(range(4))], block_hashes=computed
+    )
+    manager.scheduled("s", num_computed_tokens=4 * BLOCK_TOKENS)
+    plan = manager.build_plan()
+    (read,) = plan.promotions
+    assert len(read.host_slots) == PROMPT_BLOCKS, "the waiting request's hits first"
+    assert sum(len(store) for store in plan.stores) == 8 - PROMPT_BLOCKS
+
+
 def test_a_read_that_never_finds_a_free_slot_gives_up_after_its_tries() -> None:
     manager = small_manager()
     fill_pinned(manager)
