@@ -243,13 +243,21 @@ class LowerTierMoves:
         ``counted``: the try counts against :data:`READ_TRIES`."""
         assert probe.probed is not None
         message, request_id = probe.message, probe.request_id
+        setup = self.setup
         wanted, hits = probe.probed
+        found = wanted[hits : hits + probe.found]
+        # the leading blocks another request brought into the host tier since are hits now
+        present = min(
+            setup.index.lookup(setup.namespace.keys(found, group))
+            for group in range(setup.num_groups)
+        )
+        left = len(found) - present
         count, batch_ids = self._read(
-            request_id, wanted, hits, probe.found, message.skip_tiers, probe.prefetch
+            request_id, wanted, hits + present, left, message.skip_tiers, probe.prefetch
         )
         probe.tries += counted
-        late = self.setup.clock() - probe.planned_at > self.setup.report_deadline_s
-        if not batch_ids and probe.found and probe.tries <= READ_TRIES and not late:
+        late = setup.clock() - probe.planned_at > setup.report_deadline_s
+        if not batch_ids and left and probe.tries <= READ_TRIES and not late:
             return
         del self._unread[request_id]
         waiting.discard(message.batch_id)

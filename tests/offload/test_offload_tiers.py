@@ -325,6 +325,19 @@ def test_a_read_waiting_for_room_takes_freed_slots_before_the_steps_stores() -> 
     assert sum(len(store) for store in plan.stores) == 8 - PROMPT_BLOCKS
 
 
+def test_blocks_another_request_brought_in_while_probing_are_hits_at_once() -> None:
+    manager = small_manager()
+    wanted = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    assert manager.lookup("r", wanted, 0, len(prompt(1))) is None
+    (probe,) = manager.build_plan().promotions
+    store(manager, "s", wanted[:3])  # the prefix's first blocks, computed meanwhile
+    manager.process(WorkerReport(promoted={probe.batch_id: (1, PROMPT_BLOCKS)}))
+    (read,) = manager.build_plan(idle=True).promotions
+    assert read.block_hashes == tuple(wanted[3:PROMPT_BLOCKS]), "only the rest is read"
+    manager.process(WorkerReport(promoted={read.batch_id: (1, PROMPT_BLOCKS - 3)}))
+    assert manager.lookup("r", wanted, 0, len(prompt(1))) == PROMPT_BLOCKS * BLOCK_TOKENS
+
+
 def test_a_read_that_never_finds_a_free_slot_gives_up_after_its_tries() -> None:
     manager = small_manager()
     fill_pinned(manager)
