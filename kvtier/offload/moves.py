@@ -263,7 +263,7 @@ class LowerTierMoves:
         waiting.discard(message.batch_id)
         waiting.update(batch_ids)
         if probe.prefetch:
-            groups = self.setup.num_groups
+            groups = setup.num_groups
             asked = len(message.block_hashes)
             self.prefetches.probed(
                 request_id, message.batch_id, batch_ids, asked * groups, count * groups,

@@ -77,7 +77,23 @@ class TierBlock(NamedTuple):
     """The engine's hash of the block."""
 
 
-class Fetch:
+class _Asked:
+    """Questions put to the tiers on their threads, over once every tier asked answered."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        """Whether every tier asked answered."""
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for every answer; whether they all came."""
+        return self._done.wait(timeout_s)
+
+
+class Fetch(_Asked):
     """Blocks being read down the chain; :attr:`done` once every tier that was asked answered."""
 
     def __init__(
@@ -88,6 +104,7 @@ class Fetch:
         skip: frozenset[str] = frozenset(),
         salt: bytes | None = None,
     ) -> None:
+        super().__init__()
         self._chain = chain
         self._group = group
         self._hashes = tuple(block_hashes)
@@ -98,17 +115,7 @@ class Fetch:
         """Payloads of the leading blocks found, in order (complete once :attr:`done`)."""
         self.sources: list[str] = []
         """The tier each of :attr:`records` came from."""
-        self._done = threading.Event()
         self._ask(0)
-
-    @property
-    def done(self) -> bool:
-        """Whether the search is over."""
-        return self._done.is_set()
-
-    def wait(self, timeout_s: float) -> bool:
-        """Wait at most ``timeout_s`` for the search to end; whether it has."""
-        return self._done.wait(timeout_s)
 
     def _ask(self, position: int) -> None:
         tiers = self._chain.tiers
@@ -136,7 +143,7 @@ class Fetch:
         self._ask(position + 1)
 
 
-class Presence:
+class Presence(_Asked):
     """Which leading blocks the chain holds, asked of every tier at once; :attr:`held` once
     :attr:`done`."""
 
@@ -148,11 +155,11 @@ class Presence:
         skip: frozenset[str] = frozenset(),
         salt: bytes | None = None,
     ) -> None:
+        super().__init__()
         tiers = [(name, tier) for name, tier in chain.tiers if name not in skip]
         self._present = [False] * len(block_hashes)
         self._left = len(tiers)
         self._lock = threading.Lock()
-        self._done = threading.Event()
         self.held = 0
         """Leading blocks some tier holds, each (complete once :attr:`done`)."""
         if not tiers or not block_hashes:
@@ -163,15 +170,6 @@ class Presence:
             tier.contains(tier.keys.keys(block_hashes, group, salt)).add_done_callback(
                 partial(self._answered, chain, name, asked_at)
             )
-
-    @property
-    def done(self) -> bool:
-        """Whether every tier asked answered."""
-        return self._done.is_set()
-
-    def wait(self, timeout_s: float) -> bool:
-        """Wait at most ``timeout_s`` for every answer; whether they all came."""
-        return self._done.wait(timeout_s)
 
     def _answered(
         self, chain: TierChain, name: str, asked_at: float, future: Future[ContainsResult]

@@ -287,13 +287,18 @@ def fill_pinned(manager: OffloadManager) -> list[list[BlockKey]]:
     return pinned
 
 
+def probe_found_all(manager: OffloadManager, wanted: list[bytes]) -> None:
+    """Request ``r`` looks ``wanted`` up and the workers answer its probe: every block held."""
+    assert manager.lookup("r", wanted, 0, len(prompt(1))) is None
+    (probe,) = manager.build_plan().promotions
+    manager.process(WorkerReport(promoted={probe.batch_id: (1, PROMPT_BLOCKS)}))
+
+
 def test_a_read_without_a_free_slot_is_tried_again_at_the_next_plans() -> None:
     manager = small_manager()
     wanted = hash_token_blocks(prompt(1), BLOCK_TOKENS)
     pinned = fill_pinned(manager)
-    assert manager.lookup("r", wanted, 0, len(prompt(1))) is None
-    (probe,) = manager.build_plan().promotions
-    manager.process(WorkerReport(promoted={probe.batch_id: (1, PROMPT_BLOCKS)}))
+    probe_found_all(manager, wanted)
     assert manager.build_plan().promotions == (), "every host slot is pinned"
     assert manager.lookup("r", wanted, 0, len(prompt(1))) is None, "it waits for room"
     for keys in pinned:  # the loads that pinned them ended
@@ -309,9 +314,7 @@ def test_a_read_waiting_for_room_takes_freed_slots_before_the_steps_stores() -> 
     manager = small_manager()
     wanted = hash_token_blocks(prompt(1), BLOCK_TOKENS)
     pinned = fill_pinned(manager)
-    assert manager.lookup("r", wanted, 0, len(prompt(1))) is None
-    (probe,) = manager.build_plan().promotions
-    manager.process(WorkerReport(promoted={probe.batch_id: (1, PROMPT_BLOCKS)}))
+    probe_found_all(manager, wanted)
     for keys in pinned:
         manager.index.unpin(keys)
     computed = hash_token_blocks(prompt(4), BLOCK_TOKENS)[:4]  # a running request's blocks
@@ -342,9 +345,7 @@ def test_a_read_that_never_finds_a_free_slot_gives_up_after_its_tries() -> None:
     manager = small_manager()
     fill_pinned(manager)
     wanted = hash_token_blocks(prompt(1), BLOCK_TOKENS)
-    assert manager.lookup("r", wanted, 0, len(prompt(1))) is None
-    (probe,) = manager.build_plan().promotions
-    manager.process(WorkerReport(promoted={probe.batch_id: (1, PROMPT_BLOCKS)}))
+    probe_found_all(manager, wanted)
     for _ in range(3 * READ_TRIES):  # steps that compute nothing follow at once: not counted
         assert manager.build_plan(idle=True).promotions == ()
         assert manager.lookup("r", wanted, 0, len(prompt(1))) is None
