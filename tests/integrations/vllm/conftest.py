@@ -55,7 +55,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def start_engine(model_dir: str, kvtier: dict | None, **kwargs: object) -> Any:  # noqa: ANN401
-    """An in-process ``vllm.LLM``, with kvtier configured as ``kvtier`` (``None``: without it)."""
+    """An in-process ``vllm.LLM``, with kvtier configured as ``kvtier`` (``None``: without it).
+
+    The cost guard is off unless ``kvtier`` turns it on: its decisions follow measured copy,
+    read and prefill times, which swing with the machine's load, and these tests count hits.
+    """
     from vllm import LLM, envs
     from vllm.distributed.kv_transfer import has_kv_transfer_group
 
@@ -67,6 +71,8 @@ def start_engine(model_dir: str, kvtier: dict | None, **kwargs: object) -> Any: 
 
     from kvtier.integrations.vllm.offline import engine_kwargs
 
+    if kvtier is not None:
+        kvtier = {"cost_guard": False, **kvtier}
     return LLM(**engine_kwargs(model_dir, kvtier=kvtier, **kwargs))
 
 

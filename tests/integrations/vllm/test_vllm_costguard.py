@@ -58,7 +58,9 @@ def test_reads_of_a_slow_tier_are_skipped_with_identical_tokens(
         shutdown(vanilla)
     monkeypatch.setattr(kvtier.plugins, "_default_registry", memory_tier_registry())
     slow = {"type": "memory", "read_delay_s": READ_DELAY_S}
-    llm = start_engine(model_dir, {"cpu_bytes": 9 * RECORD_BYTES, "tiers": [slow]}, **DEVICE)
+    llm = start_engine(
+        model_dir, {"cpu_bytes": 9 * RECORD_BYTES, "tiers": [slow], "cost_guard": True}, **DEVICE
+    )
     try:
         assert serve_one_by_one(llm, PROMPTS) == expected  # demotes the early prompts
         assert serve_one_by_one(llm, PROMPTS) == expected  # and finds them in the tier
@@ -89,7 +91,11 @@ def test_reads_of_a_fast_tier_all_go_ahead(
     monkeypatch.setattr(kvtier.plugins, "_default_registry", memory_tier_registry())
     record_bytes = WIDER.kv_bytes_per_token() * BLOCK
     fast = {"type": "memory", "read_delay_s": 0}
-    llm = start_engine(wider_model_dir, {"cpu_bytes": 9 * record_bytes, "tiers": [fast]}, **DEVICE)
+    llm = start_engine(
+        wider_model_dir,
+        {"cpu_bytes": 9 * record_bytes, "tiers": [fast], "cost_guard": True},
+        **DEVICE,
+    )
     try:
         serve_one_by_one(llm, PROMPTS)
         serve_one_by_one(llm, PROMPTS)
