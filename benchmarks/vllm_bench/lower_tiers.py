@@ -134,7 +134,7 @@ def s3_tier(scratch: Path) -> Iterator[dict[str, object] | None]:
 
 @contextlib.contextmanager
 def memory_tier_plugin() -> Iterator[None]:
-    """The process's plugins plus the tests' ``memory`` tier, for the slow tier's arms."""
+    """The process's plugins plus the tests' ``memory`` tier over a new, empty store."""
     import kvtier.plugins
     from tests.support.tiers import memory_tier_registry
 
@@ -168,8 +168,8 @@ def measure_lower_tiers(
             if tier is not None:
                 measure(name, tier)
     slow = {"type": "memory", "read_delay_s": args.slow_tier_read_s}
-    with memory_tier_plugin():
-        for name, cost_guard in (("slow", False), ("slow_guarded", True)):
+    for name, cost_guard in (("slow", False), ("slow_guarded", True)):
+        with memory_tier_plugin():  # a store of its own: the arms' prompts are the same
             measure(name, slow, cost_guard=cost_guard, warmup_prompts=GUARD_WARMUP_PROMPTS)
     return lower
 
