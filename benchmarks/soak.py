@@ -557,6 +557,7 @@ def intervals(soak: Soak, interval_s: float) -> list:
                 },
                 "fds": sample["fds"],
                 "threads": sample["threads"],
+                "read_buffers_mib": round(read_buffer_bytes(sample) / (1 << 20), 1),
                 "host_used": sample.get("used_bytes", 0.0)
                 / max(1.0, sample.get("capacity_bytes", 1.0)),
                 "preemptions": sample.get("preemptions", 0.0) - last.get("preemptions", 0.0),
@@ -635,10 +636,13 @@ def growth(samples: Sequence[dict[str, Any]], warmup_s: float, rss_limit: float)
         return round(sample[key] / (1 << 20), 1)
 
     rss = (last["rss_bytes"] - first["rss_bytes"]) / first["rss_bytes"]
+    buffers = read_buffer_bytes(last) - read_buffer_bytes(first)
     return {
         "rss_mib": [mib(first, "rss_bytes"), mib(last, "rss_bytes")],
         "rss_anon_mib": [mib(first, "rss_anon_bytes"), mib(last, "rss_anon_bytes")],
         "rss_growth": rss,
+        "read_buffers_mib": [round(read_buffer_bytes(s) / (1 << 20), 1) for s in (first, last)],
+        "rss_growth_less_read_buffers": rss - buffers / first["rss_bytes"],
         "fds": [first["fds"], last["fds"]],
         "threads": [first["threads"], last["threads"]],
         "peak_fds": max(s["fds"] for s in after),
@@ -647,6 +651,11 @@ def growth(samples: Sequence[dict[str, Any]], warmup_s: float, rss_limit: float)
         and last["fds"] - first["fds"] <= FD_SLACK
         and last["threads"] - first["threads"] <= THREAD_SLACK,
     }
+
+
+def read_buffer_bytes(sample: dict[str, Any]) -> float:
+    """Bytes of the buffers every tier keeps for reads (kvtier's memory that only grows)."""
+    return sum(row.get("read_buffer_bytes", 0.0) for row in sample.get("tiers", {}).values())
 
 
 def balances(server: Server, tiers: dict[str, str]) -> dict[str, Any]:

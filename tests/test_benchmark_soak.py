@@ -90,12 +90,16 @@ def test_every_tier_balances_exactly_counting_the_records_it_already_held(
     assert not redis["ok"] and redis["uncounted"] == 1.0
 
 
-def test_queue_depths_and_states_come_from_the_metrics_per_interval(soak: ModuleType) -> None:
+def test_queue_depths_states_and_read_buffers_come_from_the_metrics_per_interval(
+    soak: ModuleType,
+) -> None:
     def page(stores: int, queued: int, state: int) -> str:
         labels = 'model_name="m",engine="0",tier="redis"'
         return (
             "# TYPE vllm:kvtier_tier_stores_total counter\n"
             f"vllm:kvtier_tier_stores_total{{{labels}}} {stores}\n"
+            "# TYPE vllm:kvtier_tier_read_buffer_bytes_total counter\n"
+            f"vllm:kvtier_tier_read_buffer_bytes_total{{{labels}}} {stores << 20}\n"
             "# TYPE vllm:kvtier_tier_queued gauge\n"
             f"vllm:kvtier_tier_queued{{{labels}}} {queued}\n"
             "# TYPE vllm:kvtier_tier_state gauge\n"
@@ -113,6 +117,7 @@ def test_queue_depths_and_states_come_from_the_metrics_per_interval(soak: Module
     redis = row["tiers"]["redis"]
     assert (redis["stores"], redis["queued"], redis["queued_max"]) == (9.0, 0.0, 7.0)
     assert redis["state"] == "up" and redis["states_seen"] == ["up", "backing off"]
+    assert row["read_buffers_mib"] == 9.0  # what the tiers keep, not what they added
     assert run.states() == {"redis": "up"}
 
 

@@ -231,6 +231,13 @@ TIER_COUNTERS: tuple[Counter, ...] = (
     ),
     Counter("bytes_read", _C, "bytes", "Payload bytes a storage tier returned, all ranks."),
     Counter("bytes_written", _C, "bytes", "Payload bytes written to a storage tier, all ranks."),
+    Counter(
+        "read_buffer_bytes",
+        _C,
+        "bytes",
+        "Bytes of the buffers a storage tier's I/O threads read records into and keep for "
+        "later reads, all ranks; kept until the tier closes, at most 32 MiB an I/O thread.",
+    ),
     Counter("stores", _C, "records", "Records written to a storage tier."),
     Counter(
         "drops",

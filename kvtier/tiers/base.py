@@ -189,6 +189,10 @@ class TierStats:
     """Keys of gets and contains answered as misses at their deadline."""
     evictions: int = 0
     """Records the tier evicted to make room."""
+    read_buffer_bytes: int = 0
+    """Bytes of the buffers the tier's I/O threads read records into and keep for the next
+    reads (:class:`~kvtier.tiers.buffers.ReadBuffers`); kept until the tier closes, so it
+    only grows, to a bound per I/O thread."""
     bytes_read: int = 0
     """Payload bytes gets returned."""
     bytes_written: int = 0

@@ -47,6 +47,10 @@ class ReadBuffers:
         self.align = align
         self.keep = max(1, keep_bytes // capacity)
         """Buffers each thread keeps."""
+        self.kept_bytes = 0
+        """Bytes of the buffers every thread keeps (each is kept until the pool is dropped,
+        so this only grows: to at most ``keep`` buffers a thread)."""
+        self._kept_lock = threading.Lock()
         self._local = threading.local()
 
     def take(self, size: int) -> memoryview:
@@ -72,6 +76,8 @@ class ReadBuffers:
             buffer, skip = self._new(self.capacity)
             if len(pool) < self.keep:
                 pool.append((buffer, skip))
+                with self._kept_lock:
+                    self.kept_bytes += buffer.nbytes
         return memoryview(buffer)[skip : skip + size]
 
     def _new(self, size: int) -> tuple[np.ndarray, int]:

@@ -54,6 +54,7 @@ from kvtier.tiers.base import (
     TierState,
     TierStats,
 )
+from kvtier.tiers.buffers import ReadBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,8 @@ class QueuedTier(StorageTier):
         self._counts: Counter[str] = Counter()
         self._errors: Counter[str] = Counter()
         self._disabled: Cause | None = None
+        self._read_buffers: ReadBuffers | None = None
+        """What a subclass reads records into, if it keeps buffers: their bytes are a stat."""
 
     # ------------------------------------------------------------ for subclasses
 
@@ -284,7 +287,12 @@ class QueuedTier(StorageTier):
             counts = dict(self._counts)
             errors = dict(self._errors)
         return TierStats(
-            **counts, errors=errors, records=self._held_records(), queued=queued, state=state
+            **counts,
+            errors=errors,
+            records=self._held_records(),
+            read_buffer_bytes=buffers.kept_bytes if (buffers := self._read_buffers) else 0,
+            queued=queued,
+            state=state,
         )
 
     def close(self) -> None:

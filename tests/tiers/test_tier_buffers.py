@@ -68,6 +68,22 @@ def test_each_thread_keeps_at_most_its_bound_and_its_own_buffers() -> None:
     assert all(elsewhere[0] is not ref() for ref in watched[:2])
 
 
+def test_kept_bytes_count_the_buffers_kept_in_every_thread_and_no_other() -> None:
+    buffers = ReadBuffers(64, keep_bytes=64 * 2, align=16)
+    assert buffers.kept_bytes == 0
+    views = [buffers.take(64) for _ in range(3)]  # the third is not kept
+    views.append(buffers.take(100))  # above capacity: never kept
+    kept = sum(base(view).nbytes for view in views[:2])
+    assert buffers.kept_bytes == kept >= 2 * 64
+    del views
+    buffers.take(64)  # reused: nothing new
+    assert buffers.kept_bytes == kept
+    thread = threading.Thread(target=buffers.take, args=(64,))
+    thread.start()
+    thread.join()
+    assert buffers.kept_bytes == kept + kept // 2
+
+
 def test_a_size_above_capacity_gets_a_buffer_of_its_own() -> None:
     buffers = ReadBuffers(64)
     big = buffers.take(100)

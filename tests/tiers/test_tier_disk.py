@@ -37,6 +37,7 @@ from kvtier.testing.contracts_tier import (
 )
 from kvtier.tiers import disk as disk_module
 from kvtier.tiers.base import TierError, TierSpec
+from kvtier.tiers.buffers import KEEP_BYTES
 from kvtier.tiers.disk import (
     HEADER_AREA_BYTES,
     SUPERBLOCK_BYTES,
@@ -378,6 +379,23 @@ def test_a_path_that_is_another_users_link_is_refused(
     assert not list(target.iterdir())
     os.lchown(link, os.geteuid(), os.getegid())
     open_tier(path=link).close()
+
+
+def test_the_read_buffers_kept_are_counted_and_bounded(
+    open_tier: Callable[..., DiskTier],
+) -> None:
+    tier = open_tier(io_threads=2)
+    keys = tier.keys.keys(block_hashes("buffers", 8))
+    store(tier, keys, payloads(8, RECORD))
+    assert tier.stats().read_buffer_bytes == 0
+    held = [done(tier.get(keys)).records for _ in range(4)]  # held: each read a new buffer
+    kept = tier.stats().read_buffer_bytes
+    assert kept >= 8 * RECORD
+    assert kept <= 2 * KEEP_BYTES + 2 * tier.slot_bytes
+    del held
+    for _ in range(4):
+        fetch(tier, keys)  # dropped each time: read into the buffers kept
+    assert tier.stats().read_buffer_bytes == kept
 
 
 # ------------------------------------------------------------------ warm restart
