@@ -590,6 +590,52 @@ def test_a_truncated_file_is_a_miss(open_tier: Callable[..., DiskTier]) -> None:
     assert tier.stats().errors == {"length": 1}
 
 
+def test_a_file_truncated_inside_a_run_of_slots_is_a_miss_from_there(
+    open_tier: Callable[..., DiskTier],
+) -> None:
+    tier = open_tier()
+    keys = tier.keys.keys(block_hashes("short run", 3))
+    records = payloads(3, RECORD)
+    store(tier, keys, records)
+    offsets = [slot_offset(tier, key) for key in keys]
+    assert offsets == [offsets[0] + i * tier.slot_bytes for i in range(3)], "one run of slots"
+    os.truncate(tier.file, offsets[1] + HEADER_AREA_BYTES + 10)
+    assert fetch(tier, keys) == [records[0], None, None]
+    assert tier.stats().errors == {"length": 2}
+
+
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_records_in_consecutive_slots_are_read_in_one_call(
+    o_direct: bool,
+    tmp_path: Path,
+    open_tier: Callable[..., DiskTier],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One ``preadv`` a run: the I/O thread waits for the interpreter once a run, not once a
+    record (a busy engine thread made a record-at-a-time read of 96 records 4 to 5 times
+    slower than alone)."""
+    if o_direct and o_direct_refused(tmp_path) is not None:
+        pytest.skip(str(o_direct_refused(tmp_path)))
+    tier = open_tier(o_direct=o_direct)
+    keys = tier.keys.keys(block_hashes("run", 6))
+    records = payloads(6, RECORD)
+    store(tier, keys, records)
+    # records 0-3 are one run and 5 is alone (4 was deleted), whatever the order asked in
+    assert done(tier.delete(keys[4:5])).deleted == (True,)
+    asked = [keys[2], keys[0], keys[1], keys[5], keys[4], keys[3]]
+    calls: list[int] = []
+    real = os.preadv
+
+    def counting(fd: int, buffers: list[memoryview], offset: int) -> int:
+        calls.append(len(buffers))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", counting)
+    expected = [records[2], records[0], records[1], records[5], None, records[3]]
+    assert fetch(tier, asked) == expected
+    assert sorted(calls) == [1, 4]
+
+
 @pytest.mark.parametrize("o_direct", [False, True])
 def test_a_get_returns_new_writable_buffers(
     o_direct: bool, tmp_path: Path, open_tier: Callable[..., DiskTier]
