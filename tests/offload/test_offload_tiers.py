@@ -263,6 +263,36 @@ def test_a_block_no_lower_tier_holds_evicts_nothing_from_the_host_tier() -> None
     assert manager.index.lookup(manager.namespace.keys(held)) == PROMPT_BLOCKS
 
 
+def evict_to_the_tier(manager: OffloadManager, hashes: list[bytes]) -> None:
+    """Store ``hashes``, then two prompts that evict them: they are written down the chain."""
+    store(manager, "a", hashes)
+    for seed in (2, 3):
+        store(manager, str(seed), hash_token_blocks(prompt(seed), BLOCK_TOKENS)[:PROMPT_BLOCKS])
+    manager.build_plan()  # hands the last evicted blocks to the workers
+    assert manager.index.lookup(manager.namespace.keys(hashes)) == 0
+
+
+def test_blocks_this_engine_wrote_down_are_read_without_a_probe() -> None:
+    manager = small_manager()
+    wanted = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    evict_to_the_tier(manager, wanted[:PROMPT_BLOCKS])
+    assert manager.lookup("r", wanted, 0, len(prompt(1))) is None
+    (read,) = manager.build_plan().promotions
+    assert len(read.host_slots) == PROMPT_BLOCKS, "read at once, not probed first"
+    manager.process(WorkerReport(promoted={read.batch_id: (1, PROMPT_BLOCKS)}))
+    assert manager.lookup("r", wanted, 0, len(prompt(1))) == PROMPT_BLOCKS * BLOCK_TOKENS
+
+
+def test_after_a_reset_blocks_written_down_before_it_are_probed_first() -> None:
+    manager = small_manager()
+    wanted = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    evict_to_the_tier(manager, wanted[:PROMPT_BLOCKS])
+    manager.reset()
+    assert manager.lookup("r", wanted, 0, len(prompt(1))) is None
+    (probe,) = manager.build_plan().promotions
+    assert probe.host_slots == ()
+
+
 def test_promoted_blocks_stay_for_their_request_until_it_is_allocated() -> None:
     manager = small_manager()
     wanted = hash_token_blocks(prompt(1), BLOCK_TOKENS)
