@@ -319,6 +319,15 @@ class PolicyIndex(BlockIndex, PrioritizedEviction, PushesEvictions):
     ) -> list[int | None]:
         readable, writing, discarded = self._readable, self._writing, self._discarded
         free, parents = self._free, self._parents
+        if len(keys) == 1 and free and not self._policy_hears_offers:
+            # A decode step's block (one a request in every ``block_tokens``): its own path.
+            key = keys[0]
+            if key not in readable and key not in writing and key not in discarded:
+                if not self.policy.admit_all(keys, parent)[0]:
+                    return [None]
+                slot = writing[key] = free.pop()
+                parents[slot] = parent
+                return [slot]
         if (
             len(free) >= len(keys)
             and not self._policy_hears_offers

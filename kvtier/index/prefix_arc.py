@@ -276,6 +276,67 @@ class _Duels:
             sampled.intersection_update([key for key in sampled if key in held])
 
 
+class _ReuseClasses:
+    """Reuse learning (see the module docstring): the class of each newly stored block not
+    reused yet, and per class how many blocks were stored and reused, halved every few tiers'
+    worth of stores so that they follow the workload."""
+
+    __slots__ = ("ratio", "of_key", "stored", "reused", "decay_every", "since_decay")
+
+    def __init__(self, ratio: float, decay_every: int) -> None:
+        self.ratio = ratio
+        self.of_key: dict[BlockKey, int] = {}
+        """A stored key's class until its first reuse, kept while the key is remembered."""
+        self.stored = [0.0] * NUM_CLASSES
+        self.reused = [0.0] * NUM_CLASSES
+        self.decay_every = decay_every
+        self.since_decay = 0
+
+    def reuse(self, key: BlockKey) -> None:
+        """A held or remembered key is used again: its class, if it still has one, was reused."""
+        cls = self.of_key.pop(key, None)
+        if cls is not None:
+            self.reused[cls] += 1.0
+
+    def classify(
+        self, walk: list[BlockKey], origin: int, t1: OrderedDict[BlockKey, int]
+    ) -> list[BlockKey]:
+        """Class a chain's newly stored blocks, leaf first (``walk``), those still in t1 (not
+        hit, not gone): one class per distance from the leaf for the last few, one for the
+        rest, ``origin`` telling a new chain from an extension. Returns those of a low-value
+        class, leaf first."""
+        stored, reused, classes = self.stored, self.reused, self.of_key
+        prior, bar = _low_value_bar(stored, reused, self.ratio)
+        demoted = []
+        deep = TAIL_BUCKETS - 1
+        for distance, key in enumerate(walk[:deep]):
+            if key in t1:
+                cls = origin + distance
+                # Classes only grow along the walk: each is tested on its counts from before
+                # this chain, the first time it is met.
+                low = (reused[cls] + prior) / (stored[cls] + PRIOR_WEIGHT) < bar
+                classes[key] = cls
+                stored[cls] += 1.0
+                if low:
+                    demoted.append(key)
+        rest = [key for key in walk[deep:] if key in t1]
+        if rest:
+            cls = origin + deep
+            classes.update(dict.fromkeys(rest, cls))
+            if (reused[cls] + prior) / (stored[cls] + PRIOR_WEIGHT) < bar:
+                demoted += rest
+            stored[cls] += len(rest)
+        return demoted
+
+    def count_stores(self, count: int) -> None:
+        """``count`` more blocks were stored; halve the counts every ``decay_every``."""
+        self.since_decay += count
+        if self.since_decay >= self.decay_every:
+            self.since_decay = 0
+            self.stored = [each / 2 for each in self.stored]
+            self.reused = [each / 2 for each in self.reused]
+
+
 class PrefixARCPolicy(EvictionPolicy):
     """ARC over prefix chains; ``num_slots`` sizes the ghost lists and the history."""
 
@@ -295,13 +356,10 @@ class PrefixARCPolicy(EvictionPolicy):
         # What the policy knows of each key it holds or remembers, in dicts keyed by the key
         # (no object per key: a step's blocks start no garbage collection). ``_where``: every
         # such key's place (HELD, or where it is remembered); ``_parent``: a held key's prefix
-        # parent; ``_children``: a held key's cached children (one key, or a set of keys);
-        # ``_cls``: the class of a stored key not reused yet (see reuse learning), kept while
-        # the key is remembered.
+        # parent; ``_children``: a held key's cached children (one key, or a set of keys).
         self._where: dict[BlockKey, int] = {}
         self._parent: dict[BlockKey, BlockKey | None] = {}
         self._children: dict[BlockKey, BlockKey | set[BlockKey]] = {}
-        self._cls: dict[BlockKey, int] = {}
         self._tickets = 0
         # Values are the keys' use stamps from ``_clock``, increasing along each list; stamp 0
         # marks a block put first in line for eviction.
@@ -329,13 +387,7 @@ class PrefixARCPolicy(EvictionPolicy):
         # Whether a block stored since the chain was last placed came back from the memory of
         # evicted keys (into t2, at once): the others join t1 in one update.
         self._returned = False
-        # Reuse learning: per class, how many keys were stored and reused (a stored key not yet
-        # reused keeps its class in ``_cls`` while the tier holds or remembers it).
-        self.low_value_ratio = low_value_ratio
-        self._stored = [0.0] * NUM_CLASSES
-        self._reused = [0.0] * NUM_CLASSES
-        self._decay_every = max(1, self.history_size + 2 * num_slots)
-        self._since_decay = 0
+        self._reuse = _ReuseClasses(low_value_ratio, max(1, self.history_size + 2 * num_slots))
         # Adaptive admission: keys seen once and not stored, the last key declined (its
         # descendants are declined too); the shadow caches and their choices.
         self._seen: OrderedDict[BlockKey, None] = OrderedDict()
@@ -414,7 +466,7 @@ class PrefixARCPolicy(EvictionPolicy):
             if self._ranked != len(chain):
                 self._rank_chain()
         else:
-            t1, stored, reused = self._t1, self._stored, self._reused
+            t1 = self._t1
             if len(chain) == 1 and not self._placed and not self._returned:
                 # ``_rank_chain`` of a chain of one new block (a decode step's), inline.
                 self._clock += 1
@@ -425,50 +477,14 @@ class PrefixARCPolicy(EvictionPolicy):
             # (Only a held key has a parent entry.)
             if first and self._parent.get(chain[first]) is not None:
                 origin = TAIL_BUCKETS
-            prior, bar = _low_value_bar(stored, reused, self.low_value_ratio)
-            if len(chain) - first == 1:
-                # One new block (a decode step's): its class is the chain's tail.
-                key = chain[first]
-                if key in t1:
-                    self._cls[key] = origin
-                    low = (reused[origin] + prior) / (stored[origin] + PRIOR_WEIGHT) < bar
-                    stored[origin] += 1.0
-                    if low:
-                        t1.move_to_end(key, last=False)
-                        t1[key] = 0
-            else:
-                demoted = []
-                classes = self._cls
-                # Leaf first, as ranked: a stored block still in t1 (not hit, not gone) gets a
-                # class: one per distance from the leaf for the last few, then one for the rest.
-                walk = chain[first:]
-                walk.reverse()
-                deep = TAIL_BUCKETS - 1
-                for distance, key in enumerate(walk[:deep]):
-                    if key in t1:
-                        cls = origin + distance
-                        # Classes only grow along the walk: each is tested on its counts from
-                        # before this chain, the first time it is met.
-                        low = (reused[cls] + prior) / (stored[cls] + PRIOR_WEIGHT) < bar
-                        classes[key] = cls
-                        stored[cls] += 1.0
-                        if low:
-                            demoted.append(key)
-                rest = [key for key in walk[deep:] if key in t1]
-                if rest:
-                    cls = origin + deep
-                    classes.update(dict.fromkeys(rest, cls))
-                    if (reused[cls] + prior) / (stored[cls] + PRIOR_WEIGHT) < bar:
-                        demoted += rest
-                    stored[cls] += len(rest)
-                # Root first, so that the chain's deepest low-value block ends up first in line.
-                move_to_end = t1.move_to_end
-                for key in reversed(demoted):
-                    move_to_end(key, last=False)
-                    t1[key] = 0
-            self._since_decay += len(chain) - first
-            if self._since_decay >= self._decay_every:
-                self._decay()
+            walk = chain[first:]
+            walk.reverse()
+            # Root first, so that the chain's deepest low-value block ends up first in line.
+            move_to_end = t1.move_to_end
+            for key in reversed(self._reuse.classify(walk, origin, t1)):
+                move_to_end(key, last=False)
+                t1[key] = 0
+            self._reuse.count_stores(len(chain) - first)
         chain.clear()
         self._ranked = self._placed = 0
         self._first_new = None
@@ -487,14 +503,6 @@ class PrefixARCPolicy(EvictionPolicy):
             siblings.add(child)
         elif siblings != child:
             children[parent] = {siblings, child}
-
-    # Reuse learning.
-
-    def _decay(self) -> None:
-        """Halve the class counts every few tiers' worth of stores, so they follow the workload."""
-        self._since_decay = 0
-        self._stored = [count / 2 for count in self._stored]
-        self._reused = [count / 2 for count in self._reused]
 
     # Adaptive admission.
 
@@ -570,7 +578,14 @@ class PrefixARCPolicy(EvictionPolicy):
             return
         starts = [0, *compress(range(1, count), map(ne, parents[1:], keys[:-1])), count]
         where = self._where
+        singles: list[int] = []  # a run of chains of one key each, after the first chain
         for start, stop in pairwise(starts):
+            if stop - start == 1 and start:
+                singles.append(start)
+                continue
+            if singles:
+                self._insert_singles(singles, keys, parents)
+                singles = []
             self._insert_one(keys[start], parents[start])
             if stop - start > 1:
                 rest = keys[start + 1 : stop]
@@ -585,10 +600,58 @@ class PrefixARCPolicy(EvictionPolicy):
                 else:
                     for key, parent in zip(rest, parents[start + 1 : stop], strict=True):
                         self._insert_one(key, parent)
+        if singles:
+            self._insert_singles(singles, keys, parents)
+
+    def _insert_singles(
+        self, positions: list[int], keys: Sequence[BlockKey], parents: Sequence[BlockKey | None]
+    ) -> None:
+        """:meth:`_insert_one` of ``keys`` at ``positions``, each a chain of its own that
+        follows the chain inserted last: a decode step's stores, a block each of many
+        requests. New keys take one loop that ends each chain as :meth:`_end_chain` would
+        (ranked into t1, classed as a new chain's tail, maybe put first in line) and leaves
+        the last one open; keys the policy holds or remembers, or a run during which the
+        class counts decay, take :meth:`_insert_one` each."""
+        run = [keys[position] for position in positions]
+        where, reuse = self._where, self._reuse
+        self._end_chain()  # every chain of the run starts a new one
+        last = len(run) - 1
+        if not where.keys().isdisjoint(run) or reuse.since_decay + last >= reuse.decay_every:
+            for position in positions:
+                self._insert_one(keys[position], parents[position])
+            return
+        held, add_child, t1 = self._parent, self._add_child, self._t1
+        stored, reused, classes, ratio = reuse.stored, reuse.reused, reuse.of_key, reuse.ratio
+        clock = self._clock
+        demoted = []
+        for count, position in enumerate(positions):
+            key, parent = keys[position], parents[position]
+            where[key] = HELD
+            held[key] = parent
+            add_child(parent, key)
+            if count == last:
+                break
+            # ``_end_chain`` of a chain of one new block: tail class 0 of a new chain.
+            clock += 1
+            t1[key] = clock
+            classes[key] = 0
+            prior, bar = _low_value_bar(stored, reused, ratio)
+            if (reused[0] + prior) / (stored[0] + PRIOR_WEIGHT) < bar:
+                demoted.append(key)
+            stored[0] += 1.0
+        # As each chain's end would have: the later a demoted key, the nearer the front.
+        move_to_end = t1.move_to_end
+        for key in demoted:
+            move_to_end(key, last=False)
+            t1[key] = 0
+        self._clock = clock
+        reuse.count_stores(last)
+        self._chain.append(run[-1])
+        self._first_new = 0
 
     def _insert_one(self, key: BlockKey, parent: BlockKey | None) -> None:
         """:meth:`inserted` of one key."""
-        where, held, children, classes = self._where, self._parent, self._children, self._cls
+        where, held, children = self._where, self._parent, self._children
         chain, t2 = self._chain, self._t2
         remembered = where.get(key)
         where[key] = HELD
@@ -618,9 +681,7 @@ class PrefixARCPolicy(EvictionPolicy):
         if remembered is None:
             # A new block joins the recency list when its chain is ranked (leaf first).
             return
-        cls = classes.pop(key, None)
-        if cls is not None:
-            self._reused[cls] += 1.0
+        self._reuse.reuse(key)
         self._clock += 1
         t2[key] = self._clock
         self._returned = True
@@ -655,7 +716,7 @@ class PrefixARCPolicy(EvictionPolicy):
             self._rank_chain()
         chain.extend(keys)
         # Hits go to the frequency list leaf first, so that a chain of hits alone is ranked.
-        sampled, t1, t2, classes = self._duels.sampled, self._t1, self._t2, self._cls
+        sampled, t1, t2, reuse = self._duels.sampled, self._t1, self._t2, self._reuse.reuse
         move_to_end = t2.move_to_end
         clock = self._clock
         for key in reversed(keys):
@@ -672,9 +733,7 @@ class PrefixARCPolicy(EvictionPolicy):
                     if parent is not None:
                         self._add_child(parent, key)
                 # A first hit: the block's class was reused (only blocks never hit have one).
-                cls = classes.pop(key, None)
-                if cls is not None:
-                    self._reused[cls] += 1.0
+                reuse(key)
             t2[key] = clock
         self._clock = clock
         self._placed = len(chain)
@@ -705,7 +764,7 @@ class PrefixARCPolicy(EvictionPolicy):
         else:
             del self._orphans[key]
             del where[key]
-            self._cls.pop(key, None)
+            self._reuse.of_key.pop(key, None)
         # The parent that listed the key among its cached children, if it still does.
         children = self._children
         if parent is not None:
@@ -740,7 +799,7 @@ class PrefixARCPolicy(EvictionPolicy):
             forgotten, place = keys.popleft(), places.popleft()
             if where.get(forgotten) == place:
                 del where[forgotten]
-                self._cls.pop(forgotten, None)
+                self._reuse.of_key.pop(forgotten, None)
                 history_len -= 1
         self._b1_len, self._b2_len, self._history_len = b1_len, b2_len, history_len
 

@@ -360,9 +360,14 @@ def test_a_priority_leaves_with_its_key() -> None:
     assert evicted(index)[-1] == b"b", "neither the aborted nor the discarded key is ranked"
 
 
-def batched_and_per_key(name: str, seed: int) -> tuple[list[object], list[object]]:
+def batched_and_per_key(
+    name: str, seed: int, *, decode: bool = False
+) -> tuple[list[object], list[object]]:
     """One random trace through two indexes of policy ``name``: one commits each batch of
-    several requests' chains at once, the other key by key. Everything observable, per index."""
+    several requests' chains at once, the other key by key. Everything observable, per index.
+
+    ``decode``: most chains are one key each, as in a decode step where many requests fill
+    a block; some of them stored before (a repeat), some starting a prompt."""
     registry = default_registry()
     config = registry.get(BLOCK_INDEX, name).config_model()
     rng = random.Random(seed)
@@ -372,10 +377,13 @@ def batched_and_per_key(name: str, seed: int) -> tuple[list[object], list[object
     prompts = [new_keys(f"{seed}.{p}.", rng.randint(1, 24)) for p in range(40)]
     for _ in range(150):
         chains = []
-        for _ in range(rng.randint(1, 6)):
+        for _ in range(rng.randint(1, 24 if decode else 6)):
             prompt = rng.choice(prompts)
             start = rng.randrange(len(prompt))
-            stop = rng.randint(start + 1, len(prompt))
+            if decode and rng.random() < 0.9:
+                stop = start + 1
+            else:
+                stop = rng.randint(start + 1, len(prompt))
             chains.append((prompt[start:stop], prompt[start - 1] if start else None))
         lazy = rng.random() < 0.3
         looked = rng.choice(prompts)
@@ -401,8 +409,11 @@ def batched_and_per_key(name: str, seed: int) -> tuple[list[object], list[object
 
 @pytest.mark.parametrize("name", ["lru", "arc", "s3fifo", "prefix_arc"])
 @pytest.mark.parametrize("seed", range(4))
-def test_a_commit_of_a_batch_is_the_commits_of_its_keys_in_order(name: str, seed: int) -> None:
-    batched, per_key = batched_and_per_key(name, seed)
+@pytest.mark.parametrize("decode", [False, True])
+def test_a_commit_of_a_batch_is_the_commits_of_its_keys_in_order(
+    name: str, seed: int, decode: bool
+) -> None:
+    batched, per_key = batched_and_per_key(name, seed, decode=decode)
     assert any(  # the trace evicts, so the policy's ranking decides something
         event.kind is EventKind.EVICTED
         for entry in batched

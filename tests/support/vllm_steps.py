@@ -390,16 +390,19 @@ class VllmSteps:
                 else:
                     self._check_loaded(request_id, invalid)
         started = clock()
+        stats = worker.get_kv_connector_stats()
+        worker_meta = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        worker_s += clock() - started
         kv_output = KVConnectorOutput(
             finished_sending=results.finished_sending or None,
             finished_recving=results.finished_recving or None,
             failed_recving=set(results.failed_recving or ()),
             invalid_block_ids=invalid,
-            kv_connector_stats=worker.get_kv_connector_stats(),
-            kv_connector_worker_meta=worker.build_connector_worker_meta(),
+            kv_connector_stats=stats,
+            kv_connector_worker_meta=worker_meta,
         )
-        worker.clear_connector_metadata()
-        return kv_output, sampled, worker_s + clock() - started
+        return kv_output, sampled, worker_s
 
     def run(self, max_steps: int = 500) -> None:
         """Step until the scheduler has no request and no copy is in flight.

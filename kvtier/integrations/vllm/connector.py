@@ -52,6 +52,7 @@ from kvtier.integrations.vllm.scheduler import KVTierScheduler, publishes_kv_eve
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.worker import KVTierWorker
 from kvtier.offload import OffloadManager, TransferPlan, WorkerReport
+from kvtier.offload.messages import NO_PLAN
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -174,6 +175,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         VLLM.check(vllm_config)
         self.scheduler: KVTierScheduler | None = None
         self.worker: KVTierWorker | None = None
+        self._idle_step = False
+        """Worker role: the bound plan asks nothing and the worker had nothing left to do or
+        to report (:attr:`KVTierWorker.quiet`), so this step's later calls answer at once."""
         if not vllm_config.cache_config.enable_prefix_caching:
             logger.warning(
                 "kvtier is disabled: vLLM's prefix caching is off, and kvtier finds blocks "
@@ -257,6 +261,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is None:
             return
         meta = connector_output.kv_connector_worker_meta
+        if meta is None and not connector_output.finished_recving and self.scheduler.quiet:
+            return  # most decode steps: nothing reported, nothing in flight
         self.scheduler.update_connector_output(
             meta.report if isinstance(meta, KVTierWorkerMetadata) else None,
             connector_output.finished_recving,
@@ -287,7 +293,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.scheduler is not None:
             return self.scheduler.stats()
-        return self.worker.stats() if self.worker is not None else None
+        if self.worker is None or self._idle_step:
+            return None
+        return self.worker.stats()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
@@ -315,13 +323,27 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.suspend()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        if self.worker is not None and isinstance(kv_connector_metadata, KVTierMetadata):
+        if (
+            self.worker is not None
+            and isinstance(kv_connector_metadata, KVTierMetadata)
+            and kv_connector_metadata.plan.flush
+        ):
             self.worker.handle_preemptions(kv_connector_metadata.plan)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        """Hand the step's plan to the worker half (see :meth:`has_connector_metadata`)."""
-        if self.worker is not None and isinstance(connector_metadata, KVTierMetadata):
-            self.worker.bind(connector_metadata.plan)
+        """Hand the step's plan to the worker half (see :meth:`has_connector_metadata`).
+
+        Most decode steps plan nothing for a worker that has nothing in flight: the
+        step's other calls then answer at once, without a visit to the worker half
+        (each layer is code that the step's forward pushed out of the CPU's caches).
+        """
+        worker = self.worker
+        if worker is None or not isinstance(connector_metadata, KVTierMetadata):
+            return
+        plan = connector_metadata.plan
+        self._idle_step = (plan is NO_PLAN or plan.empty) and worker.quiet
+        if not self._idle_step:
+            worker.bind(plan)
 
     def has_connector_metadata(self) -> bool:
         """Always ``False``: nothing of the plan is for the attention layers.
@@ -336,7 +358,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         """Copy this step's same-step loads and wait for them; other loads run after the
         forward, while their requests wait."""
-        if self.worker is not None:
+        if self.worker is not None and not self._idle_step:
             self.worker.load_same_step()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -357,7 +379,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """Nothing to wait for: stores are submitted in :meth:`get_transfer_results`."""
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        if self.worker is None:
+        if self.worker is None or self._idle_step:
             return KVConnectorTransferResults()
         sending, recving, failed_recving = self.worker.get_transfer_results()
         return KVConnectorTransferResults(
@@ -365,10 +387,14 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
+        if self.worker is None or self._idle_step:
+            return set()
+        return self.worker.get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
-        report = self.worker.take_report() if self.worker is not None else None
+        if self.worker is None or self._idle_step:
+            return None
+        report = self.worker.take_report()
         return KVTierWorkerMetadata(report) if report is not None else None
 
     def shutdown(self) -> None:

@@ -403,6 +403,12 @@ class KVTierScheduler:
             )
         return self._block_pool
 
+    @property
+    def quiet(self) -> bool:
+        """Whether the manager has nothing in flight, pending or to announce
+        (:attr:`kvtier.offload.OffloadManager.quiet`): a step without a report changes nothing."""
+        return self.manager.quiet
+
     def update_connector_output(
         self, report: WorkerReport | None, loaded: Iterable[str] | None
     ) -> None:

@@ -132,6 +132,14 @@ class KVTierWorker:
 
         return get_world_group().rank_in_group if model_parallel_is_initialized() else 0
 
+    @property
+    def quiet(self) -> bool:
+        """Whether the worker has nothing in flight, waiting or left to report
+        (:attr:`kvtier.offload.OffloadWorker.quiet`) and no failed load to hand vLLM: an
+        empty plan then leaves every call of the step with nothing to do."""
+        offload = self.offload
+        return offload is not None and offload.quiet and not self._failed_blocks
+
     def handle_preemptions(self, plan: TransferPlan) -> None:
         """Before vLLM reuses preempted requests' blocks: wait for copies still reading them."""
         if self.offload is not None and plan.flush:
