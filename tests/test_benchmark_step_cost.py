@@ -51,6 +51,7 @@ def test_the_quick_step_cost_run_times_all_four_engines_and_documents_its_fields
             moved = row["moved_blocks"][arm]
             assert moved["stored"] > 0 and moved["moving_steps"] > 0, arm
             assert row["per_block_us"][arm]["median"] > 0, arm
+            assert row["run_per_block_us"][arm] > 0, arm
         if row["prefix_hit"]:  # and each loads the repeated halves from its host pool
             assert row["moved_blocks"]["vllm_offload"]["loaded"] > 0
     eager = [row for row in report["runs"] if row["store_mode"] == "eager"]
