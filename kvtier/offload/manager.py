@@ -158,8 +158,7 @@ class OffloadManager:
         """A request entered the engine's queue: start reading the blocks :meth:`lookup` would
         want now that sit below the host tier into it (:mod:`~kvtier.offload.prefetch`)."""
         if self.moves.prefetches.enabled and self.setup.lower_tiers:
-            first, wanted, hits = self.requests.hits(block_hashes, num_computed_tokens, num_tokens)
-            self.moves.prefetch(request_id, wanted, hits, first)
+            self.moves.prefetch(request_id, block_hashes, num_computed_tokens, num_tokens)
 
     @wakes
     def lookup(

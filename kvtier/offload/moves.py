@@ -7,30 +7,7 @@ only for blocks that exist below), workers read them into the slots, and the
 blocks every worker found become host hits. A miss in every tier thus costs
 the host tier nothing, at the price of one more report before a hit is read.
 
-Blocks go down the chain as each lower tier's write policy
-(:data:`~kvtier.models.WritePolicy`) says, each at most once per tier while it
-stays in the host tier. The next plan has workers copy them out of their
-slots, before anything reuses the slots, and queue them to the tiers named:
-
-- a store made readable is *written through* to the ``write_through`` tiers;
-- a block the engine loads from the host tier for the first time (a reuse) is
-  written through to the ``write_through_admitted`` tiers;
-- a block the host tier evicts is *demoted* to the ``write_back`` tiers.
-
-A block promoted from below is never written through: it is held below
-already (whoever stored it wrote it through), and written back on eviction as
-a stored one is (a disk tier skips a record it holds).
-
-With ``write_back`` or ``write_through`` tiers, stores carry their blocks'
-hashes, and a worker keeps, per slot, the tiers its block is owed to: a
-graceful close (:meth:`~kvtier.offload.worker.OffloadWorker.close`) writes the
-blocks still in their slots to the ``write_back`` tiers, and to the
-``write_through`` tiers the blocks whose write-through no plan carried yet (the
-engine's last stores are made readable by its last report, and no plan
-follows). A write-through, a demotion, a new copy into the slot or a reset (a
-demotion to no tier) settles what a slot owes.
-Every write is a put on a tier's bounded queue: a full queue drops it, counted
-by the tier, and it is not tried again.
+Blocks go down the chain as :mod:`~kvtier.offload.writes` says.
 
 A promotion may also start when a request arrives, before its first lookup: a
 *prefetch*, bounded and answered as :mod:`~kvtier.offload.prefetch` says.
@@ -43,7 +20,6 @@ blocks are not promoted and the request computes them.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -51,10 +27,11 @@ from kvtier.index.base import BlockKey
 from kvtier.offload.costguard import CostGuard
 from kvtier.offload.failures import FailureCause
 from kvtier.offload.ledger import BatchLedger
-from kvtier.offload.messages import Demotion, Promotion, WorkerReport
+from kvtier.offload.messages import Promotion, WorkerReport
 from kvtier.offload.prefetch import Prefetches
 from kvtier.offload.setup import ManagerSetup
 from kvtier.offload.stats import Counters
+from kvtier.offload.writes import LowerTierWrites
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +53,6 @@ class PromotionBatch:
     tries: int = 0
     """For an answered probe: the reads of what it found tried so far."""
 
-
-WRITTEN_KEYS = 1 << 16
-"""Blocks this engine last wrote down the chain that a promotion reads without probing first
-(about 6 MiB of keys)."""
 
 READ_TRIES = 4
 """Plans of steps that compute something at which a read that found no free host slot for the
@@ -105,18 +78,10 @@ class LowerTierMoves:
         # Blocks promoted for a request whose lookup waited for them, pinned until it is
         # allocated or finished.
         self._pinned: dict[str, list[BlockKey]] = {}
-        # Answered probes whose blocks found no free host slot yet, by request.
-        self._unread: dict[str, PromotionBatch] = {}
-        # Slots of readable blocks, to find an evicted block's bytes.
-        self._slots: dict[BlockKey, int] = {}
-        # Readable blocks a reuse does not write through again: written already, or promoted.
-        self._reused: set[BlockKey] = set()
-        # Blocks to write in the next plan, with the slot that still holds each and the
-        # positions of the tiers to write: evicted ones (demotions), kept ones (write-throughs).
-        self.demotions: dict[BlockKey, tuple[int, tuple[int, ...]]] = {}
-        self.write_throughs: dict[BlockKey, tuple[int, tuple[int, ...]]] = {}
-        # The blocks last written down the chain (at most WRITTEN_KEYS), with their salts.
-        self._written: OrderedDict[BlockKey, bytes] = OrderedDict()
+        # Answered probes whose blocks found no free host slot yet, by probe (a request may
+        # have two: its prefetch's and its lookup's for the rest).
+        self._unread: dict[int, PromotionBatch] = {}
+        self.writes = LowerTierWrites(setup, ledger, counters)
 
     @property
     def idle(self) -> bool:
@@ -130,8 +95,11 @@ class LowerTierMoves:
 
     @property
     def has_work(self) -> bool:
-        """Whether writes, promotions or reads to try again wait for the next plan."""
-        return bool(self.demotions or self.write_throughs or self._to_plan or self._unread)
+        """Whether writes, promotions, reads to try again or prefetches to go on with (room
+        came free in the share) wait for the next plan."""
+        return bool(
+            self.writes.pending or self._to_plan or self._unread or self.prefetches.refill_due
+        )
 
     def wait_for(self, request_id: str, wanted: Sequence[bytes], hits: int, first: int) -> bool:
         """Whether a lookup that found ``hits`` of ``wanted`` (from the request's block
@@ -142,51 +110,108 @@ class LowerTierMoves:
         for) and the answer is "later" until every worker reported both; then the
         blocks found are host hits, kept for the request until it is allocated. One
         promotion per request: later lookups answer from the host tier. A request
-        prefetched at its arrival waits as the prefetch policy says, then promotes
-        what its prefetch had no room for.
+        prefetched at its arrival waits as the prefetch policy says; a lookup that
+        waits for the prefetch's reads promotes at once what the prefetch had no room
+        for, beside them.
         """
+        prefetches = self.prefetches
+        if prefetches.cut:
+            prefetches.cut.pop(request_id, None)  # the lookup promotes the rest itself
         waiting = self._promoting.get(request_id)
         if waiting is None:
             return hits < len(wanted) and bool(self._promote(request_id, wanted, hits))
         missing = hits < len(wanted)
-        prefetches = self.prefetches
         if request_id in prefetches.waiting:
             if prefetches.waits(request_id, missing and bool(waiting)):
+                promotions = self.promotions
+                if all(b in promotions and promotions[b].probed is None for b in waiting):
+                    ahead = prefetches.rest_ahead(request_id, first + len(wanted))
+                    if ahead is not None:
+                        self._promote(request_id, wanted, max(ahead - first, hits))
                 return True
             waiting.clear()  # reads it stopped waiting for land as ordinary blocks
-            self._unread.pop(request_id, None)
+            self._drop_unread(request_id)
             if missing and prefetches.rest_wanted(request_id, first + hits):
                 return bool(self._promote(request_id, wanted, hits))
         return missing and bool(waiting)
 
-    def prefetch(self, request_id: str, wanted: Sequence[bytes], hits: int, first: int) -> None:
-        """The request arrived and the host tier holds ``hits`` of its ``wanted`` blocks (from
-        its block ``first`` on): start promoting the rest, within the prefetches' share of the
-        host tier."""
+    def prefetch(
+        self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int,
+        num_tokens: int,
+    ) -> None:  # fmt: skip
+        """The request arrived (or room came free in the share since): start promoting the
+        blocks its lookup would want that the host tier lacks, within the prefetches' share of
+        the host tier. A request the share leaves short is gone on with in a later plan, in
+        arrival order, as room comes free (:meth:`refill`)."""
+        cut = self.prefetches.cut
+        if self._prefetch(request_id, block_hashes, num_computed_tokens, num_tokens):
+            cut[request_id] = (block_hashes, num_computed_tokens, num_tokens)
+        else:
+            cut.pop(request_id, None)
+
+    def _prefetch(
+        self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int,
+        num_tokens: int,
+    ) -> bool:  # fmt: skip
+        """:meth:`prefetch`; whether the share left the request short."""
         prefetches = self.prefetches
+        if request_id in self._promoting and request_id not in prefetches.waiting:
+            return False  # looked up already (or the cost guard decided): its lookups promote
+        first, wanted, hits = self.ledger.requests.hits(
+            block_hashes, num_computed_tokens, num_tokens
+        )
+        prefetch = prefetches.waiting.get(request_id)
+        if prefetch is not None:
+            if prefetch.looked_up or prefetch.gave_up or prefetch.short:
+                return False
+            hits = max(hits, prefetch.end - first)
+        if hits >= len(wanted):
+            return False
         room = prefetches.room // self.setup.num_groups
-        if room <= 0 or hits >= len(wanted) or request_id in self._promoting:
-            return
+        if room <= 0:
+            return True
+        asked = set(self._promoting.get(request_id, ()))
         count = self._promote(request_id, wanted, hits, limit=room)
         if count is None:
-            return  # the cost guard decided for the request: its lookups answer from the host
+            return False  # the cost guard decided for the request: its lookups answer from the host
         if count == 0:
-            del self._promoting[request_id]  # its first lookup promotes as without prefetch
-            return
-        prefetches.started(
-            request_id, self._promoting[request_id], count * self.setup.num_groups, first + hits
-        )
+            if prefetch is None:
+                del self._promoting[request_id]  # its lookup promotes as without prefetch
+            return False
+        batch_ids = self._promoting[request_id] - asked
+        slots, end = count * self.setup.num_groups, first + hits + count
+        if prefetch is None:
+            prefetches.started(request_id, batch_ids, slots, first + hits, end)
+        else:
+            prefetches.extended(request_id, batch_ids, slots, end)
+        # short of its blocks only if the share was: the host tier's index may make less room
+        return count == room and hits + count < len(wanted)
+
+    def refill(self) -> None:
+        """Go on with the prefetches the share left short, in arrival order, while room is
+        free in it."""
+        prefetches = self.prefetches
+        while prefetches.refill_due:
+            request_id, request = next(iter(prefetches.cut.items()))
+            self.prefetch(request_id, *request)
 
     def forget(self, request_id: str, *, finished: bool = False) -> None:
         """The request was allocated, preempted or ``finished``: its next lookup may promote
         again; its prefetch ends (one that finished first is cancelled)."""
         self._promoting.pop(request_id, None)
-        self._unread.pop(request_id, None)
+        self._drop_unread(request_id)
+        self.prefetches.cut.pop(request_id, None)
         pinned = self._pinned.pop(request_id, None)
         if pinned:
             self.setup.index.unpin(pinned)
         if self.prefetches.release(request_id, cancelled=finished) and finished:
             self._unplan(request_id)
+
+    def _drop_unread(self, request_id: str) -> None:
+        """Forget the request's probes whose reads wait for a free host slot."""
+        if self._unread:
+            for batch_id in [b for b, p in self._unread.items() if p.request_id == request_id]:
+                del self._unread[batch_id]
 
     def _unplan(self, request_id: str) -> None:
         """Drop the request's prefetch probes and reads no plan carried yet, and free the
@@ -211,9 +236,10 @@ class LowerTierMoves:
         prefetch): once every worker said how many leading blocks they hold, host slots are
         reserved for those and their read planned (:meth:`_read`). A block no tier holds
         takes no slot and evicts nothing. How many blocks were asked about (``None``: the
-        cost guard found no tier worth reading)."""
+        cost guard found no tier worth reading). The request's lookups wait for it beside
+        the promotions they wait for already."""
         setup = self.setup
-        self._promoting[request_id] = set()
+        self._promoting.setdefault(request_id, set())
         if setup.windowed:
             return 0  # a windowed group's hit needs other blocks than the prefix's
         missing = wanted[hits:] if limit is None else wanted[hits : hits + limit]
@@ -221,7 +247,7 @@ class LowerTierMoves:
         if skip and len(skip) == len(self.guard.tier_names):
             return None
         salt = self.ledger.requests.salts.get(request_id)
-        if self._written_down(missing, salt):
+        if self.writes.written_down(missing, salt):
             count, batch_ids = self._read(
                 request_id, wanted, hits, len(missing), skip, limit is not None
             )
@@ -238,15 +264,6 @@ class LowerTierMoves:
         self._promoting[request_id].add(message.batch_id)
         return len(missing)
 
-    def _written_down(self, block_hashes: Sequence[bytes], salt: bytes | None) -> bool:
-        """Whether this engine wrote every one of the blocks down the chain lately, for the
-        tenant of ``salt``: their promotion reads them at once instead of probing first (a
-        tier that dropped or evicted one since answers a read finding fewer)."""
-        written, salt = self._written, salt or b""
-        return bool(written) and all(
-            written.get(key) == salt for key in self.setup.namespace.keys(block_hashes, 0)
-        )
-
     def _probed(self, probe: PromotionBatch) -> None:
         """Every worker answered ``probe``: read the leading blocks they all hold, if its
         request still waits for it. With no host slot free for them (every one pinned or
@@ -258,7 +275,7 @@ class LowerTierMoves:
         waiting = self._promoting.get(request_id)
         if waiting is None or probe.message.batch_id not in waiting:
             return  # expired, or the request was allocated or finished meanwhile
-        self._unread[request_id] = probe
+        self._unread[probe.message.batch_id] = probe
         self._read_probed(probe, waiting)
 
     def _read_probed(self, probe: PromotionBatch, waiting: set[int], counted: bool = True) -> None:
@@ -282,7 +299,7 @@ class LowerTierMoves:
         late = setup.clock() - probe.planned_at > setup.report_deadline_s
         if not batch_ids and left and probe.tries <= READ_TRIES and not late:
             return
-        del self._unread[request_id]
+        del self._unread[message.batch_id]
         waiting.discard(message.batch_id)
         waiting.update(batch_ids)
         if probe.prefetch:
@@ -366,76 +383,19 @@ class LowerTierMoves:
         promotions, self._to_plan = tuple(self._to_plan), []
         return promotions
 
-    def take_demotions(self) -> tuple[Demotion, ...]:
-        """Blocks evicted since the last plan, per group and tiers, with the slots that still
-        hold them."""
-        if not self.demotions:
-            return ()
-        self.counters.add("demoted_blocks", sum(bool(t) for _, t in self.demotions.values()))
-        return self._messages(self.demotions, evicted=True)
-
-    def take_write_throughs(self) -> tuple[Demotion, ...]:
-        """Blocks to write through since the last plan, per group and tiers, with their slots."""
-        if not self.write_throughs:
-            return ()
-        self.counters.add("written_through_blocks", len(self.write_throughs))
-        return self._messages(self.write_throughs, evicted=False)
-
-    def _messages(
-        self, writes: dict[BlockKey, tuple[int, tuple[int, ...]]], *, evicted: bool
-    ) -> tuple[Demotion, ...]:
-        """``writes`` as one message per group, tiers and tenant salt; empties ``writes``.
-        The salts of ``evicted`` blocks are forgotten."""
-        batches: dict[tuple[int, tuple[int, ...], bytes], tuple[list[bytes], list[int]]] = {}
-        block_salts = self.ledger.requests.block_salts
-        salt_of = block_salts.pop if evicted else block_salts.get
-        written = self._written
-        for key, (slot, tiers) in writes.items():
-            group, block_hash = self.setup.namespace.split(key)
-            salt = salt_of(key, b"") if block_salts else b""
-            hashes, slots = batches.setdefault((group, tiers, salt), ([], []))
-            hashes.append(block_hash)
-            slots.append(slot)
-            if tiers:
-                written[key] = salt
-                written.move_to_end(key)
-        while len(written) > WRITTEN_KEYS:
-            written.popitem(last=False)
-        writes.clear()
-        return tuple(
-            Demotion(group, tuple(hashes), tuple(slots), tiers, salt or None)
-            for (group, tiers, salt), (hashes, slots) in sorted(batches.items())
-        )
-
     def settle(self, committed: Iterable[tuple[Sequence[BlockKey], Sequence[int]]]) -> None:
-        """After the ledger settled the reports: remember the slots of the stores made
-        readable (``committed``), to write them down the chain; expire late promotions."""
-        setup = self.setup
-        if setup.lower_tiers:
-            through = setup.through_tiers
-            for keys, slots in committed:
-                self._slots.update(zip(keys, slots, strict=True))
-                if through:
-                    self.write_throughs.update(
-                        (key, (slot, through)) for key, slot in zip(keys, slots, strict=True)
-                    )
+        """After the ledger settled the reports: the stores made readable (``committed``) may
+        be written down the chain; expire late promotions."""
+        if self.setup.lower_tiers:
+            self.writes.committed(committed)
         self._expire()
 
     def reused(self, keys: Iterable[BlockKey]) -> None:
-        """The engine loads these readable blocks from the host tier: write the ones not
-        written yet through to the ``write_through_admitted`` tiers."""
+        """The engine loads these readable blocks from the host tier."""
         if self.prefetches.unused:
             self.prefetches.used(keys)
-        tiers = self.setup.reuse_tiers
-        if not tiers:
-            return
-        for key in keys:
-            slot = self._slots.get(key)
-            if slot is None or key in self._reused:
-                continue
-            self._reused.add(key)
-            planned = self.write_throughs.get(key)
-            self.write_throughs[key] = (slot, tiers if planned is None else planned[1] + tiers)
+        if self.setup.reuse_tiers:
+            self.writes.reused(keys)
 
     def evicted(self, keys: Sequence[BlockKey]) -> None:
         """The index's eviction sink: ``keys`` left the host tier. The ledger counts them;
@@ -443,19 +403,8 @@ class LowerTierMoves:
         self.ledger.count_evicted(keys)
         if self.prefetches.unused:
             self.prefetches.evicted(keys)
-        if not self.setup.lower_tiers:
-            return
-        slots, reused, demotions = self._slots, self._reused, self.demotions
-        back, block_salts = self.setup.back_tiers, self.ledger.requests.block_salts
-        for key in keys:
-            slot = slots.pop(key, None)
-            if slot is not None:
-                reused.discard(key)
-                if back:
-                    demotions[key] = (slot, back)
-                    continue  # its salt goes with its demotion
-            if block_salts:
-                block_salts.pop(key, None)
+        if self.setup.lower_tiers:
+            self.writes.evicted(keys)
 
     def count(self, reports: Iterable[WorkerReport]) -> None:
         """Add the reports' promotion answers; commit what every worker found."""
@@ -495,9 +444,7 @@ class LowerTierMoves:
         found = promotion.keys[: promotion.found]
         if found:
             self.ledger.commit(found)
-            self._slots.update(zip(found, message.host_slots, strict=False))
-            if self.setup.reuse_tiers:
-                self._reused.update(found)
+            self.writes.promoted(found, message.host_slots)
         if promotion.found < len(promotion.keys):
             self.ledger.give_up(promotion.keys[promotion.found :])
         self.counters.add("promoted_blocks", promotion.found)
@@ -544,23 +491,11 @@ class LowerTierMoves:
             )
 
     def reset(self) -> None:
-        """A reset forgets blocks; it does not move them down the chain.
-
-        With ``write_back`` or ``write_through`` tiers, every block the workers may still
-        write on closing leaves as a demotion to no tier, so that none of them is written.
-        """
+        """A reset forgets blocks; it does not move them down the chain
+        (:meth:`LowerTierWrites.reset <kvtier.offload.writes.LowerTierWrites.reset>`)."""
         self.prefetches.reset()
         self._unread.clear()
-        self._written.clear()
         pinned = [key for keys in self._pinned.values() for key in keys]
         if pinned:  # they leave the tier as their requests' pins end
             self.setup.index.discard(pinned)
-        forgotten = {key: slot for key, (slot, _) in self.demotions.items()}
-        forgotten.update(self._slots)
-        self.demotions.clear()
-        if self.setup.back_tiers or self.setup.through_tiers:
-            self.demotions.update((key, (slot, ())) for key, slot in forgotten.items())
-        self._slots.clear()
-        self._reused.clear()
-        self.write_throughs.clear()
-        self.ledger.requests.block_salts.clear()  # what is demoted now goes to no tier
+        self.writes.reset()

@@ -86,6 +86,8 @@ class Planner:
             return NO_PLAN  # most decode steps
         if moves.unread:
             moves.read_again(idle)
+        if moves.prefetches.refill_due:
+            moves.refill()
         now = self.setup.clock()
         due = requests.take_due()
         loads, unavailable, same_step = self.plan_loads(due, now)
@@ -101,8 +103,8 @@ class Planner:
             holds=requests.announce_holds(due),
             unavailable=unavailable,
             promotions=moves.take_promotions(),
-            demotions=moves.take_demotions(),
-            write_throughs=moves.take_write_throughs(),
+            demotions=moves.writes.take_demotions(),
+            write_throughs=moves.writes.take_write_throughs(),
             same_step=same_step,
             idle=idle and bool(moves.promotions),
         )

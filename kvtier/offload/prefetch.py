@@ -18,8 +18,12 @@ allocated it (the load pins them then) or it finished, so no store evicts them
 before their use.
 
 Bounds: the slots reserved or pinned for waiting requests stay within
-``max_host_share`` of the host tier; a prefetch past it reads fewer blocks and
-the request's first lookup promotes the rest. The host tier's index makes the
+``max_host_share`` of the host tier; a prefetch past it reads fewer blocks (or
+none). As slots in the share come free (a request allocated, finished, or a
+read that found less), the next plan goes on with the prefetches it left
+short, the longest waiting first. The request's first lookup promotes what is
+still missing, at once if the prefetch's reads still run (beside them), else
+once they landed. The host tier's index makes the
 room, as for any store: it evicts only unpinned readable blocks, and its policy
 may decline (an admission filter that values what it holds more).
 
@@ -56,12 +60,16 @@ class Prefetch:
     reads in flight, or pinned."""
     start: int
     """The request's first block (counted from its prompt's start) the prefetch asked for."""
+    end: int
+    """The block after the last one it asked for."""
     pinned: list[BlockKey] = field(default_factory=list)
     short: bool = False
     """Some rank found fewer blocks than were asked for: from :attr:`start` on, the tiers hold
     no more of the prefix."""
     rest_asked: bool = False
     """Its request's lookup promoted what it still missed."""
+    ahead: bool = False
+    """Its request's lookup promoted the blocks from :attr:`end` on while its reads ran."""
     read_at: float | None = None
     """When its last read was reported."""
     looked_up: bool = False
@@ -87,19 +95,38 @@ class Prefetches:
         """Host slots held for waiting requests now (within :attr:`share`)."""
         self.unused: set[BlockKey] = set()
         """Blocks prefetched and readable that the engine has not loaded yet."""
+        self.cut: dict[str, tuple[Sequence[bytes], int, int]] = {}
+        """Waiting requests the share left short of their blocks, in arrival order, with their
+        block hashes, computed tokens and tokens."""
 
     @property
     def room(self) -> int:
         """Host slots a new prefetch may still take."""
         return self.share - self.reserved
 
-    def started(self, request_id: str, batch_ids: Iterable[int], slots: int, start: int) -> None:
-        """Probes of ``slots`` blocks, from the request's block ``start`` on, were planned for
-        the arriving ``request_id``: they count against the share as if reserved until
-        answered."""
-        self.waiting[request_id] = Prefetch(self.setup.clock(), set(batch_ids), slots, start)
+    @property
+    def refill_due(self) -> bool:
+        """Whether a request the share left short waits and room came free for it."""
+        return bool(self.cut) and self.room >= self.setup.num_groups
+
+    def started(
+        self, request_id: str, batch_ids: Iterable[int], slots: int, start: int, end: int
+    ) -> None:
+        """Probes of ``slots`` blocks, the request's blocks ``start`` to ``end``, were
+        planned for the arriving ``request_id``: they count against the share as if reserved
+        until answered."""
+        self.waiting[request_id] = Prefetch(self.setup.clock(), set(batch_ids), slots, start, end)
         self.reserved += slots
         self.counters.add("prefetches_started", 1)
+
+    def extended(self, request_id: str, batch_ids: Iterable[int], slots: int, end: int) -> None:
+        """The prefetch of ``request_id`` goes on up to its block ``end`` with probes (or
+        reads) of ``slots`` blocks, counted as :meth:`started` counts them."""
+        prefetch = self.waiting[request_id]
+        prefetch.batches.update(batch_ids)
+        prefetch.slots += slots
+        prefetch.end = end
+        self.reserved += slots
 
     def probed(
         self,
@@ -144,8 +171,9 @@ class Prefetches:
 
     def _complete(self, prefetch: Prefetch) -> None:
         if not prefetch.batches:
+            if prefetch.read_at is None:  # once, however often it went on
+                self.counters.add("prefetches_completed", 1)
             prefetch.read_at = self.setup.clock()
-            self.counters.add("prefetches_completed", 1)
 
     def waits(self, request_id: str, reading: bool) -> bool:
         """Whether a lookup of ``request_id`` waits for its prefetch; ``reading``: some of its
@@ -156,7 +184,7 @@ class Prefetches:
         now = self.setup.clock()
         if not prefetch.looked_up:
             prefetch.looked_up = True
-            read_at = now if prefetch.read_at is None else prefetch.read_at
+            read_at = now if prefetch.batches or prefetch.read_at is None else prefetch.read_at
             counters = self.counters
             counters.observe(
                 counters.observations.prefetch_covered_seconds, read_at - prefetch.arrived_at
@@ -174,15 +202,27 @@ class Prefetches:
         self.reserved -= in_flight
         return False
 
+    def rest_ahead(self, request_id: str, wanted_end: int) -> int | None:
+        """A lookup that waits for the prefetch's reads wants the request's blocks up to
+        ``wanted_end``: from which block to promote at once, beside those reads, what the
+        share left out (``None``: nothing, or asked already). Once."""
+        prefetch = self.waiting[request_id]
+        if prefetch.ahead or prefetch.rest_asked or prefetch.end >= wanted_end:
+            return None
+        prefetch.ahead = True
+        return prefetch.end
+
     def rest_wanted(self, request_id: str, missing_from: int) -> bool:
         """Whether a lookup that still misses blocks from the request's block ``missing_from``
         on should promote them: those the prefetch had no room for, or that left the
         engine's or the host tier's cache since. Once, and not from where a probe found the
-        tiers hold no more."""
+        tiers hold no more or a promotion beside the prefetch asked already."""
         prefetch = self.waiting.get(request_id)
         if prefetch is None or prefetch.batches or prefetch.rest_asked:
             return False
-        if prefetch.short and missing_from >= prefetch.start:
+        if (prefetch.short and missing_from >= prefetch.start) or (
+            prefetch.ahead and missing_from >= prefetch.end
+        ):
             return False
         prefetch.rest_asked = True
         return True

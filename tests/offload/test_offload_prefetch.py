@@ -13,6 +13,7 @@ from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.keys import KeyNamespace, hash_token_blocks
 from kvtier.offload import OffloadManager, TransferPlan, WorkerReport
+from kvtier.offload.moves import READ_TRIES
 from kvtier.offload.session import OffloadSession
 from kvtier.tiers import TierSpec
 from kvtier.tiers.chain import TierChain
@@ -150,6 +151,116 @@ def test_prefetches_take_at_most_their_share_and_the_lookup_reads_the_rest() -> 
     assert manager.lookup("a", first, 0, TOKENS) == FULL_HIT
     # a request that got no prefetch promotes at its first lookup, as without prefetch
     assert manager.lookup("b", second, 0, TOKENS) is None
+
+
+def test_a_lookup_during_the_prefetch_promotes_the_rest_beside_its_reads() -> None:
+    manager, _ = manager_with(slots=8, share=0.25)  # the prefetch reads 2 of 5 blocks
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("r", hashes, 0, TOKENS)
+    (probe,) = manager.build_plan().promotions
+    # scheduled before the probe's answer: the rest waits for it (the tiers may hold less)
+    assert manager.lookup("r", hashes, 0, TOKENS) is None
+    assert manager.build_plan().promotions == ()
+    manager.process(found_all(TransferPlan(promotions=(probe,))))
+    (read,) = manager.build_plan().promotions
+    # the prefetch's reads run: the next lookup probes the rest beside them
+    assert manager.lookup("r", hashes, 0, TOKENS) is None
+    (rest,) = manager.build_plan().promotions
+    assert rest.block_hashes == tuple(hashes[2:PROMPT_BLOCKS])
+    manager.process(found_all(TransferPlan(promotions=(rest,))))
+    (rest_read,) = manager.build_plan().promotions
+    assert manager.lookup("r", hashes, 0, TOKENS) is None  # the reads are in flight
+    manager.process(found_all(TransferPlan(promotions=(read, rest_read))))
+    assert manager.lookup("r", hashes, 0, TOKENS) == FULL_HIT
+    assert manager.index.stats().pinned == PROMPT_BLOCKS  # kept for it until allocated
+    assert manager.build_plan().promotions == ()  # nothing asked twice
+    manager.allocated("r", hashes, [list(range(PROMPT_BLOCKS + 1))], 0, FULL_HIT)
+    assert manager.moves.prefetches.reserved == 0
+    assert manager.stats().prefetched_blocks == 2
+
+
+def test_a_read_found_short_after_the_rest_was_asked_ends_the_search() -> None:
+    manager, _ = manager_with(slots=8, share=0.25)
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("r", hashes, 0, TOKENS)
+    (probe,) = manager.build_plan().promotions
+    manager.process(found_all(TransferPlan(promotions=(probe,))))
+    (read,) = manager.build_plan().promotions
+    assert manager.lookup("r", hashes, 0, TOKENS) is None
+    (rest,) = manager.build_plan().promotions
+    # the tier lost the second block meanwhile, and holds none of the rest
+    manager.process(WorkerReport(promoted={read.batch_id: (1, 1), rest.batch_id: (1, 0)}))
+    assert manager.lookup("r", hashes, 0, TOKENS) == BLOCK_TOKENS
+    assert manager.build_plan().promotions == ()
+
+
+def test_room_freed_in_the_share_goes_on_with_waiting_requests_in_arrival_order() -> None:
+    manager, _ = manager_with(slots=8, share=0.25)  # 2 slots for waiting requests
+    first, second, third = (hash_token_blocks(prompt(seed), BLOCK_TOKENS) for seed in (1, 2, 3))
+    manager.arrived("a", first, 0, TOKENS)
+    manager.arrived("b", second, 0, TOKENS)  # no room left
+    manager.arrived("c", third, 0, TOKENS)
+    assert [p.block_hashes for p in manager.build_plan().promotions] == [tuple(first[:2])]
+    assert manager.build_plan().promotions == ()  # no room came free
+    manager.finished("a")  # aborted: its room goes to the request that waited longest
+    (probe,) = manager.build_plan().promotions
+    assert probe.block_hashes == tuple(second[:2])
+    # a lookup takes its request out of the queue: it promotes the rest itself
+    assert manager.lookup("c", third, 0, TOKENS) is None
+    manager.finished("b")
+    (rest,) = manager.build_plan().promotions
+    assert rest.block_hashes == tuple(third[:PROMPT_BLOCKS])
+    assert manager.stats().prefetches_started == 2
+
+
+def test_a_prefetch_the_share_cut_goes_on_from_where_it_stopped() -> None:
+    manager, _ = manager_with(slots=8, share=0.5)  # 4 slots for waiting requests
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    other = hash_token_blocks(prompt(2), BLOCK_TOKENS)
+    manager.arrived("x", other, 0, 3 * BLOCK_TOKENS + 1)  # wants 3 blocks
+    manager.arrived("r", hashes, 0, TOKENS)  # gets the last slot
+    probes = manager.build_plan().promotions
+    assert [p.block_hashes for p in probes] == [tuple(other[:3]), tuple(hashes[:1])]
+    manager.finished("x")
+    (more,) = manager.build_plan().promotions
+    assert more.block_hashes == tuple(hashes[1:4])  # the share's 3 slots, one block short
+    manager.process(found_all(TransferPlan(promotions=(probes[1], more))))
+    reads = manager.build_plan().promotions
+    assert sorted(len(read.host_slots) for read in reads) == [1, 3]
+    manager.process(found_all(TransferPlan(promotions=reads)))
+    stats = manager.stats()
+    assert (stats.prefetches_started, stats.prefetches_completed) == (2, 1)  # x's was cancelled
+    assert stats.prefetched_blocks == 4
+    # the lookup promotes the block the share had no room for
+    assert manager.lookup("r", hashes, 0, TOKENS) is None
+    (rest,) = manager.build_plan().promotions
+    assert rest.block_hashes == tuple(hashes[4:PROMPT_BLOCKS])
+    read_all(manager, probe_plan=TransferPlan(promotions=(rest,)))
+    assert manager.lookup("r", hashes, 0, TOKENS) == FULL_HIT
+
+
+def test_reads_of_two_probes_of_one_request_both_wait_for_free_slots() -> None:
+    manager, _ = manager_with(slots=8, share=0.75)  # 6 slots for waiting requests
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("x", hash_token_blocks(prompt(2), BLOCK_TOKENS), 0, TOKENS)
+    manager.arrived("r", hashes, 0, TOKENS)  # one slot left: one block
+    (_, first) = manager.build_plan().promotions
+    # every host slot is taken by blocks being written
+    other = manager.namespace.keys([*hash_token_blocks(prompt(3), BLOCK_TOKENS)[:5],
+                                    *hash_token_blocks(prompt(4), BLOCK_TOKENS)[:3]])  # fmt: skip
+    assert None not in manager.index.reserve(other)
+    manager.process(found_all(TransferPlan(promotions=(first,))))
+    manager.finished("x")
+    (second,) = manager.build_plan().promotions  # the rest, while the first waits for a slot
+    assert second.block_hashes == tuple(hashes[1:PROMPT_BLOCKS])
+    manager.process(found_all(TransferPlan(promotions=(second,))))
+    assert manager.moves.unread
+    manager.index.abort(other)
+    reads = manager.build_plan().promotions
+    assert sorted(len(read.host_slots) for read in reads) == [1, 4]
+    manager.process(found_all(TransferPlan(promotions=reads)))
+    assert manager.lookup("r", hashes, 0, TOKENS) == FULL_HIT
+    assert not manager.moves.unread
 
 
 def test_a_prefetch_that_found_fewer_blocks_ends_the_search() -> None:
@@ -327,3 +438,75 @@ def test_a_prefetch_that_found_nothing_still_lets_the_lookup_read_blocks_before_
     assert manager.lookup("r", hashes, 0, TOKENS) == 2 * BLOCK_TOKENS
     # where the probe found nothing, nothing is asked again
     assert manager.lookup("r", hashes, 2 * BLOCK_TOKENS, TOKENS) == 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_arrivals_lookups_and_answers_keep_the_share_and_end_every_wait(seed: int) -> None:
+    """Requests arrive, are looked up, allocated or aborted in a random order while the
+    workers answer with all, some or none of the blocks: the share holds at every step,
+    every lookup gets its answer once the workers answered, and nothing stays reserved,
+    pinned or queued once every request ended."""
+    import random
+
+    rng = random.Random(seed)
+    manager, clock = manager_with(
+        rng.choice(["wait_complete", "timeout"]), slots=rng.choice([6, 10, 16]),
+        share=rng.choice([0.25, 0.5, 1.0]),
+    )  # fmt: skip
+    prefetches = manager.moves.prefetches
+    prompts = {seed: hash_token_blocks(prompt(seed), BLOCK_TOKENS) for seed in range(6)}
+    waiting: dict[str, list[bytes]] = {}
+
+    def answer(found: object) -> None:
+        plan = manager.build_plan()
+        manager.process(
+            WorkerReport(
+                promoted={
+                    p.batch_id: (1, found(len(p.block_hashes)))  # type: ignore[operator]
+                    for p in plan.promotions
+                }
+            )
+        )
+
+    def check() -> None:
+        assert prefetches.reserved == sum(p.slots for p in prefetches.waiting.values())
+        assert 0 <= prefetches.reserved <= prefetches.share
+
+    for step in range(80):
+        action = rng.random()
+        if action < 0.3:
+            request_id = f"r{step}"
+            waiting[request_id] = prompts[rng.randrange(len(prompts))]
+            computed = rng.choice([0, 0, BLOCK_TOKENS])
+            manager.arrived(request_id, waiting[request_id], computed, TOKENS)
+        elif action < 0.55 and waiting:
+            request_id = rng.choice(sorted(waiting))
+            hit = manager.lookup(request_id, waiting[request_id], 0, TOKENS)
+            if hit is not None and rng.random() < 0.5:
+                manager.allocated(
+                    request_id, waiting.pop(request_id), [list(range(PROMPT_BLOCKS + 1))], 0, 0
+                )
+                manager.finished(request_id)
+        elif action < 0.65 and waiting:
+            request_id = rng.choice(sorted(waiting))
+            del waiting[request_id]
+            manager.finished(request_id)
+        else:
+            answer(rng.choice([lambda n: n, lambda n: rng.randint(0, n), lambda n: 0]))
+        clock.now += rng.choice([0.0, 0.05, 0.5])
+        check()
+    for request_id in sorted(waiting):  # every wait ends once the workers answer
+        # (a read finding every host slot pinned gives up after READ_TRIES plans; a request's
+        # prefetch, the prefetch's continuations and its rest each probe and read)
+        for _ in range(4 * (READ_TRIES + 2)):
+            if manager.lookup(request_id, waiting[request_id], 0, TOKENS) is not None:
+                break
+            answer(lambda n: n)
+        else:
+            pytest.fail(f"the lookup of {request_id} still waits")
+        check()
+    for request_id in waiting:
+        manager.finished(request_id)
+    answer(lambda n: n)
+    assert (prefetches.reserved, prefetches.waiting, prefetches.cut) == (0, {}, {})
+    assert manager.index.stats().pinned == 0
