@@ -33,6 +33,11 @@ Rules that keep it safe and cheap:
 - **Probes**: after :data:`PROBE_EVERY` skips in a row of one source (the host
   tier or a lower tier), its next read goes ahead, so a tier that became fast
   again is measured again.
+- **Prefetches** (reads started at a request's arrival) are not judged when
+  they start: they run while the request waits in the engine's queue, off its
+  path. A lookup that finds a prefetch's reads still running asks
+  :meth:`CostGuard.worth_waiting` once, and stops waiting for reads every tier
+  of which is predicted slower than recomputing.
 - A decision is a few float operations per looked-up request; nothing is
   computed per step but one weighted sum per timed step.
 """
@@ -196,20 +201,44 @@ class CostGuard:
             )
         return skipped
 
+    def worth_waiting(self, blocks: int) -> bool:
+        """Whether a lookup should wait for reads of ``blocks`` blocks already running (a
+        prefetch's): ``False`` when every lower tier's read is predicted slower than
+        recomputing them, counted as those tiers' skipped records. Probes do not apply: the
+        reads run whatever the answer, and are measured."""
+        if not self.enabled or not self.tier_names:
+            return True
+        host = self.costs[HOST].predict(blocks) or 0.0
+        for name in self.tier_names:
+            predicted = self._predicted(name, blocks, host)
+            if predicted is None or predicted[0] <= self.margin * predicted[1]:
+                return True
+        self.counters.add_tier_counts(
+            {name: {"guard_skipped_records": blocks} for name in self.tier_names}
+        )
+        return False
+
     def forget(self, request_id: str) -> None:
         """The request was allocated, preempted or finished: its next lookup decides anew."""
         self._host_decisions.pop(request_id, None)
 
-    def _decide(self, source: str, blocks: int, then_s: float) -> bool:
-        """Whether reading ``blocks`` from ``source`` (then ``then_s`` more seconds) is
-        predicted no slower than ``margin`` times recomputing them, or is a probe."""
+    def _predicted(self, source: str, blocks: int, then_s: float) -> tuple[float, float] | None:
+        """Predicted seconds to read ``blocks`` from ``source`` (then ``then_s`` more) and to
+        recompute them; ``None`` during either cost's warm-up."""
         cost = self.costs.get(source)
         read_s = cost.predict(blocks) if cost is not None else None
         prefill = self.prefill.fit()
         if read_s is None or prefill is None:
+            return None
+        return read_s + then_s, prefill[1] * blocks * self.block_tokens
+
+    def _decide(self, source: str, blocks: int, then_s: float) -> bool:
+        """Whether reading ``blocks`` from ``source`` (then ``then_s`` more seconds) is
+        predicted no slower than ``margin`` times recomputing them, or is a probe."""
+        predicted = self._predicted(source, blocks, then_s)
+        if predicted is None:
             return True  # warm-up: no measurements, no skipping
-        load_s = read_s + then_s
-        recompute_s = prefill[1] * blocks * self.block_tokens
+        load_s, recompute_s = predicted
         counters = self.counters
         counters.observe(counters.observations.guard_load_seconds, load_s)
         counters.observe(counters.observations.guard_recompute_seconds, recompute_s)

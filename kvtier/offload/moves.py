@@ -19,6 +19,7 @@ blocks are not promoted and the request computes them.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -122,7 +123,8 @@ class LowerTierMoves:
             return hits < len(wanted) and bool(self._promote(request_id, wanted, hits))
         missing = hits < len(wanted)
         if request_id in prefetches.waiting:
-            if prefetches.waits(request_id, missing and bool(waiting)):
+            pays = functools.partial(self.guard.worth_waiting, len(wanted) - hits)
+            if prefetches.waits(request_id, missing and bool(waiting), pays):
                 promotions = self.promotions
                 if all(b in promotions and promotions[b].probed is None for b in waiting):
                     ahead = prefetches.rest_ahead(request_id, first + len(wanted))
@@ -242,8 +244,11 @@ class LowerTierMoves:
         self._promoting.setdefault(request_id, set())
         if setup.windowed:
             return 0  # a windowed group's hit needs other blocks than the prefix's
-        missing = wanted[hits:] if limit is None else wanted[hits : hits + limit]
-        skip = self.guard.skipped_tiers(len(missing))
+        if limit is None:
+            missing = wanted[hits:]
+            skip = self.guard.skipped_tiers(len(missing))
+        else:  # a prefetch runs while its request queues: judged at the lookup
+            missing, skip = wanted[hits : hits + limit], frozenset()
         if skip and len(skip) == len(self.guard.tier_names):
             return None
         salt = self.ledger.requests.salts.get(request_id)

@@ -11,6 +11,11 @@ request, what was read for it and decides what its lookups answer meanwhile:
 - ``timeout``: the same until ``timeout_s`` after the request arrived;
 - ``best_effort``: the host tier's hits at once.
 
+The cost guard does not judge a prefetch when it starts (its reads run while the
+request queues); under the first two policies, a lookup that finds reads still
+running stops waiting if the guard predicts every tier's read slower than
+recomputing the blocks.
+
 A lookup that stops waiting for reads still in flight expires the prefetch: the
 request computes those blocks (a miss), and the blocks, once read, are ordinary
 host-tier blocks. Blocks read for a request stay pinned until the engine
@@ -39,7 +44,7 @@ seconds its reads ran while it waited (``prefetch_covered_seconds``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.config.model import PrefetchConfig
@@ -76,6 +81,8 @@ class Prefetch:
     """Its request's first lookup came."""
     gave_up: bool = False
     """A lookup stopped waiting for its reads (it expired)."""
+    judged: bool = False
+    """The cost guard said whether its reads in flight are worth a lookup's wait."""
 
 
 class Prefetches:
@@ -175,9 +182,12 @@ class Prefetches:
                 self.counters.add("prefetches_completed", 1)
             prefetch.read_at = self.setup.clock()
 
-    def waits(self, request_id: str, reading: bool) -> bool:
+    def waits(self, request_id: str, reading: bool, pays: Callable[[], bool]) -> bool:
         """Whether a lookup of ``request_id`` waits for its prefetch; ``reading``: some of its
-        reads are still in flight. A lookup that stops waiting for reads expires it."""
+        reads are still in flight, then ``pays`` says (asked once) whether they are worth
+        waiting for (:meth:`CostGuard.worth_waiting
+        <kvtier.offload.costguard.CostGuard.worth_waiting>`). A lookup that stops waiting for
+        reads expires it."""
         prefetch = self.waiting.get(request_id)
         if prefetch is None or prefetch.gave_up:
             return reading
@@ -194,7 +204,11 @@ class Prefetches:
         if self.policy == "wait_complete" or (
             self.policy == "timeout" and now < prefetch.arrived_at + self.timeout_s
         ):
-            return True
+            if prefetch.judged:
+                return True
+            prefetch.judged = True
+            if pays():
+                return True
         prefetch.gave_up = True
         self.counters.add("prefetches_expired", 1)
         in_flight = prefetch.slots - len(prefetch.pinned)

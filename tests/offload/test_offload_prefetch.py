@@ -13,6 +13,7 @@ from kvtier.index.lru import LRUPolicy
 from kvtier.index.policy import PolicyIndex
 from kvtier.keys import KeyNamespace, hash_token_blocks
 from kvtier.offload import OffloadManager, TransferPlan, WorkerReport
+from kvtier.offload.costguard import MIN_SAMPLES
 from kvtier.offload.moves import READ_TRIES
 from kvtier.offload.session import OffloadSession
 from kvtier.tiers import TierSpec
@@ -261,6 +262,33 @@ def test_reads_of_two_probes_of_one_request_both_wait_for_free_slots() -> None:
     manager.process(found_all(TransferPlan(promotions=reads)))
     assert manager.lookup("r", hashes, 0, TOKENS) == FULL_HIT
     assert not manager.moves.unread
+
+
+@pytest.mark.parametrize(("read_s", "waits"), [(0.3, False), (1e-4, True)])
+def test_the_cost_guard_judges_a_prefetch_at_the_lookup_not_at_arrival(
+    read_s: float, waits: bool
+) -> None:
+    manager, _ = manager_with(cost_guard=True, tier_names=("tier",))
+    for i in range(MIN_SAMPLES):  # 100 us a token to compute, read_s a read of 4 records
+        manager.step_timed(100 if i % 2 else 1, 0.005 + 1e-4 * (100 if i % 2 else 1))
+    manager.process(WorkerReport(read_times={"tier": ((4, read_s),) * MIN_SAMPLES}))
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("r", hashes, 0, TOKENS)
+    # read while the request queues, whatever the guard predicts
+    (probe,) = manager.build_plan().promotions
+    assert probe.skip_tiers == frozenset()
+    manager.process(found_all(TransferPlan(promotions=(probe,))))
+    (read,) = manager.build_plan().promotions
+    # its reads still run when it is scheduled: worth waiting for only if the tier is fast
+    first = manager.lookup("r", hashes, 0, TOKENS)
+    assert first == (None if waits else 0)
+    assert manager.lookup("r", hashes, 0, TOKENS) == first  # asked once, answered alike
+    stats = manager.stats()
+    assert stats.prefetches_expired == (not waits)
+    assert stats.tiers == ({} if waits else {"tier": {"guard_skipped_records": PROMPT_BLOCKS}})
+    manager.process(found_all(TransferPlan(promotions=(read,))))
+    # the blocks read are host blocks for whoever asks next
+    assert manager.index.lookup(manager.namespace.keys(hashes)) == PROMPT_BLOCKS
 
 
 def test_a_prefetch_that_found_fewer_blocks_ends_the_search() -> None:
