@@ -33,11 +33,12 @@ Rules that keep it safe and cheap:
 - **Probes**: after :data:`PROBE_EVERY` skips in a row of one source (the host
   tier or a lower tier), its next read goes ahead, so a tier that became fast
   again is measured again.
-- **Prefetches** (reads started at a request's arrival) are not judged when
-  they start: they run while the request waits in the engine's queue, off its
-  path. A lookup that finds a prefetch's reads still running asks
-  :meth:`CostGuard.worth_waiting` once, and stops waiting for reads every tier
-  of which is predicted slower than recomputing.
+- **Prefetches** (reads started at a request's arrival) behind requests still
+  waiting for their turn are not judged when they start: they run while the
+  request waits in the engine's queue, off its path. A lookup that finds a
+  prefetch's reads still running asks :meth:`CostGuard.worth_waiting` once,
+  and stops waiting for reads every tier of which is predicted slower than
+  recomputing.
 - A decision is a few float operations per looked-up request; nothing is
   computed per step but one weighted sum per timed step.
 """

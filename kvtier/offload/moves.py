@@ -146,6 +146,7 @@ class LowerTierMoves:
         the host tier. A request the share leaves short is gone on with in a later plan, in
         arrival order, as room comes free (:meth:`refill`)."""
         cut = self.prefetches.cut
+        self.prefetches.queued.setdefault(request_id)
         if self._prefetch(request_id, block_hashes, num_computed_tokens, num_tokens):
             cut[request_id] = (block_hashes, num_computed_tokens, num_tokens)
         else:
@@ -173,7 +174,10 @@ class LowerTierMoves:
         if room <= 0:
             return True
         asked = set(self._promoting.get(request_id, ()))
-        count = self._promote(request_id, wanted, hits, limit=room)
+        # behind requests that wait for their turn, its reads run while it queues: the cost
+        # guard judges them at its lookup if they still run
+        guarded = not prefetches.behind(request_id)
+        count = self._promote(request_id, wanted, hits, limit=room, guarded=guarded)
         if count is None:
             return False  # the cost guard decided for the request: its lookups answer from the host
         if count == 0:
@@ -203,6 +207,7 @@ class LowerTierMoves:
         self._promoting.pop(request_id, None)
         self._drop_unread(request_id)
         self.prefetches.cut.pop(request_id, None)
+        self.prefetches.queued.pop(request_id, None)
         pinned = self._pinned.pop(request_id, None)
         if pinned:
             self.setup.index.unpin(pinned)
@@ -232,23 +237,21 @@ class LowerTierMoves:
         self._to_plan = kept
 
     def _promote(
-        self, request_id: str, wanted: Sequence[bytes], hits: int, limit: int | None = None
-    ) -> int | None:
+        self, request_id: str, wanted: Sequence[bytes], hits: int, limit: int | None = None,
+        guarded: bool = True,
+    ) -> int | None:  # fmt: skip
         """Probe the lower tiers for ``wanted[hits:]`` (at most ``limit`` blocks, for a
         prefetch): once every worker said how many leading blocks they hold, host slots are
         reserved for those and their read planned (:meth:`_read`). A block no tier holds
         takes no slot and evicts nothing. How many blocks were asked about (``None``: the
-        cost guard found no tier worth reading). The request's lookups wait for it beside
-        the promotions they wait for already."""
+        cost guard, if ``guarded``, found no tier worth reading). The request's lookups wait
+        for it beside the promotions they wait for already."""
         setup = self.setup
         self._promoting.setdefault(request_id, set())
         if setup.windowed:
             return 0  # a windowed group's hit needs other blocks than the prefix's
-        if limit is None:
-            missing = wanted[hits:]
-            skip = self.guard.skipped_tiers(len(missing))
-        else:  # a prefetch runs while its request queues: judged at the lookup
-            missing, skip = wanted[hits : hits + limit], frozenset()
+        missing = wanted[hits:] if limit is None else wanted[hits : hits + limit]
+        skip = self.guard.skipped_tiers(len(missing)) if guarded else frozenset()
         if skip and len(skip) == len(self.guard.tier_names):
             return None
         salt = self.ledger.requests.salts.get(request_id)

@@ -11,10 +11,11 @@ request, what was read for it and decides what its lookups answer meanwhile:
 - ``timeout``: the same until ``timeout_s`` after the request arrived;
 - ``best_effort``: the host tier's hits at once.
 
-The cost guard does not judge a prefetch when it starts (its reads run while the
-request queues); under the first two policies, a lookup that finds reads still
-running stops waiting if the guard predicts every tier's read slower than
-recomputing the blocks.
+The cost guard judges a prefetch when it starts only if no request that arrived
+before it still waits for its turn: behind them, its reads run while it queues.
+Under the first two policies, a lookup that finds reads still running stops
+waiting if the guard predicts every tier's read slower than recomputing the
+blocks.
 
 A lookup that stops waiting for reads still in flight expires the prefetch: the
 request computes those blocks (a miss), and the blocks, once read, are ordinary
@@ -102,6 +103,8 @@ class Prefetches:
         """Host slots held for waiting requests now (within :attr:`share`)."""
         self.unused: set[BlockKey] = set()
         """Blocks prefetched and readable that the engine has not loaded yet."""
+        self.queued: dict[str, None] = {}
+        """Requests that arrived and were not allocated yet, in arrival order."""
         self.cut: dict[str, tuple[Sequence[bytes], int, int]] = {}
         """Waiting requests the share left short of their blocks, in arrival order, with their
         block hashes, computed tokens and tokens."""
@@ -110,6 +113,10 @@ class Prefetches:
     def room(self) -> int:
         """Host slots a new prefetch may still take."""
         return self.share - self.reserved
+
+    def behind(self, request_id: str) -> bool:
+        """Whether requests that arrived before ``request_id`` still wait for their turn."""
+        return next(iter(self.queued), request_id) != request_id
 
     @property
     def refill_due(self) -> bool:

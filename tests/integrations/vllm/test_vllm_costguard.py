@@ -1,6 +1,5 @@
-"""The cost guard on real vLLM (CPU): once a deliberately slow lower tier is measured, no
-request waits for its reads, and tokens stay those of vanilla vLLM; reads of a fast one all
-go ahead."""
+"""The cost guard on real vLLM (CPU): reads of a deliberately slow lower tier are skipped once
+measured, and tokens stay those of vanilla vLLM; reads of a fast one all go ahead."""
 
 from __future__ import annotations
 
@@ -70,11 +69,10 @@ def test_reads_of_a_slow_tier_are_skipped_with_identical_tokens(
         shutdown(llm)
     tier = stats.tiers["memory"]
     # the warm-up's presence checks (the first pass's lookups, which found nothing) measured
-    # the tier; later, reads started at a request's arrival run, but its lookup does not wait
-    # for them: the guard judges them slower than computing the blocks
-    assert "misses" not in tier
+    # the tier; every later read was skipped, though the second pass's blocks were there
+    assert "misses" not in tier and "hits" not in tier
     assert tier["guard_skipped_records"] > 0
-    assert stats.prefetches_expired >= len(PROMPTS)  # every lookup of the second pass
+    assert stats.promoted_blocks == 0
 
 
 @pytest.fixture(scope="module")
