@@ -307,6 +307,8 @@ class LowerTierMoves:
         late = setup.clock() - probe.planned_at > setup.report_deadline_s
         if not batch_ids and left and probe.tries <= READ_TRIES and not late:
             return
+        if count < left:
+            self.counters.add("unread_blocks", left - count)
         del self._unread[message.batch_id]
         waiting.discard(message.batch_id)
         waiting.update(batch_ids)

@@ -149,6 +149,14 @@ OFFLOAD_COUNTERS: tuple[Counter, ...] = (
         "Lower-tier lookups some rank did not answer within report_deadline_s (recomputed).",
     ),
     Counter(
+        "unread_blocks",
+        _C,
+        "blocks",
+        "Blocks the tiers below the host tier held for a lookup or a prefetch that found no "
+        "host slot to be read into (every one pinned or being written) before the read gave "
+        "up; they were computed.",
+    ),
+    Counter(
         "prefetches_started",
         _C,
         "requests",
@@ -173,7 +181,8 @@ OFFLOAD_COUNTERS: tuple[Counter, ...] = (
         _C,
         "requests",
         "Prefetches still being read when their request's lookup stopped waiting for them "
-        "(prefetch.policy best_effort, or timeout_s passed); the request computed those blocks.",
+        "(prefetch.policy best_effort, timeout_s passed, or the cost guard predicted the reads "
+        "slower than recomputing); the request computed those blocks.",
     ),
     Counter(
         "prefetched_blocks",

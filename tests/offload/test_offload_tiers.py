@@ -386,9 +386,11 @@ def test_a_read_that_never_finds_a_free_slot_gives_up_after_its_tries() -> None:
         assert manager.lookup("r", wanted, 0, len(prompt(1))) is None
     for _ in range(READ_TRIES):
         assert manager.lookup("r", wanted, 0, len(prompt(1))) is None
+        assert manager.stats().unread_blocks == 0
         assert manager.build_plan().promotions == ()
     assert manager.lookup("r", wanted, 0, len(prompt(1))) == 0
     assert not manager.moves.has_work
+    assert manager.stats().unread_blocks == PROMPT_BLOCKS
 
 
 def test_a_promotion_makes_room_with_other_blocks_than_the_prefix_it_completes() -> None:
