@@ -119,6 +119,22 @@ class StorageTierContract:
         assert fetch(tier, keys) == records
         assert fetch(tier, keys[::-1]) == records[::-1]
 
+    def test_a_read_submitted_after_a_put_finds_its_record(self, make_tier: TierFactory) -> None:
+        # The offload path probes and reads blocks it demoted a moment before: it does not
+        # wait for the put first.
+        tier = make_tier(make_spec())
+        keys = tier.keys.keys(block_hashes("read-after-put", 4))
+        records = payloads(4, seed=2)
+        put = tier.put(keys, records)
+        contains, get = tier.contains(keys), tier.get(keys)
+        stored = done(put).stored
+        assert any(stored), "a put of 4 records into an empty tier stored none"
+        present, got = done(contains).present, done(get).records
+        for was_stored, held, record, expected in zip(stored, present, got, records, strict=True):
+            if was_stored:
+                assert held
+                assert record is not None and bytes(record) == expected
+
     def test_records_may_be_any_contiguous_buffer(self, make_tier: TierFactory) -> None:
         tier = make_tier(make_spec())
         keys = tier.keys.keys(block_hashes("buffers", 4))

@@ -9,7 +9,11 @@ parts, in the order a request meets them:
    and queue a request: reads (get, contains) and writes (put, delete) wait in
    two bounded queues; a request that finds its queue full is answered at once
    (misses, drops or ``False``) and counted.
-2. A pool of I/O threads takes reads first and runs the subclass's batch
+2. A read sees the writes submitted before it: a get or contains of a key
+   whose put is queued or being written answers from that put's record (a
+   delete submitted since forgets it), so a block written down a moment ago is
+   found though I/O threads take reads first.
+3. A pool of I/O threads takes reads first and runs the subclass's batch
    primitive (``_read``, ``_write``, ``_exists``, ``_remove``) for each request.
    A tier built with ``put_batch_bytes`` hands ``_write`` the puts waiting
    next to each other at the head of the write queue in one call, up to that
@@ -18,9 +22,9 @@ parts, in the order a request meets them:
    primitive whose batch is several independent calls to the store hands
    them to :meth:`~QueuedTier._all_at_once`, which runs them on the I/O
    threads at once.
-3. A deadline thread answers reads still pending at their deadline as misses;
+4. A deadline thread answers reads still pending at their deadline as misses;
    the late result of the I/O thread is dropped.
-4. :meth:`~QueuedTier.close` lets the threads finish the queued requests, then
+5. :meth:`~QueuedTier.close` lets the threads finish the queued requests, then
    calls the subclass's ``_release``.
 """
 
@@ -152,6 +156,8 @@ class QueuedTier(StorageTier):
         self._reads: deque[_Request] = deque()
         self._writes: deque[_Request] = deque()
         self._tasks: deque[_Task] = deque()
+        self._writing: dict[BlockKey, memoryview] = {}
+        """The record of each key whose put is queued or being written (under ``_work``)."""
         self._closed = False
         self._in_flight = 0
         """Requests queued and not yet done with by an I/O thread (under ``_work``)."""
@@ -365,6 +371,11 @@ class QueuedTier(StorageTier):
                 queue.append(request)
                 self._in_flight += 1
                 self._work.notify()
+                if op is _Op.PUT:
+                    self._writing.update(zip(keys, records, strict=True))
+                elif op is _Op.DELETE and self._writing:
+                    for key in keys:
+                        self._writing.pop(key, None)
         if full:
             self._count(queue_drops=len(keys))
             self._answer(request, self._unanswered(request))
@@ -391,6 +402,11 @@ class QueuedTier(StorageTier):
             if request.answered:
                 return False
             request.answered = True
+            if request.op is _Op.PUT:
+                writing = self._writing
+                for key, record in zip(request.keys, request.records, strict=True):
+                    if writing.get(key) is record:
+                        del writing[key]
             future, request.future, request.records = request.future, None, ()
         assert future is not None
         if isinstance(result, GetResult):
@@ -481,12 +497,33 @@ class QueuedTier(StorageTier):
     def _run(self, request: _Request) -> Any:
         keys = request.keys
         if request.op is _Op.GET:
-            return GetResult(keys, tuple(self._read(keys)))
+            pending = self._being_written(keys, copy=True)
+            records = self._read(keys)
+            if pending:
+                records = [
+                    pending.get(i) if record is None else record for i, record in enumerate(records)
+                ]
+            return GetResult(keys, tuple(records))
         if request.op is _Op.PUT:
             return PutResult(keys, tuple(self._write(keys, request.records)))
         if request.op is _Op.CONTAINS:
-            return ContainsResult(keys, tuple(self._exists(keys)))
+            pending = self._being_written(keys, copy=False)
+            held = self._exists(keys)
+            return ContainsResult(keys, tuple(h or i in pending for i, h in enumerate(held)))
         return DeleteResult(keys, tuple(self._remove(keys)))
+
+    def _being_written(self, keys: Sequence[BlockKey], *, copy: bool) -> dict[int, Any]:
+        """The positions of ``keys`` whose put is queued or being written, each with a copy
+        of its record if ``copy`` (the put's buffer is its caller's once written)."""
+        with self._work:
+            writing = self._writing
+            if not writing:
+                return {}
+            return {
+                i: (memoryview(bytearray(writing[key])) if copy else None)
+                for i, key in enumerate(keys)
+                if key in writing
+            }
 
     def _expire(self) -> None:
         while True:

@@ -213,6 +213,31 @@ def test_reads_go_before_writes(tiers: list[MemoryTier]) -> None:
     assert [op for op, _ in tier.batches] == ["write", "read", "write"]
 
 
+def test_reads_find_the_records_of_puts_not_written_yet(tiers: list[MemoryTier]) -> None:
+    tier = memory_tier(tiers, queue_depth=8)
+    keys = tier.keys.keys(block_hashes("pending", 4))
+    records = payloads(4, RECORD)
+    tier.gate.clear()
+    first = tier.put(keys[:1], records[:1])
+    wait_for(lambda: not tier._writes)  # being written
+    queued = tier.put(keys[1:3], records[1:3])
+    deleted = tier.delete(keys[2:3])  # a read no longer finds what the put holds for it
+    get = tier.get(keys, deadline_s=10)
+    contains = tier.contains(keys, deadline_s=10)
+    tier.gate.set()
+    done(first), done(queued), done(deleted)
+    # the reads ran before the queued put was written (reads go first)
+    assert [op for op, _ in tier.batches] == ["write", "read", "exists", "write", "remove"]
+    assert [None if r is None else bytes(r) for r in done(get).records] == [
+        records[0],
+        records[1],
+        None,
+        None,
+    ]
+    assert done(contains).present == (True, True, False, False)
+    assert fetch(tier, keys) == [records[0], records[1], None, None]
+
+
 def test_a_failing_batch_is_counted_and_the_thread_survives(
     tiers: list[MemoryTier], caplog: pytest.LogCaptureFixture
 ) -> None:
