@@ -217,10 +217,7 @@ def test_reads_find_the_records_of_puts_not_written_yet(tiers: list[MemoryTier])
     tier = memory_tier(tiers, queue_depth=8)
     keys = tier.keys.keys(block_hashes("pending", 4))
     records = payloads(4, RECORD)
-    tier.gate.clear()
-    first = tier.put(keys[:1], records[:1])
-    wait_for(lambda: not tier._writes)  # being written
-    queued = tier.put(keys[1:3], records[1:3])
+    first, queued = held_puts(tier, keys, records, [2])  # the first being written
     deleted = tier.delete(keys[2:3])  # a read no longer finds what the put holds for it
     get = tier.get(keys, deadline_s=10)
     contains = tier.contains(keys, deadline_s=10)
