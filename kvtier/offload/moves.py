@@ -76,9 +76,11 @@ class LowerTierMoves:
         self._to_plan: list[Promotion] = []
         # Requests whose lookup waits for promotions (batch ids), or got its answer (empty set).
         self._promoting: dict[str, set[int]] = {}
-        # Blocks promoted for a request whose lookup waited for them, pinned until it is
-        # allocated or finished.
+        # Blocks promoted for a request whose lookup waited for them, and its host hits while
+        # it waited, pinned until it is allocated or finished.
         self._pinned: dict[str, list[BlockKey]] = {}
+        # Requests whose lookup promoted blocks (not a prefetch): from which of their blocks on.
+        self._promoted_from: dict[str, int] = {}
         # Answered probes whose blocks found no free host slot yet, by probe (a request may
         # have two: its prefetch's and its lookup's for the rest).
         self._unread: dict[int, PromotionBatch] = {}
@@ -104,24 +106,50 @@ class LowerTierMoves:
 
     def wait_for(self, request_id: str, wanted: Sequence[bytes], hits: int, first: int) -> bool:
         """Whether a lookup that found ``hits`` of ``wanted`` (from the request's block
-        ``first`` on) must be asked again later.
+        ``first`` on) must be asked again later (:meth:`_waits`). While it waits, the host
+        tier's hits stay pinned for the request, until it is allocated or finished: a store
+        meanwhile evicts none of the blocks the promoted ones would extend."""
+        if not self._waits(request_id, wanted, hits, first):
+            return False
+        if hits:
+            held = self._pinned.setdefault(request_id, [])
+            namespace, known = self.setup.namespace, set(held)
+            keys = [
+                key
+                for group, window in enumerate(self.setup.windows)
+                if window is None
+                for key in namespace.keys(wanted[:hits], group)
+                if key not in known
+            ]
+            if keys:
+                self.setup.index.pin(keys)
+                held.extend(keys)
+        return True
+
+    def _waits(self, request_id: str, wanted: Sequence[bytes], hits: int, first: int) -> bool:
+        """:meth:`wait_for`, without the pins.
 
         A request's first host miss starts a promotion of the missing blocks (a
         probe, then a read of those found, as many as host slots can be reserved
         for) and the answer is "later" until every worker reported both; then the
-        blocks found are host hits, kept for the request until it is allocated. One
-        promotion per request: later lookups answer from the host tier. A request
-        prefetched at its arrival waits as the prefetch policy says; a lookup that
-        waits for the prefetch's reads promotes at once what the prefetch had no room
-        for, beside them.
+        blocks found are host hits, kept for the request until it is allocated. Later
+        lookups answer from the host tier, unless the engine lost blocks before those the
+        last promotion started from: those are promoted then. A request prefetched at its
+        arrival waits as the prefetch policy says; a lookup that waits for the prefetch's
+        reads promotes at once what the prefetch had no room for, beside them.
         """
         prefetches = self.prefetches
         if prefetches.cut:
             prefetches.cut.pop(request_id, None)  # the lookup promotes the rest itself
         waiting = self._promoting.get(request_id)
-        if waiting is None:
-            return hits < len(wanted) and bool(self._promote(request_id, wanted, hits))
         missing = hits < len(wanted)
+        if waiting is None or (
+            missing and not waiting and first + hits < self._promoted_from.get(request_id, 0)
+        ):
+            if not missing or not self._promote(request_id, wanted, hits):
+                return False
+            self._promoted_from[request_id] = first + hits
+            return True
         if request_id in prefetches.waiting:
             pays = functools.partial(self.guard.worth_waiting, len(wanted) - hits)
             if prefetches.waits(request_id, missing and bool(waiting), pays):
@@ -133,8 +161,11 @@ class LowerTierMoves:
                 return True
             waiting.clear()  # reads it stopped waiting for land as ordinary blocks
             self._drop_unread(request_id)
-            if missing and prefetches.rest_wanted(request_id, first + hits):
-                return bool(self._promote(request_id, wanted, hits))
+            if missing:
+                salt = self.ledger.requests.salts.get(request_id)
+                written = self.writes.written_down(wanted[hits : hits + 1], salt)
+                if prefetches.rest_wanted(request_id, first + hits, written=written):
+                    return bool(self._promote(request_id, wanted, hits))
         return missing and bool(waiting)
 
     def prefetch(
@@ -205,6 +236,7 @@ class LowerTierMoves:
         """The request was allocated, preempted or ``finished``: its next lookup may promote
         again; its prefetch ends (one that finished first is cancelled)."""
         self._promoting.pop(request_id, None)
+        self._promoted_from.pop(request_id, None)
         self._drop_unread(request_id)
         self.prefetches.cut.pop(request_id, None)
         self.prefetches.queued.pop(request_id, None)

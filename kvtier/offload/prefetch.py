@@ -29,7 +29,8 @@ none). As slots in the share come free (a request allocated, finished, or a
 read that found less), the next plan goes on with the prefetches it left
 short, the longest waiting first. The request's first lookup promotes what is
 still missing, at once if the prefetch's reads still run (beside them), else
-once they landed. The host tier's index makes the
+once they landed; not where a probe found the tiers hold no more, unless this
+engine wrote the block down the chain since. The host tier's index makes the
 room, as for any store: it evicts only unpinned readable blocks, and its policy
 may decline (an admission filter that values what it holds more).
 
@@ -72,8 +73,8 @@ class Prefetch:
     short: bool = False
     """Some rank found fewer blocks than were asked for: from :attr:`start` on, the tiers hold
     no more of the prefix."""
-    rest_asked: bool = False
-    """Its request's lookup promoted what it still missed."""
+    rest_from: int | None = None
+    """From which block its request's lookup promoted what it still missed."""
     ahead: bool = False
     """Its request's lookup promoted the blocks from :attr:`end` on while its reads ran."""
     read_at: float | None = None
@@ -228,24 +229,30 @@ class Prefetches:
         ``wanted_end``: from which block to promote at once, beside those reads, what the
         share left out (``None``: nothing, or asked already). Once."""
         prefetch = self.waiting[request_id]
-        if prefetch.ahead or prefetch.rest_asked or prefetch.end >= wanted_end:
+        if prefetch.ahead or prefetch.rest_from is not None or prefetch.end >= wanted_end:
             return None
         prefetch.ahead = True
         return prefetch.end
 
-    def rest_wanted(self, request_id: str, missing_from: int) -> bool:
+    def rest_wanted(self, request_id: str, missing_from: int, *, written: bool) -> bool:
         """Whether a lookup that still misses blocks from the request's block ``missing_from``
         on should promote them: those the prefetch had no room for, or that left the
-        engine's or the host tier's cache since. Once, and not from where a probe found the
-        tiers hold no more or a promotion beside the prefetch asked already."""
+        engine's or the host tier's cache since. Once, unless the engine lost blocks before
+        those since; and not from where a probe found the tiers hold no more or a promotion
+        beside the prefetch asked already, unless ``written``: this engine wrote the first
+        missing block down the chain (another request computed it after the probe, and it
+        left the host tier since)."""
         prefetch = self.waiting.get(request_id)
-        if prefetch is None or prefetch.batches or prefetch.rest_asked:
+        if prefetch is None or prefetch.batches:
             return False
-        if (prefetch.short and missing_from >= prefetch.start) or (
-            prefetch.ahead and missing_from >= prefetch.end
+        if prefetch.rest_from is not None and missing_from >= prefetch.rest_from:
+            return False
+        if not written and (
+            (prefetch.short and missing_from >= prefetch.start)
+            or (prefetch.ahead and missing_from >= prefetch.end)
         ):
             return False
-        prefetch.rest_asked = True
+        prefetch.rest_from = missing_from
         return True
 
     def release(self, request_id: str, *, cancelled: bool) -> bool:

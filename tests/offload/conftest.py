@@ -1,5 +1,6 @@
 """What the offload tests share with the fault-injection tests: a small two-region layout;
-and among the lower-tier tests: prompts, the torch copy backend, serving until idle."""
+and among the lower-tier tests: prompts, the torch copy backend, serving until idle,
+storing a request's blocks and evicting them down the chain."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import time
 import torch
 
 from kvtier.copy.base import CopyBackend
+from kvtier.keys import hash_token_blocks
 from kvtier.kinds import COPY_BACKEND
 from kvtier.layout.base import BlockRegion, KVLayout
+from kvtier.offload import OffloadManager, WorkerReport
 from kvtier.plugins import default_registry
 from tests.support.engine import OffloadedEngine
 
@@ -50,3 +53,26 @@ def serve(engine: OffloadedEngine, *seeds: int) -> None:
             assert time.monotonic() < deadline, "the engine did not drain"
             engine.step()
             time.sleep(0.001)
+
+
+def store(manager: OffloadManager, request_id: str, hashes: list[bytes]) -> None:
+    """A request computes the blocks of ``hashes`` and the workers store them."""
+    manager.scheduled(
+        request_id,
+        num_computed_tokens=0,
+        new_block_ids=[list(range(len(hashes)))],
+        block_hashes=hashes,
+    )
+    manager.scheduled(request_id, num_computed_tokens=len(hashes) * BLOCK_TOKENS)
+    plan = manager.build_plan()
+    manager.process(WorkerReport(done={t.batch_id: 1 for t in plan.stores}))
+    manager.finished(request_id)
+
+
+def evict_to_the_tier(manager: OffloadManager, hashes: list[bytes]) -> None:
+    """Store ``hashes``, then two prompts that evict them: they are written down the chain."""
+    store(manager, "a", hashes)
+    for seed in (2, 3):
+        store(manager, str(seed), hash_token_blocks(prompt(seed), BLOCK_TOKENS)[:PROMPT_BLOCKS])
+    manager.build_plan()  # hands the last evicted blocks to the workers
+    assert manager.index.lookup(manager.namespace.keys(hashes)) == 0

@@ -18,7 +18,13 @@ from kvtier.offload.moves import READ_TRIES
 from kvtier.offload.session import OffloadSession
 from kvtier.tiers import TierSpec
 from kvtier.tiers.chain import TierChain
-from tests.offload.conftest import BLOCK_TOKENS, PROMPT_BLOCKS, prompt, torch_backend
+from tests.offload.conftest import (
+    BLOCK_TOKENS,
+    PROMPT_BLOCKS,
+    evict_to_the_tier,
+    prompt,
+    torch_backend,
+)
 from tests.support.engine import EngineSpec, OffloadedEngine, SyntheticEngine
 from tests.support.tiers import MemoryTier
 
@@ -470,6 +476,19 @@ def test_a_lookup_reads_again_what_left_the_engine_while_it_waited() -> None:
     assert manager.lookup("r", hashes, 0, TOKENS) == FULL_HIT
 
 
+def test_each_lookup_reads_again_what_the_engine_lost_since_the_last() -> None:
+    manager, _ = manager_with()
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("r", hashes, 2 * BLOCK_TOKENS, TOKENS)
+    read_all(manager)
+    for first in (1, 0):  # the engine evicts one more block before each lookup
+        assert manager.lookup("r", hashes, first * BLOCK_TOKENS, TOKENS) is None
+        read_all(manager)
+        assert manager.lookup("r", hashes, first * BLOCK_TOKENS, TOKENS) == (
+            FULL_HIT - first * BLOCK_TOKENS
+        )
+
+
 def test_a_prefetch_that_found_nothing_still_lets_the_lookup_read_blocks_before_it() -> None:
     manager, _ = manager_with()
     hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
@@ -487,6 +506,24 @@ def test_a_prefetch_that_found_nothing_still_lets_the_lookup_read_blocks_before_
     assert manager.lookup("r", hashes, 0, TOKENS) == 2 * BLOCK_TOKENS
     # where the probe found nothing, nothing is asked again
     assert manager.lookup("r", hashes, 2 * BLOCK_TOKENS, TOKENS) == 0
+
+
+def test_a_prefix_written_down_after_the_prefetch_found_nothing_is_read_at_the_lookup() -> None:
+    """Another request computed the prefix while this one waited: the prefetch's probe
+    found nothing, then the blocks were stored and evicted down the chain. The lookup reads
+    them from there (at once: this engine wrote them) instead of computing them."""
+    manager, _ = manager_with(slots=8, share=1.0)
+    hashes = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    manager.arrived("r", hashes, 0, TOKENS)
+    (probe,) = manager.build_plan().promotions
+    manager.process(WorkerReport(promoted={probe.batch_id: (1, 0)}))
+    evict_to_the_tier(manager, hashes[:PROMPT_BLOCKS])
+    assert manager.lookup("r", hashes, 0, TOKENS) is None
+    (read,) = manager.build_plan().promotions
+    assert read.block_hashes == tuple(hashes[:PROMPT_BLOCKS])
+    assert len(read.host_slots) == PROMPT_BLOCKS, "read at once, not probed first"
+    manager.process(found_all(TransferPlan(promotions=(read,))))
+    assert manager.lookup("r", hashes, 0, TOKENS) == FULL_HIT
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -17,7 +17,15 @@ from kvtier.offload import OffloadManager, OffloadWorker, Promotion, TransferPla
 from kvtier.offload.moves import READ_TRIES
 from kvtier.tiers import HostTier, TierSpec
 from kvtier.tiers.chain import TierChain
-from tests.offload.conftest import BLOCK_TOKENS, PROMPT_BLOCKS, prompt, serve, torch_backend
+from tests.offload.conftest import (
+    BLOCK_TOKENS,
+    PROMPT_BLOCKS,
+    evict_to_the_tier,
+    prompt,
+    serve,
+    store,
+    torch_backend,
+)
 from tests.support.engine import EngineSpec, OffloadedEngine, SyntheticEngine
 from tests.support.tiers import MemoryTier
 
@@ -232,20 +240,6 @@ def small_manager() -> OffloadManager:
     )
 
 
-def store(manager: OffloadManager, request_id: str, hashes: list[bytes]) -> None:
-    """A request computes the blocks of ``hashes`` and the workers store them."""
-    manager.scheduled(
-        request_id,
-        num_computed_tokens=0,
-        new_block_ids=[list(range(len(hashes)))],
-        block_hashes=hashes,
-    )
-    manager.scheduled(request_id, num_computed_tokens=len(hashes) * BLOCK_TOKENS)
-    plan = manager.build_plan()
-    manager.process(WorkerReport(done={t.batch_id: 1 for t in plan.stores}))
-    manager.finished(request_id)
-
-
 def promote(manager: OffloadManager, found: int) -> None:
     """The workers answer the next plan's probe with ``found`` blocks held, then find them."""
     (probe,) = manager.build_plan().promotions
@@ -268,15 +262,6 @@ def test_a_block_no_lower_tier_holds_evicts_nothing_from_the_host_tier() -> None
     assert manager.index.lookup(manager.namespace.keys(held)) == PROMPT_BLOCKS
 
 
-def evict_to_the_tier(manager: OffloadManager, hashes: list[bytes]) -> None:
-    """Store ``hashes``, then two prompts that evict them: they are written down the chain."""
-    store(manager, "a", hashes)
-    for seed in (2, 3):
-        store(manager, str(seed), hash_token_blocks(prompt(seed), BLOCK_TOKENS)[:PROMPT_BLOCKS])
-    manager.build_plan()  # hands the last evicted blocks to the workers
-    assert manager.index.lookup(manager.namespace.keys(hashes)) == 0
-
-
 def test_blocks_this_engine_wrote_down_are_read_without_a_probe() -> None:
     manager = small_manager()
     wanted = hash_token_blocks(prompt(1), BLOCK_TOKENS)
@@ -286,6 +271,46 @@ def test_blocks_this_engine_wrote_down_are_read_without_a_probe() -> None:
     assert len(read.host_slots) == PROMPT_BLOCKS, "read at once, not probed first"
     manager.process(WorkerReport(promoted={read.batch_id: (1, PROMPT_BLOCKS)}))
     assert manager.lookup("r", wanted, 0, len(prompt(1))) == PROMPT_BLOCKS * BLOCK_TOKENS
+
+
+def test_a_lookup_promotes_again_what_the_engine_lost_while_it_waited() -> None:
+    """The engine held the first two blocks when the request was first looked up, and
+    evicted them before its promotion of the rest was answered: they are promoted too."""
+    manager = small_manager()
+    wanted = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    evict_to_the_tier(manager, wanted[:PROMPT_BLOCKS])
+    tokens, hit = len(prompt(1)), PROMPT_BLOCKS * BLOCK_TOKENS
+    assert manager.lookup("r", wanted, 2 * BLOCK_TOKENS, tokens) is None
+    (rest,) = manager.build_plan().promotions
+    assert rest.block_hashes == tuple(wanted[2:PROMPT_BLOCKS])
+    manager.process(WorkerReport(promoted={rest.batch_id: (1, 3)}))
+    assert manager.lookup("r", wanted, 2 * BLOCK_TOKENS, tokens) == hit - 2 * BLOCK_TOKENS
+    assert manager.lookup("r", wanted, 0, tokens) is None
+    (first,) = manager.build_plan().promotions
+    assert first.block_hashes[:2] == tuple(wanted[:2]) and len(first.host_slots) == 2
+    manager.process(WorkerReport(promoted={first.batch_id: (1, 2)}))
+    assert manager.lookup("r", wanted, 0, tokens) == hit
+    # from the same block on, nothing is asked again
+    manager.index.discard(manager.namespace.keys(wanted[:1]))
+    assert manager.lookup("r", wanted, 0, tokens) == 0
+
+
+def test_the_host_hits_of_a_lookup_that_waits_are_kept_for_its_request() -> None:
+    """A lookup finds the first two blocks in the host tier and waits for the promotion of
+    the rest; stores meanwhile fill the tier, and evict none of the two."""
+    manager = small_manager()
+    wanted = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    evict_to_the_tier(manager, wanted[:PROMPT_BLOCKS])
+    store(manager, "b", wanted[:2])
+    assert manager.lookup("r", wanted, 0, len(prompt(1))) is None
+    (read,) = manager.build_plan().promotions
+    for seed in (2, 3):
+        store(manager, str(seed), hash_token_blocks(prompt(seed), BLOCK_TOKENS)[:PROMPT_BLOCKS])
+    manager.process(WorkerReport(promoted={read.batch_id: (1, 3)}))
+    hit = PROMPT_BLOCKS * BLOCK_TOKENS
+    assert manager.lookup("r", wanted, 0, len(prompt(1))) == hit
+    manager.allocated("r", wanted, [list(range(PROMPT_BLOCKS + 1))], 0, hit)
+    assert manager.index.stats().pinned == PROMPT_BLOCKS, "its load's pins, not the lookup's"
 
 
 def test_after_a_reset_blocks_written_down_before_it_are_probed_first() -> None:
