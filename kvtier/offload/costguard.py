@@ -95,8 +95,9 @@ class CostModel:
     def fit(self) -> tuple[float, float] | None:
         """``(fixed_s, per_unit_s)``, both at least 0; ``None`` during the warm-up.
 
-        A line when the measurements' sizes spread and cost grows with them;
-        otherwise cost proportional to size (or, when every measurement moved
+        A line when the measurements' sizes spread (a fixed cost, their mean, when
+        cost does not grow with size: reads of a few records among probes that read
+        none); otherwise cost proportional to size (or, when every measurement moved
         nothing, its mean as a fixed cost).
         """
         if self.samples < MIN_SAMPLES:
@@ -104,9 +105,8 @@ class CostModel:
         w = self._w
         mean_x, mean_y = self._x / w, self._y / w
         variance = self._xx / w - mean_x * mean_x
-        covariance = self._xy / w - mean_x * mean_y
-        if covariance > 0 and variance > (_MIN_SPREAD * mean_x) ** 2:
-            per_unit = covariance / variance
+        if variance > (_MIN_SPREAD * mean_x) ** 2 and variance > 0:
+            per_unit = max((self._xy / w - mean_x * mean_y) / variance, 0.0)
             return max(mean_y - per_unit * mean_x, 0.0), per_unit
         if mean_x > 0:
             return 0.0, mean_y / mean_x

@@ -62,6 +62,17 @@ def test_a_cost_model_without_spread_in_sizes_is_proportional_or_fixed() -> None
     assert misses.fit() == pytest.approx((0.3, 0.0)), "reads that found nothing: latency"
 
 
+def test_a_cost_model_whose_cost_does_not_grow_with_size_is_a_fixed_cost() -> None:
+    """Probes (no record) and small reads that take the same time: a latency, not a cost
+    per record spread over the probes' sizes of zero."""
+    model = CostModel()
+    for i in range(4 * MIN_SAMPLES):
+        model.add(4 if i % 8 == 0 else 0, 0.002 if i % 8 == 0 else 0.0025)
+    fixed_s, per_unit_s = model.fit()  # type: ignore[misc]
+    assert per_unit_s == 0.0
+    assert model.predict(9) == pytest.approx(fixed_s) and 0.002 < fixed_s < 0.0025
+
+
 def test_a_cost_model_follows_what_changed() -> None:
     model = CostModel()
     for _ in range(50):
