@@ -108,12 +108,11 @@ class LowerTierMoves:
         """Whether a lookup that found ``hits`` of ``wanted`` (from the request's block
         ``first`` on) must be asked again later (:meth:`_waits`). While it waits, the host
         tier's hits stay pinned for the request, until it is allocated or finished: a store
-        meanwhile evicts none of the blocks the promoted ones would extend."""
-        if not self._waits(request_id, wanted, hits, first):
-            return False
-        if hits:
-            held = self._pinned.setdefault(request_id, [])
-            namespace, known = self.setup.namespace, set(held)
+        meanwhile evicts none of the blocks the promoted ones would extend (nor does the
+        promotion's own reservation: they are pinned before it)."""
+        keys: list[BlockKey] = []
+        if 0 < hits < len(wanted):  # a lookup waits only for missing blocks
+            namespace, known = self.setup.namespace, set(self._pinned.get(request_id, ()))
             keys = [
                 key
                 for group, window in enumerate(self.setup.windows)
@@ -123,8 +122,13 @@ class LowerTierMoves:
             ]
             if keys:
                 self.setup.index.pin(keys)
-                held.extend(keys)
-        return True
+        if self._waits(request_id, wanted, hits, first):
+            if keys:
+                self._pinned.setdefault(request_id, []).extend(keys)
+            return True
+        if keys:
+            self.setup.index.unpin(keys)
+        return False
 
     def _waits(self, request_id: str, wanted: Sequence[bytes], hits: int, first: int) -> bool:
         """:meth:`wait_for`, without the pins.

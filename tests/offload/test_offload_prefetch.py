@@ -526,7 +526,7 @@ def test_a_prefix_written_down_after_the_prefetch_found_nothing_is_read_at_the_l
     assert manager.lookup("r", hashes, 0, TOKENS) == FULL_HIT
 
 
-@pytest.mark.parametrize("seed", range(40))
+@pytest.mark.parametrize("seed", range(1000))
 def test_random_arrivals_lookups_and_answers_keep_the_share_and_end_every_wait(seed: int) -> None:
     """Requests arrive, are looked up, allocated or aborted in a random order while the
     workers answer with all, some or none of the blocks: the share holds at every step,

@@ -313,6 +313,21 @@ def test_the_host_hits_of_a_lookup_that_waits_are_kept_for_its_request() -> None
     assert manager.index.stats().pinned == PROMPT_BLOCKS, "its load's pins, not the lookup's"
 
 
+def test_the_promotion_of_a_prefix_tail_does_not_evict_its_head() -> None:
+    """The host tier holds the prefix's first two blocks, and every other slot is pinned:
+    the reservation for the three blocks read from below would evict the two."""
+    manager = small_manager()
+    wanted = hash_token_blocks(prompt(1), BLOCK_TOKENS)
+    evict_to_the_tier(manager, wanted[:PROMPT_BLOCKS])
+    store(manager, "b", wanted[:2])
+    for seed in (2, 3):
+        hashes = hash_token_blocks(prompt(seed), BLOCK_TOKENS)[:3]
+        store(manager, str(seed), hashes)
+        manager.index.pin(manager.namespace.keys(hashes))
+    assert manager.lookup("r", wanted, 0, len(prompt(1))) is None
+    assert manager.index.lookup(manager.namespace.keys(wanted[:2])) == 2
+
+
 def test_after_a_reset_blocks_written_down_before_it_are_probed_first() -> None:
     manager = small_manager()
     wanted = hash_token_blocks(prompt(1), BLOCK_TOKENS)
