@@ -105,7 +105,7 @@ class CostModel:
         w = self._w
         mean_x, mean_y = self._x / w, self._y / w
         variance = self._xx / w - mean_x * mean_x
-        if variance > (_MIN_SPREAD * mean_x) ** 2 and variance > 0:
+        if variance > (_MIN_SPREAD * mean_x) ** 2:
             per_unit = max((self._xy / w - mean_x * mean_y) / variance, 0.0)
             return max(mean_y - per_unit * mean_x, 0.0), per_unit
         if mean_x > 0:
