@@ -136,8 +136,9 @@ class PrefetchConfig(KVTierModel):
         le=1,
         description=(
             "Share of the host tier's slots that prefetches of waiting requests may reserve "
-            "or keep pinned at once; a prefetch past it reads fewer blocks, and the request's "
-            "first lookup reads the rest."
+            "or keep pinned at once, with the host hits kept for lookups that wait for the "
+            "rest; a prefetch past it reads fewer blocks, and the request's first lookup "
+            "reads the rest."
         ),
     )
 

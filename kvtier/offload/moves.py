@@ -77,8 +77,9 @@ class LowerTierMoves:
         # Requests whose lookup waits for promotions (batch ids), or got its answer (empty set).
         self._promoting: dict[str, set[int]] = {}
         # Blocks promoted for a request whose lookup waited for them, and its host hits while
-        # it waited, pinned until it is allocated or finished.
+        # it waited, pinned until it is allocated or finished; how many of the latter.
         self._pinned: dict[str, list[BlockKey]] = {}
+        self._kept_hits: dict[str, int] = {}
         # Requests whose lookup promoted blocks (not a prefetch): from which of their blocks on.
         self._promoted_from: dict[str, int] = {}
         # Answered probes whose blocks found no free host slot yet, by probe (a request may
@@ -109,7 +110,8 @@ class LowerTierMoves:
         ``first`` on) must be asked again later (:meth:`_waits`). While it waits, the host
         tier's hits stay pinned for the request, until it is allocated or finished: a store
         meanwhile evicts none of the blocks the promoted ones would extend (nor does the
-        promotion's own reservation: they are pinned before it)."""
+        promotion's own reservation: they are pinned before it). They count against the
+        prefetches' share of the host tier; hits past it are not kept."""
         keys: list[BlockKey] = []
         if 0 < hits < len(wanted):  # a lookup waits only for missing blocks
             namespace, known = self.setup.namespace, set(self._pinned.get(request_id, ()))
@@ -120,11 +122,15 @@ class LowerTierMoves:
                 for key in namespace.keys(wanted[:hits], group)
                 if key not in known
             ]
+            if len(keys) > self.prefetches.room:
+                keys = []
             if keys:
                 self.setup.index.pin(keys)
         if self._waits(request_id, wanted, hits, first):
             if keys:
                 self._pinned.setdefault(request_id, []).extend(keys)
+                self._kept_hits[request_id] = self._kept_hits.get(request_id, 0) + len(keys)
+                self.prefetches.kept += len(keys)
             return True
         if keys:
             self.setup.index.unpin(keys)
@@ -247,6 +253,7 @@ class LowerTierMoves:
         pinned = self._pinned.pop(request_id, None)
         if pinned:
             self.setup.index.unpin(pinned)
+        self.prefetches.kept -= self._kept_hits.pop(request_id, 0)
         if self.prefetches.release(request_id, cancelled=finished) and finished:
             self._unplan(request_id)
 

@@ -23,14 +23,15 @@ host-tier blocks. Blocks read for a request stay pinned until the engine
 allocated it (the load pins them then) or it finished, so no store evicts them
 before their use.
 
-Bounds: the slots reserved or pinned for waiting requests stay within
-``max_host_share`` of the host tier; a prefetch past it reads fewer blocks (or
-none). As slots in the share come free (a request allocated, finished, or a
-read that found less), the next plan goes on with the prefetches it left
-short, the longest waiting first. The request's first lookup promotes what is
-still missing, at once if the prefetch's reads still run (beside them), else
-once they landed; not where a probe found the tiers hold no more, unless this
-engine wrote the block down the chain since. The host tier's index makes the
+Bounds: the slots reserved or pinned for waiting requests, with the host hits
+kept for lookups that wait for the rest, stay within ``max_host_share`` of the
+host tier; a prefetch past it reads fewer blocks (or none). As slots in the
+share come free (a request allocated, finished, or a read that found less), the
+next plan goes on with the prefetches it left short, the longest waiting first.
+The request's first lookup promotes what is still missing, at once if the
+prefetch's reads still run (beside them), else once they landed; not where a
+probe found the tiers hold no more, unless this engine wrote the block down the
+chain since. The host tier's index makes the
 room, as for any store: it evicts only unpinned readable blocks, and its policy
 may decline (an admission filter that values what it holds more).
 
@@ -102,6 +103,8 @@ class Prefetches:
         self.waiting: dict[str, Prefetch] = {}
         self.reserved = 0
         """Host slots held for waiting requests now (within :attr:`share`)."""
+        self.kept = 0
+        """Host hits pinned for lookups that wait for the rest (within the share too)."""
         self.unused: set[BlockKey] = set()
         """Blocks prefetched and readable that the engine has not loaded yet."""
         self.queued: dict[str, None] = {}
@@ -112,8 +115,8 @@ class Prefetches:
 
     @property
     def room(self) -> int:
-        """Host slots a new prefetch may still take."""
-        return self.share - self.reserved
+        """Host slots a new prefetch (or a waiting lookup's hits) may still take."""
+        return self.share - self.reserved - self.kept
 
     def behind(self, request_id: str) -> bool:
         """Whether requests that arrived before ``request_id`` still wait for their turn."""

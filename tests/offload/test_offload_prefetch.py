@@ -556,7 +556,7 @@ def test_random_arrivals_lookups_and_answers_keep_the_share_and_end_every_wait(s
 
     def check() -> None:
         assert prefetches.reserved == sum(p.slots for p in prefetches.waiting.values())
-        assert 0 <= prefetches.reserved <= prefetches.share
+        assert 0 <= prefetches.reserved + prefetches.kept <= prefetches.share
 
     for step in range(80):
         action = rng.random()
@@ -594,5 +594,7 @@ def test_random_arrivals_lookups_and_answers_keep_the_share_and_end_every_wait(s
     for request_id in waiting:
         manager.finished(request_id)
     answer(lambda n: n)
-    assert (prefetches.reserved, prefetches.waiting, prefetches.cut) == (0, {}, {})
+    assert (prefetches.reserved, prefetches.kept, prefetches.waiting, prefetches.cut) == (
+        0, 0, {}, {},
+    )  # fmt: skip
     assert manager.index.stats().pinned == 0

@@ -313,6 +313,24 @@ def test_the_host_hits_of_a_lookup_that_waits_are_kept_for_its_request() -> None
     assert manager.index.stats().pinned == PROMPT_BLOCKS, "its load's pins, not the lookup's"
 
 
+def test_the_host_hits_kept_for_waiting_lookups_stay_within_the_share() -> None:
+    """Two lookups find their first three blocks in the host tier and wait for the rest; the
+    share (half of eight slots) keeps the first lookup's hits, not the second's."""
+    manager = small_manager()
+    wanted = {seed: hash_token_blocks(prompt(seed), BLOCK_TOKENS) for seed in (11, 12)}
+    for hashes in wanted.values():
+        evict_to_the_tier(manager, hashes[:PROMPT_BLOCKS])
+    for seed, hashes in wanted.items():
+        store(manager, f"b{seed}", hashes[:3])
+    for seed, hashes in wanted.items():
+        assert manager.lookup(f"r{seed}", hashes, 0, len(prompt(seed))) is None
+    assert manager.index.stats().pinned == 3
+    prefetches = manager.moves.prefetches
+    assert (prefetches.share, prefetches.kept) == (4, 3)
+    manager.finished("r11")
+    assert (prefetches.kept, manager.index.stats().pinned) == (0, 0)
+
+
 def test_the_promotion_of_a_prefix_tail_does_not_evict_its_head() -> None:
     """The host tier holds the prefix's first two blocks, and every other slot is pinned:
     the reservation for the three blocks read from below would evict the two."""
