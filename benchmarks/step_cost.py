@@ -234,11 +234,17 @@ def set_token_budget(engine: Engine, tokens: int) -> None:
 
 
 def kvtier_config(
-    case: Case, device_blocks: int, record_bytes: int, scratch: Path, policy: str
+    case: Case,
+    device_blocks: int,
+    record_bytes: int,
+    scratch: Path,
+    policy: str,
+    host_size: float = 2.0,
 ) -> dict[str, Any]:
-    """kvtier's config for a case: a host tier twice the device cache, copies stubbed."""
+    """kvtier's config for a case: a host tier of ``host_size`` times the device cache, copies
+    stubbed."""
     config: dict[str, Any] = {
-        "cpu_bytes": 2 * device_blocks * record_bytes,
+        "cpu_bytes": int(host_size * device_blocks) * record_bytes,
         "store_mode": case.store_mode,
         "copy": {"type": "none"},
         "index": {"type": policy},
@@ -291,7 +297,7 @@ def run_case(
         clock=CLOCKS[args.clock],
     )
     record_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2 * BLOCK_TOKENS
-    config = kvtier_config(case, device_blocks, record_bytes, scratch, args.policy)
+    config = kvtier_config(case, device_blocks, record_bytes, scratch, args.policy, args.host_size)
     host_blocks = load_config(config).host_slots(record_bytes)
     extra = {
         arm: offloading_config(host_blocks, record_bytes, args.offload_policy)
@@ -441,6 +447,7 @@ def case_report(
         "changed_requests": {"median": statistics.median(changed), "max": max(changed)},
         "hit_tokens": kvtier.counter("hit_tokens"),
         "stored_blocks": kvtier.counter("stored_blocks"),
+        "evicted_blocks": kvtier.counter("evicted_blocks"),
         "loaded_blocks": kvtier.counter("loaded_blocks"),
         "scheduler_s": {engine.arm: split(scheduler_s(engine)) for engine in engines},
         "added_s": split(added),
@@ -625,6 +632,13 @@ def main(argv: list[str] | None = None) -> int:
         "--max-num-batched-tokens", type=int, default=8192, help="vLLM's token budget per step"
     )
     parser.add_argument(
+        "--host-size",
+        type=float,
+        default=2.0,
+        help="the host tier (and vLLM's CPU pool) as a multiple of the device cache; under 1, "
+        "the tiers are full and evict in the measured steps",
+    )
+    parser.add_argument(
         "--decode-only",
         action="store_true",
         help="no request arrives and all fill their blocks in the same steps (the others quiet)",
@@ -699,6 +713,7 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "policy": args.policy,
         "offload_policy": args.offload_policy,
+        "host_size": args.host_size,
         "clock": args.clock,
         "block_tokens": BLOCK_TOKENS,
         "load_average_start": started,
