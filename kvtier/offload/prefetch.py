@@ -31,9 +31,9 @@ next plan goes on with the prefetches it left short, the longest waiting first.
 The request's first lookup promotes what is still missing, at once if the
 prefetch's reads still run (beside them), else once they landed; not where a
 probe found the tiers hold no more, unless this engine wrote the block down the
-chain since. The host tier's index makes the
-room, as for any store: it evicts only unpinned readable blocks, and its policy
-may decline (an admission filter that values what it holds more).
+chain since. The host tier's index makes the room, as for any store: it evicts
+only unpinned readable blocks, and its policy may decline (an admission filter
+that values what it holds more).
 
 A request that finishes before it was allocated (an abort) cancels its
 prefetch: reads not yet planned are dropped with their slots, its pins go and
