@@ -74,10 +74,13 @@ class CostModel:
     Every measurement updates five running sums in constant time; a fit reads them.
     """
 
-    __slots__ = ("_decay", "_w", "_x", "_y", "_xx", "_xy", "samples")
+    __slots__ = ("_decay", "_grows", "_w", "_x", "_y", "_xx", "_xy", "samples")
 
-    def __init__(self, half_life: float = HALF_LIFE_SAMPLES) -> None:
+    def __init__(self, half_life: float = HALF_LIFE_SAMPLES, *, grows: bool = False) -> None:
+        """``grows``: the cost always grows with ``units`` (computing tokens), so a fit whose
+        slope is not positive is noise, not a fixed cost (see :meth:`fit`)."""
         self._decay = 0.5 ** (1.0 / half_life)
+        self._grows = grows
         self._w = self._x = self._y = self._xx = self._xy = 0.0
         self.samples = 0
         """Measurements so far."""
@@ -97,8 +100,9 @@ class CostModel:
 
         A line when the measurements' sizes spread (a fixed cost, their mean, when
         cost does not grow with size: reads of a few records among probes that read
-        none); otherwise cost proportional to size (or, when every measurement moved
-        nothing, its mean as a fixed cost).
+        none); otherwise, and for a cost that ``grows`` when the line does not (step
+        times of a loaded machine: computing is never free), cost proportional to size
+        (or, when every measurement moved nothing, its mean as a fixed cost).
         """
         if self.samples < MIN_SAMPLES:
             return None
@@ -106,8 +110,10 @@ class CostModel:
         mean_x, mean_y = self._x / w, self._y / w
         variance = self._xx / w - mean_x * mean_x
         if variance > (_MIN_SPREAD * mean_x) ** 2:
-            per_unit = max((self._xy / w - mean_x * mean_y) / variance, 0.0)
-            return max(mean_y - per_unit * mean_x, 0.0), per_unit
+            per_unit = (self._xy / w - mean_x * mean_y) / variance
+            if per_unit > 0 or not self._grows:
+                per_unit = max(per_unit, 0.0)
+                return max(mean_y - per_unit * mean_x, 0.0), per_unit
         if mean_x > 0:
             return 0.0, mean_y / mean_x
         return mean_y, 0.0
@@ -143,7 +149,7 @@ class CostGuard:
         self.tier_names = tuple(tier_names)
         self.enabled = enabled
         self.margin = margin
-        self.prefill = CostModel()
+        self.prefill = CostModel(grows=True)
         """Seconds of a step by the tokens it computed."""
         self.costs: dict[str, CostModel] = {HOST: CostModel()}
         """Per source (:data:`HOST` or a tier's name): seconds of a read by its blocks."""

@@ -73,6 +73,17 @@ def test_a_cost_model_whose_cost_does_not_grow_with_size_is_a_fixed_cost() -> No
     assert model.predict(9) == pytest.approx(fixed_s) and 0.002 < fixed_s < 0.0025
 
 
+def test_a_prefill_cost_that_does_not_grow_with_tokens_is_not_free() -> None:
+    """Step times of a loaded machine that do not grow with the tokens computed: recomputing
+    stays priced per token (a per-token cost of 0 would skip every load)."""
+    model = CostModel(grows=True)
+    for i in range(4 * MIN_SAMPLES):
+        model.add(1024 if i % 2 else 32, 0.004 if i % 2 else 0.005)
+    fixed_s, per_unit_s = model.fit()  # type: ignore[misc]
+    assert fixed_s == 0.0 and per_unit_s > 0
+    assert model.predict(528) == pytest.approx(0.0045, rel=0.05)
+
+
 def test_a_cost_model_follows_what_changed() -> None:
     model = CostModel()
     for _ in range(50):
