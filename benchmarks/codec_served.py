@@ -10,9 +10,15 @@ with those of the ``none`` arm (uncompressed hits), position by position:
 difference the two continuations usually part), ``prompts_identical`` the
 prompts whose whole output is, and ``first_logprob_abs_delta`` the difference
 of the first generated token's logprob, the one computed from the prefix's
-KV alone, so the most direct measure of a codec's error. The model is the
-vLLM benchmarks' random-weight Llama (``vllm_bench.engine.MODEL``). Prints one
-JSON object; vLLM logs to stderr.
+KV alone, so the most direct measure of a codec's error. ``recomputed``
+compares the same way the ``none`` arm's first engine, which computed every
+prompt (no hit), with its uncompressed hits: how far this model's greedy
+tokens move when a prefix is loaded bit for bit instead of recomputed.
+``runner_up_margin`` says how close the uncompressed hits' greedy choices
+were: the chosen token's logprob less the runner-up's, at every position
+(its median, and the share under each of ``MARGIN_BARS``). The
+model is the vLLM benchmarks' random-weight Llama (``vllm_bench.engine.MODEL``).
+Prints one JSON object; vLLM logs to stderr.
 
     python benchmarks/codec_served.py --prompts 16 --max-tokens 32
 """
@@ -25,6 +31,7 @@ import random
 import statistics
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +40,28 @@ from vllm_bench.engine import BLOCK_TOKENS, MODEL, engine_env, random_prompt
 from kvtier.integrations.checkpoints import write_tiny_llama
 
 CODECS = ("none", "fp8", "int8")
+MARGIN_BARS = (0.01, 0.1)
+"""Margins the report counts the positions under."""
 PROMPT_BLOCKS = 6
+
+
+@dataclass
+class Served:
+    """One engine's greedy outputs of the prompts."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    """The logprob of each chosen token."""
+    margins: list[float]
+    """At every position, the chosen token's logprob less the runner-up's."""
+    promoted: int
+    """Blocks promoted from the tiers below host memory."""
 
 
 def serve(
     model_dir: str, kvtier: dict[str, Any], prompts: list[list[int]], max_tokens: int
-) -> tuple[list[list[int]], list[list[float]], int]:
-    """Greedy tokens and their logprobs of each prompt, one at a time; blocks promoted."""
+) -> Served:
+    """Serve each prompt greedily, one at a time."""
     from vllm import LLM, SamplingParams
 
     from kvtier.integrations.vllm.offline import engine_kwargs, settle, shutdown
@@ -52,30 +74,53 @@ def serve(
             max_model_len=(PROMPT_BLOCKS + 2) * BLOCK_TOKENS + max_tokens,
         )
     )
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
-    tokens, logprobs = [], []
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2)
+    served = Served([], [], [], 0)
     try:
         for prompt in prompts:
             (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
             completion = output.outputs[0]
-            tokens.append(list(completion.token_ids))
-            logprobs.append(
-                [
-                    chosen[token].logprob
-                    for token, chosen in zip(completion.token_ids, completion.logprobs, strict=True)
-                ]
-            )
+            served.tokens.append(list(completion.token_ids))
+            served.logprobs.append([])
+            for token, ranked in zip(completion.token_ids, completion.logprobs, strict=True):
+                chosen = ranked[token].logprob
+                served.logprobs[-1].append(chosen)
+                served.margins.append(
+                    chosen - max(entry.logprob for other, entry in ranked.items() if other != token)
+                )
             settle(llm)
-        promoted = _promoted(llm)
+        served.promoted = _promoted(llm)
     finally:
         shutdown(llm)
-    return tokens, logprobs, promoted
+    return served
 
 
 def _promoted(llm: Any) -> int:  # noqa: ANN401
     """Blocks the engine's kvtier manager promoted from the tiers below host memory."""
     manager = llm.llm_engine.engine_core.engine_core.scheduler.connector.manager
     return int(manager.stats().promoted_blocks)
+
+
+def compare(served: Served, expected: Served) -> dict[str, Any]:
+    """Greedy tokens equal position by position, prompts whose output is the same, and the
+    first generated token's logprob difference, of ``served`` against ``expected``."""
+    positions = sum(len(output) for output in expected.tokens)
+    pairs = list(zip(served.tokens, expected.tokens, strict=True))
+    equal = sum(a == b for ours, theirs in pairs for a, b in zip(ours, theirs, strict=False))
+    deltas = [
+        abs(ours[0] - theirs[0])
+        for ours, theirs in zip(served.logprobs, expected.logprobs, strict=True)
+    ]
+    return {
+        "tokens_equal": equal,
+        "tokens": positions,
+        "tokens_equal_share": round(equal / positions, 4),
+        "prompts_identical": sum(ours == theirs for ours, theirs in pairs),
+        "first_logprob_abs_delta": {
+            "max": round(max(deltas), 5),
+            "mean": round(statistics.fmean(deltas), 5),
+        },
+    }
 
 
 def main() -> int:
@@ -96,7 +141,7 @@ def main() -> int:
     }
     with tempfile.TemporaryDirectory(prefix="kvtier-codec-served-") as scratch:
         model_dir = str(write_tiny_llama(Path(scratch) / "model", MODEL))
-        baseline: tuple[list[list[int]], list[list[float]]] | None = None
+        baseline: Served | None = None
         for codec in CODECS:
             disk: dict[str, Any] = {
                 "type": "disk",
@@ -106,34 +151,21 @@ def main() -> int:
             if codec != "none":
                 disk["codec"] = codec
             config = {"cpu_bytes": 4 * PROMPT_BLOCKS * record_bytes, "tiers": [disk]}
-            serve(model_dir, config, prompts, args.max_tokens)
-            tokens, logprobs, promoted = serve(model_dir, config, prompts, args.max_tokens)
+            computed = serve(model_dir, config, prompts, args.max_tokens)
+            hits = serve(model_dir, config, prompts, args.max_tokens)
             if baseline is None:
-                baseline = tokens, logprobs
-            expected, expected_logprobs = baseline
-            positions = sum(len(output) for output in expected)
-            equal = sum(
-                a == b
-                for ours, theirs in zip(tokens, expected, strict=True)
-                for a, b in zip(ours, theirs, strict=False)
-            )
-            deltas = [
-                abs(ours[0] - theirs[0])
-                for ours, theirs in zip(logprobs, expected_logprobs, strict=True)
-            ]
-            report["codecs"][codec] = {
-                "promoted_blocks": promoted,
-                "tokens_equal": equal,
-                "tokens": positions,
-                "tokens_equal_share": round(equal / positions, 4),
-                "prompts_identical": sum(
-                    ours == theirs for ours, theirs in zip(tokens, expected, strict=True)
-                ),
-                "first_logprob_abs_delta": {
-                    "max": round(max(deltas), 5),
-                    "mean": round(statistics.fmean(deltas), 5),
-                },
-            }
+                baseline = hits
+                report["recomputed"] = compare(computed, baseline)
+                report["runner_up_margin"] = {
+                    "median": round(statistics.median(hits.margins), 5),
+                    **{
+                        f"share_below_{bar}": round(
+                            sum(margin < bar for margin in hits.margins) / len(hits.margins), 4
+                        )
+                        for bar in MARGIN_BARS
+                    },
+                }
+            report["codecs"][codec] = {"promoted_blocks": hits.promoted, **compare(hits, baseline)}
     json.dump(report, sys.stdout, indent=2)
     print()
     return 0
