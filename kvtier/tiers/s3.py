@@ -24,7 +24,7 @@ not. Keys still missing then have their own names tried, at most
 prefix stored shorter than the one now asked for). A presence check reads
 only the key tables (a ranged GET of the first 16 KiB). A delete rewrites
 each object that holds a deleted key without it, or deletes the object.
-The objects of one batch are read or written at once, on the tier's
+The objects of one batch are read, written or rewritten at once, on the tier's
 ``io_threads`` I/O threads (the batch's own among them, see
 :meth:`~kvtier.tiers.queued.QueuedTier._all_at_once`), so a lookup takes
 about one round trip per pass, not one per object.
@@ -476,18 +476,25 @@ class S3Tier(RemoteTier):
 
     def _remove(self, keys: Sequence[BlockKey]) -> list[bool]:
         found = self._search(keys, self._read_deadline(), table_only=False)
+        objects = list({name_key: data for name_key, data, _ in found.values()}.items())
+
+        def remove(item: tuple[BlockKey, bytes]) -> set[BlockKey]:
+            name_key, data = item
+            table = _ObjectTable.parse(data)
+            assert isinstance(table, _ObjectTable)  # parsed already by the search
+            gone = {key for key in table.spans if key in found and found[key][0] == name_key}
+            self._rewrite(name_key, data, table, [key for key in table.spans if key not in gone])
+            return gone
+
         removed: set[BlockKey] = set()
-        objects: dict[BlockKey, Any] = {name_key: data for name_key, data, _ in found.values()}
-        try:
-            for name_key, data in objects.items():
-                table = _ObjectTable.parse(data)
-                assert isinstance(table, _ObjectTable)  # parsed already by the search
-                gone = {key for key in table.spans if key in found and found[key][0] == name_key}
-                kept = [key for key in table.spans if key not in gone]
-                self._rewrite(name_key, data, table, kept)
-                removed |= gone
-        except _FAILURES as exc:
-            self._count_error(self._store_failed(exc), len(found) - len(removed))
+        failures: list[StoreFailure] = []
+        for outcome in self._each(remove, objects):
+            if isinstance(outcome, StoreFailure):
+                failures.append(outcome)
+            else:
+                removed |= outcome
+        if failures:
+            self._count_error(self._store_failed(failures[0].error), len(found) - len(removed))
         return [key in removed for key in keys]
 
     def _rewrite(

@@ -124,7 +124,7 @@ class _Forward(BaseHTTPRequestHandler):
     def _handle(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
-        if self.server.take_throttle(self.command):
+        if self.server.take_throttle(self.command, self.path):
             reply = (
                 b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>SlowDown</Code>'
                 b"<Message>Please reduce your request rate.</Message></Error>"
@@ -165,11 +165,16 @@ class _ProxyServer(ThreadingHTTPServer):
         self.throttled = 0
         self.requests: list[str] = []
         self._throttle = 0
+        self._refused: tuple[str, str] | None = None
         self._lock = threading.Lock()
 
-    def take_throttle(self, method: str) -> bool:
+    def take_throttle(self, method: str, path: str) -> bool:
         with self._lock:
             self.requests.append(method)
+            refused = self._refused
+            if refused is not None and method == refused[0] and path.endswith(refused[1]):
+                self.throttled += 1
+                return True
             if self._throttle == 0:
                 return False
             self._throttle -= 1
@@ -179,6 +184,10 @@ class _ProxyServer(ThreadingHTTPServer):
     def throttle(self, requests: int) -> None:
         with self._lock:
             self._throttle = requests
+
+    def refuse(self, method: str, path_end: str) -> None:
+        with self._lock:
+            self._refused = (method, path_end)
 
 
 class ThrottlingProxy:
@@ -210,6 +219,11 @@ class ThrottlingProxy:
     def throttle(self, requests: int) -> None:
         """Answer the next ``requests`` requests with ``503 SlowDown`` (0 stops it)."""
         self._server.throttle(requests)
+
+    def refuse(self, method: str, path_end: str) -> None:
+        """Answer every ``method`` request whose path ends with ``path_end`` with ``503
+        SlowDown``, from now on."""
+        self._server.refuse(method, path_end)
 
     def stop(self) -> None:
         """Stop forwarding and close the port. Idempotent."""

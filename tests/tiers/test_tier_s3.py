@@ -200,6 +200,22 @@ def test_a_lookup_costs_a_request_per_chunk_not_per_block(
     assert set(proxy.requests[-contains_cost:]) == {"GET"}
 
 
+def test_a_delete_rewrites_its_objects_at_once_and_one_failing_stops_none_of_the_others(
+    server: MotoS3Server, bucket: str, tiers: Callable[..., S3Tier]
+) -> None:
+    proxy = ThrottlingProxy(server.port)
+    try:
+        tier = tiers(chunk_blocks=1, endpoint_url=proxy.url, get_deadline_s=0.5)
+        keys = tier.keys.keys(block_hashes("delete", 4))
+        store(tier, keys, payloads(4, RECORD))
+        proxy.refuse("DELETE", f"/kvtier/{keys[0].hex()}")
+        assert done(tier.delete(keys)).deleted == (False, True, True, True)
+    finally:
+        proxy.stop()
+    assert object_names(server, bucket) == [f"kvtier/{keys[0].hex()}"]
+    assert tier.stats().errors == {"server": 1}
+
+
 def test_a_longer_prefix_finds_a_shorter_one_stored_before(tiers: Callable[..., S3Tier]) -> None:
     tier = tiers(chunk_blocks=4)
     keys = tier.keys.keys(block_hashes("grow", 24))
