@@ -6,7 +6,8 @@ where the network is the limit. :class:`ShapedLink` listens on a port of its
 own and relays each connection to the server, both ways, through one token
 bucket per direction shared by all connections (a full-duplex link of
 ``megabits_per_s`` each way). It adds no latency of its own beyond the
-bucket's waits. Use::
+bucket's waits. The relay runs in a process of its own, as a network would:
+its threads never take the measured process's GIL. Use::
 
     with ShapedLink(("127.0.0.1", 6379), megabits_per_s=1000) as link:
         url = f"redis://127.0.0.1:{link.port}"
@@ -14,9 +15,14 @@ bucket's waits. Use::
 
 from __future__ import annotations
 
+import argparse
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from types import TracebackType
 
 CHUNK_BYTES = 64 << 10
@@ -81,54 +87,62 @@ class _Connection:
                 pass
 
 
+def relay(listener: socket.socket, target: tuple[str, int], megabits_per_s: float) -> None:
+    """Accept connections on ``listener`` and relay each to ``target`` through the link's
+    two buckets, for as long as the process lives."""
+    rate = megabits_per_s * 1e6 / 8
+    up, down = _Bucket(rate), _Bucket(rate)
+    while True:
+        try:
+            client, _ = listener.accept()
+        except OSError:  # closed
+            return
+        try:
+            server = socket.create_connection(target)
+        except OSError:  # the server refused: so does the link
+            client.close()
+            continue
+        for sock in (client, server):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        connection = _Connection(client, server)
+        for source, sink, bucket in ((client, server, up), (server, client, down)):
+            threading.Thread(
+                target=connection.pump, args=(source, sink, bucket), daemon=True
+            ).start()
+
+
 class ShapedLink:
-    """Relays connections to ``target`` at ``megabits_per_s`` each way; a context manager."""
+    """Relays connections to ``target`` at ``megabits_per_s`` each way, from a child process
+    that lives as long as the link; a context manager."""
 
     def __init__(self, target: tuple[str, int], megabits_per_s: float) -> None:
         if megabits_per_s <= 0:
             raise ValueError(f"a link's bandwidth is positive, got {megabits_per_s}")
         self.target = target
         self.megabits_per_s = megabits_per_s
-        rate = megabits_per_s * 1e6 / 8
-        self._up, self._down = _Bucket(rate), _Bucket(rate)
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
-        self._connections: list[_Connection] = []
-        self._closed = False
-        threading.Thread(target=self._accept, name="link-accept", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:  # closed
-                return
-            try:
-                server = socket.create_connection(self.target)
-            except OSError:  # the server refused: so does the link
-                client.close()
-                continue
-            for sock in (client, server):
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            connection = _Connection(client, server)
-            self._connections = [
-                each for each in self._connections if each.sockets[0].fileno() >= 0
-            ]
-            self._connections.append(connection)
-            for source, sink, bucket in ((client, server, self._up), (server, client, self._down)):
-                pump = threading.Thread(
-                    target=connection.pump, args=(source, sink, bucket), daemon=True
-                )
-                pump.start()
+        self._process = subprocess.Popen(
+            [sys.executable, str(Path(__file__)), f"{target[0]}:{target[1]}", str(megabits_per_s)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self._process.stdout is not None
+        line = self._process.stdout.readline()
+        if not line:
+            self._process.wait()
+            raise RuntimeError(f"the link's relay exited with status {self._process.returncode}")
+        self.port = int(line)
 
     def close(self) -> None:
-        """Stop accepting and cut every connection."""
-        if self._closed:
-            return
-        self._closed = True
-        self._listener.close()
-        for connection in self._connections:
-            connection.shutdown()
+        """Stop the relay, cutting every connection."""
+        if self._process.poll() is None:
+            assert self._process.stdin is not None
+            self._process.stdin.close()  # the relay's cue to exit
+            try:
+                self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
 
     def __enter__(self) -> ShapedLink:
         return self
@@ -140,3 +154,23 @@ class ShapedLink:
         trace: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The relay's process: print the port it listens on, relay until stdin closes."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", help="HOST:PORT of the server")
+    parser.add_argument("megabits_per_s", type=float)
+    args = parser.parse_args(argv)
+    host, _, port = args.target.rpartition(":")
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(
+        target=relay, args=(listener, (host, int(port)), args.megabits_per_s), daemon=True
+    ).start()
+    print(listener.getsockname()[1], flush=True)
+    sys.stdin.read()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

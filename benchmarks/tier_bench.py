@@ -42,7 +42,8 @@ The comparisons, each pair of arms run in turn ``--repeats`` times
   model run (``kvtier bench codec``'s: kvtier's random-weight Llama through
   ``transformers``), the disk tier (page cache, and with ``o_direct`` where the
   filesystem allows it), the redis tier and the s3
-  tier (one object per record, on moto's server or ``--s3-endpoint``) with
+  tier (blocks grouped into objects by its default ``chunk_blocks``, on moto's
+  server or ``--s3-endpoint``) with
   each built-in codec against the same tier without one, in record bytes per
   second (the bytes the engine hands over), the two arms alternating as above.
   With ``--link-mbps N`` the redis and s3 tiers of these rows reach their
@@ -689,9 +690,12 @@ def codec_s3_tier(
     tier_spec: TierSpec,
     name: str | None,
 ) -> StorageTier:
-    """An s3 tier (one object per record) with the codec ``name`` (``None``: none)."""
+    """An s3 tier with the codec ``name`` (``None``: none), as users run it: blocks grouped
+    into objects by the default ``chunk_blocks``, not one object per record as in the ``s3``
+    rows."""
     assert stores.s3 is not None
     fields = stores.s3.model_dump(exclude_unset=True)
+    del fields["chunk_blocks"]
     fields.update(queue_depth=count, prefix=f"{stores.s3.prefix}codec-{name}/", codec=name)
     return S3Tier(S3TierConfig(**fields), tier_spec)
 
