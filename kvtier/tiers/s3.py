@@ -46,7 +46,6 @@ import random
 import struct
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import boto3
@@ -87,13 +86,6 @@ _FAILURES = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError,
 
 T = TypeVar("T")
 Item = TypeVar("Item")
-
-
-@dataclass(frozen=True)
-class StoreFailure:
-    """A request that failed in the store: what it raised."""
-
-    error: BaseException
 
 
 def chunk_ends(keys: Sequence[BlockKey], chunk_blocks: int) -> list[bool]:
@@ -339,19 +331,30 @@ class S3Tier(RemoteTier):
                 return None
             raise
 
-    def _each(self, request: Callable[[Item], T], items: Sequence[Item]) -> list[T | StoreFailure]:
-        """``request(item)`` for every item at once on the I/O threads: its result, or the
-        store's failure."""
-        outcomes: list[T | StoreFailure] = []
-        for future in self._all_at_once(request, items):
+    def _each(
+        self, request: Callable[[Item], T], items: Sequence[Item]
+    ) -> tuple[list[tuple[Item, T]], list[BaseException]]:
+        """``request(item)`` for every item at once on the I/O threads: the items done, each
+        with its result, and what the store raised for the others."""
+        done: list[tuple[Item, T]] = []
+        failed: list[BaseException] = []
+        for item, future in zip(items, self._all_at_once(request, items), strict=True):
             failure = future.exception()
             if failure is None:
-                outcomes.append(future.result())
+                done.append((item, future.result()))
             elif isinstance(failure, _FAILURES):
-                outcomes.append(StoreFailure(failure))
+                failed.append(failure)
             else:
                 raise failure
-        return outcomes
+        return done, failed
+
+    def _settle(self, failed: Sequence[BaseException], lost: int) -> None:
+        """After a batch: count the ``lost`` keys under the first failure's cause, or note
+        that the store answered every request."""
+        if failed:
+            self._count_error(self._store_failed(failed[0]), lost)
+        else:
+            self._backoff.answered()
 
     def _search(
         self,
@@ -367,17 +370,16 @@ class S3Tier(RemoteTier):
             return found
         wanted = set(keys)
         tried: set[BlockKey] = set()
-        failures: list[StoreFailure] = []
+        failures: list[BaseException] = []
 
         def read(name_key: BlockKey) -> Any:
             return self._get_object(name_key, deadline, table_only=table_only)
 
         def look(name_keys: Sequence[BlockKey]) -> None:
             tried.update(name_keys)
-            for name_key, data in zip(name_keys, self._each(read, name_keys), strict=True):
-                if isinstance(data, StoreFailure):
-                    failures.append(data)
-                    continue
+            done, failed = self._each(read, name_keys)
+            failures.extend(failed)
+            for name_key, data in done:
                 if data is None:
                     continue
                 table = _ObjectTable.parse(data)
@@ -401,10 +403,7 @@ class S3Tier(RemoteTier):
                     : self.chunk_blocks
                 ]
             )
-        if failures:
-            self._count_error(self._store_failed(failures[0].error), len(keys) - len(found))
-        else:
-            self._backoff.answered()
+        self._settle(failures, len(keys) - len(found))
         return found
 
     # ------------------------------------------------------------------ batches
@@ -434,20 +433,11 @@ class S3Tier(RemoteTier):
             body = self._encode([keys[i] for i in run], [records[i] for i in run])
             self._put_object(keys[run[-1]], body, deadline)
 
-        cut = runs(keys, self.chunk_blocks)
-        failures: list[StoreFailure] = []
-        dropped = 0
-        for run, outcome in zip(cut, self._each(put, cut), strict=True):
-            if isinstance(outcome, StoreFailure):
-                failures.append(outcome)
-                dropped += len(run)
-            else:
-                for position in run:
-                    stored[position] = True
-        if failures:
-            self._count_error(self._store_failed(failures[0].error), dropped)
-        else:
-            self._backoff.answered()
+        done, failed = self._each(put, runs(keys, self.chunk_blocks))
+        for run, _ in done:
+            for position in run:
+                stored[position] = True
+        self._settle(failed, stored.count(False))
         return self._count_stored(stored)
 
     def _put_object(self, name_key: BlockKey, body: bytearray, deadline: float | None) -> None:
@@ -486,15 +476,10 @@ class S3Tier(RemoteTier):
             self._rewrite(name_key, data, table, [key for key in table.spans if key not in gone])
             return gone
 
-        removed: set[BlockKey] = set()
-        failures: list[StoreFailure] = []
-        for outcome in self._each(remove, objects):
-            if isinstance(outcome, StoreFailure):
-                failures.append(outcome)
-            else:
-                removed |= outcome
-        if failures:
-            self._count_error(self._store_failed(failures[0].error), len(found) - len(removed))
+        done, failed = self._each(remove, objects)
+        removed: set[BlockKey] = set().union(*(gone for _, gone in done))
+        if objects:  # else the search asked nothing (backing off) or found nothing
+            self._settle(failed, len(found) - len(removed))
         return [key in removed for key in keys]
 
     def _rewrite(

@@ -24,7 +24,7 @@ from kvtier.testing.contracts_tier import (
     payloads,
     store,
 )
-from kvtier.tiers.base import TierError, TierSpec
+from kvtier.tiers.base import TierError, TierSpec, TierState
 from kvtier.tiers.record import RecordCodec
 from kvtier.tiers.s3 import S3Tier, S3TierConfig, chunk_ends, pack_table, runs, table_bytes
 from tests.support.s3_server import MotoS3Server, ThrottlingProxy, aws_test_environment
@@ -214,6 +214,28 @@ def test_a_delete_rewrites_its_objects_at_once_and_one_failing_stops_none_of_the
         proxy.stop()
     assert object_names(server, bucket) == [f"kvtier/{keys[0].hex()}"]
     assert tier.stats().errors == {"server": 1}
+
+
+def test_a_delete_while_the_tier_backs_off_asks_nothing_and_is_no_answer(
+    bucket: str, tiers: Callable[..., S3Tier], caplog: pytest.LogCaptureFixture
+) -> None:
+    own = MotoS3Server().start()
+    try:
+        own.create_bucket(bucket + "-wait")
+        tier = tiers(
+            endpoint_url=own.url, bucket=bucket + "-wait", timeout_s=0.5, reconnect_backoff_s=60
+        )
+        keys = tier.keys.keys(block_hashes("wait", 2))
+        store(tier, keys[:1], payloads(1, RECORD))
+        own.stop()
+        assert done(tier.put(keys[1:], payloads(1, RECORD))).stored == (False,)
+        assert tier.stats().state is TierState.BACKING_OFF
+        with caplog.at_level(logging.INFO, logger="kvtier"):
+            assert done(tier.delete(keys)).deleted == (False, False)
+        assert tier.stats().state is TierState.BACKING_OFF
+        assert "answers again" not in caplog.text, "a delete sent nowhere is no answer"
+    finally:
+        own.stop()
 
 
 def test_a_longer_prefix_finds_a_shorter_one_stored_before(tiers: Callable[..., S3Tier]) -> None:
