@@ -83,6 +83,17 @@ def tiers(server: MotoS3Server, bucket: str) -> Iterator[Callable[..., S3Tier]]:
 
 
 @pytest.fixture
+def own_server(bucket: str) -> Iterator[MotoS3Server]:
+    """A server of the test's own, which it may stop and start, holding ``bucket``."""
+    own = MotoS3Server().start()
+    try:
+        own.create_bucket(bucket)
+        yield own
+    finally:
+        own.stop()
+
+
+@pytest.fixture
 def key_file(tmp_path: Path) -> Path:
     """A file holding the tier's key."""
     path = tmp_path / "tier.key"
@@ -217,25 +228,18 @@ def test_a_delete_rewrites_its_objects_at_once_and_one_failing_stops_none_of_the
 
 
 def test_a_delete_while_the_tier_backs_off_asks_nothing_and_is_no_answer(
-    bucket: str, tiers: Callable[..., S3Tier], caplog: pytest.LogCaptureFixture
+    own_server: MotoS3Server, tiers: Callable[..., S3Tier], caplog: pytest.LogCaptureFixture
 ) -> None:
-    own = MotoS3Server().start()
-    try:
-        own.create_bucket(bucket + "-wait")
-        tier = tiers(
-            endpoint_url=own.url, bucket=bucket + "-wait", timeout_s=0.5, reconnect_backoff_s=60
-        )
-        keys = tier.keys.keys(block_hashes("wait", 2))
-        store(tier, keys[:1], payloads(1, RECORD))
-        own.stop()
-        assert done(tier.put(keys[1:], payloads(1, RECORD))).stored == (False,)
-        assert tier.stats().state is TierState.BACKING_OFF
-        with caplog.at_level(logging.INFO, logger="kvtier"):
-            assert done(tier.delete(keys)).deleted == (False, False)
-        assert tier.stats().state is TierState.BACKING_OFF
-        assert "answers again" not in caplog.text, "a delete sent nowhere is no answer"
-    finally:
-        own.stop()
+    tier = tiers(endpoint_url=own_server.url, timeout_s=0.5, reconnect_backoff_s=60)
+    keys = tier.keys.keys(block_hashes("wait", 2))
+    store(tier, keys[:1], payloads(1, RECORD))
+    own_server.stop()
+    assert done(tier.put(keys[1:], payloads(1, RECORD))).stored == (False,)
+    assert tier.stats().state is TierState.BACKING_OFF
+    with caplog.at_level(logging.INFO, logger="kvtier"):
+        assert done(tier.delete(keys)).deleted == (False, False)
+    assert tier.stats().state is TierState.BACKING_OFF
+    assert "answers again" not in caplog.text, "a delete sent nowhere is no answer"
 
 
 def test_a_longer_prefix_finds_a_shorter_one_stored_before(tiers: Callable[..., S3Tier]) -> None:
@@ -379,25 +383,18 @@ def test_throttling_is_retried_within_the_deadlines(
 
 
 def test_a_server_gone_gives_misses_and_drops_then_recovers(
-    server: MotoS3Server, bucket: str, tiers: Callable[..., S3Tier]
+    own_server: MotoS3Server, bucket: str, tiers: Callable[..., S3Tier]
 ) -> None:
-    own = MotoS3Server().start()
-    try:
-        own.create_bucket(bucket + "-own")
-        tier = tiers(
-            endpoint_url=own.url, bucket=bucket + "-own", timeout_s=0.5, reconnect_backoff_s=0.05
-        )
-        keys = tier.keys.keys(block_hashes("gone", 3))
-        records = payloads(3, RECORD)
-        store(tier, keys[:1], records[:1])
-        own.stop()
-        assert fetch(tier, keys[:1]) == [None]
-        assert done(tier.put(keys[1:2], records[1:2])).stored == (False,)
-        stats = tier.stats()
-        assert stats.errors.get("connection", 0) >= 2 and stats.drops == 1 and stats.misses == 1
-        own.start()  # the same port, empty: a replaced server keeps nothing here
-        own.create_bucket(bucket + "-own")
-        wait_until(lambda: done(tier.put(keys[2:], records[2:])).stored == (True,))
-        assert fetch(tier, keys) == [None, None, records[2]]
-    finally:
-        own.stop()
+    tier = tiers(endpoint_url=own_server.url, timeout_s=0.5, reconnect_backoff_s=0.05)
+    keys = tier.keys.keys(block_hashes("gone", 3))
+    records = payloads(3, RECORD)
+    store(tier, keys[:1], records[:1])
+    own_server.stop()
+    assert fetch(tier, keys[:1]) == [None]
+    assert done(tier.put(keys[1:2], records[1:2])).stored == (False,)
+    stats = tier.stats()
+    assert stats.errors.get("connection", 0) >= 2 and stats.drops == 1 and stats.misses == 1
+    own_server.start()  # the same port, empty: a replaced server keeps nothing here
+    own_server.create_bucket(bucket)
+    wait_until(lambda: done(tier.put(keys[2:], records[2:])).stored == (True,))
+    assert fetch(tier, keys) == [None, None, records[2]]
