@@ -467,6 +467,8 @@ class S3Tier(RemoteTier):
     def _remove(self, keys: Sequence[BlockKey]) -> list[bool]:
         found = self._search(keys, self._read_deadline(), table_only=False)
         objects = list({name_key: data for name_key, data, _ in found.values()}.items())
+        if not objects:  # the search asked nothing (backing off) or found nothing
+            return [False] * len(keys)
 
         def remove(item: tuple[BlockKey, bytes]) -> set[BlockKey]:
             name_key, data = item
@@ -478,8 +480,7 @@ class S3Tier(RemoteTier):
 
         done, failed = self._each(remove, objects)
         removed: set[BlockKey] = set().union(*(gone for _, gone in done))
-        if objects:  # else the search asked nothing (backing off) or found nothing
-            self._settle(failed, len(found) - len(removed))
+        self._settle(failed, len(found) - len(removed))
         return [key in removed for key in keys]
 
     def _rewrite(
