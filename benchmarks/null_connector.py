@@ -16,6 +16,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    SupportsHMA,
 )
 
 
@@ -23,8 +24,9 @@ class NullMetadata(KVConnectorMetadata):
     """Nothing to tell the workers."""
 
 
-class NullConnector(KVConnectorBase_V1):
-    """Matches no tokens, loads and saves nothing."""
+class NullConnector(KVConnectorBase_V1, SupportsHMA):
+    """Matches no tokens, loads and saves nothing. It declares hybrid-model support, as
+    kvtier's connector does, so that vLLM makes the same calls of both."""
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -33,6 +35,11 @@ class NullConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         pass
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return NullMetadata()

@@ -20,9 +20,11 @@ Each engine runs:
    token budget with prefill: ``max_num_batched_tokens / (4 * context)`` per step.
 
 Per step it records vLLM's ``schedule()`` + ``update_from_output()`` seconds
-in each engine, and in the kvtier and vLLM offloading engines the seconds of
-each scheduler-side connector call, the worker half's seconds in its calls and
-the blocks the step's connector metadata asks the workers to store or load. A
+in each engine; in the three engines with a connector, the seconds of each
+scheduler-side connector call and the worker half's seconds in its calls (the
+do-nothing connector's are the floor: what vLLM's calls cost a connector that
+answers at once); and in the kvtier and vLLM offloading engines the blocks the
+step's connector metadata asks the workers to store or load. A
 step is *quiet* when kvtier's plan asks the workers for nothing and they report
 nothing; *changed* requests are those a step starts, finishes, preempts or
 completes a block of. JSON goes to stdout; ``--plot`` draws cost against
@@ -53,8 +55,11 @@ from typing import Any
 from stats import median_ci
 
 ARMS = ("none", "null", "kvtier", "vllm_offload")
-CONNECTOR_ARMS = ("kvtier", "vllm_offload")
-"""The engines whose connector calls are timed and whose moved blocks are counted."""
+CONNECTOR_ARMS = ("null", "kvtier", "vllm_offload")
+"""The engines whose connector calls are timed: the do-nothing connector's are what any
+connector costs in the same calls, the floor under the others'."""
+MOVING_ARMS = ("kvtier", "vllm_offload")
+"""The engines whose moved blocks are counted."""
 NULL_CONNECTOR = ("NullConnector", "null_connector")
 SCHEDULER_CALLS = (
     "on_new_request",
@@ -124,19 +129,21 @@ class Engine:
         self.moved = (0, 0)
         """Blocks the last step's connector metadata asks the workers to store, and to load."""
         if arm in CONNECTOR_ARMS:
-            self._time_connector()
+            self._time_connector(counts_blocks=arm in MOVING_ARMS)
         self.ids: list[str] = []
         self.records: list[dict[str, Any]] = []
         self.measured_from = 0
         """How many of the engine's connector stats came before the measured steps."""
 
-    def _time_connector(self) -> None:
+    def _time_connector(self, counts_blocks: bool) -> None:
         from vllm_bench.patches import timed_by
 
         connector = self.steps.connector
         for name in SCHEDULER_CALLS:
             method = getattr(connector, name)
             setattr(connector, name, timed_by(method, self._recorder(name), self.steps.spec.clock))
+        if not counts_blocks:
+            return
         build = connector.build_connector_meta
 
         def build_and_count(scheduler_output: Any) -> Any:
@@ -176,6 +183,7 @@ class Engine:
             entry["worker_s"] = step_s["worker"]
             entry["calls"] = {name: sum(times) for name, times in calls.items()}
             entry["call_counts"] = {name: len(times) for name, times in calls.items()}
+        if self.arm in MOVING_ARMS:
             entry["stored"], entry["loaded"] = self.moved
         if self.arm == "kvtier":
             entry["quiet"] = output.kv_connector_metadata.plan.empty
@@ -394,13 +402,17 @@ def case_report(
     def scheduler_s(engine: Engine) -> list[float]:
         return [record["scheduler_s"] for record in engine.records]
 
-    connector_s = [sum(record["calls"].values()) for record in records]
-    kvtier_s = [c + record["worker_s"] for c, record in zip(connector_s, records, strict=True)]
-    offload_connector_s = [sum(record["calls"].values()) for record in offload.records]
-    offload_s = [
-        c + record["worker_s"]
-        for c, record in zip(offload_connector_s, offload.records, strict=True)
-    ]
+    def connector_s_of(engine: Engine) -> list[float]:
+        return [sum(record["calls"].values()) for record in engine.records]
+
+    def total_s_of(engine: Engine) -> list[float]:
+        return [
+            c + record["worker_s"]
+            for c, record in zip(connector_s_of(engine), engine.records, strict=True)
+        ]
+
+    connector_s, kvtier_s = connector_s_of(kvtier), total_s_of(kvtier)
+    offload_connector_s, offload_s = connector_s_of(offload), total_s_of(offload)
     added = [k - n for k, n in zip(scheduler_s(kvtier), scheduler_s(none), strict=True)]
     base = statistics.median(scheduler_s(none))
 
@@ -473,6 +485,12 @@ def case_report(
             "total_s": median_ci(offload_s),
             "calls": calls(offload),
         },
+        "null": {
+            "connector_s": split(connector_s_of(null)),
+            "worker_s": split([record["worker_s"] for record in null.records]),
+            "total_s": split(total_s_of(null)),
+            "calls": calls(null),
+        },
         "per_step": {
             "changed": changed,
             "quiet": quiet,
@@ -513,10 +531,14 @@ def growth_exponent(runs: Sequence[dict[str, Any]]) -> float | None:
 def goals(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Each goal's worst case over the runs, and whether it is met."""
     at_256 = [run["connector_fraction"] for run in runs if run["running"] == 256]
-    quiet = [run["kvtier_s"]["quiet"]["median"] for run in runs if run["kvtier_s"]["quiet"]["n"]]
+    quiet = [
+        (run["kvtier_s"]["quiet"]["median"], run["null"]["total_s"]["quiet"]["median"])
+        for run in runs
+        if run["kvtier_s"]["quiet"]["n"]
+    ]
     exponent = growth_exponent(runs)
     worst_256 = max(at_256) if at_256 else None
-    worst_quiet = max(quiet) if quiet else None
+    worst_quiet, worst_quiet_null = max(quiet) if quiet else (None, None)
     return {
         "targets": GOALS,
         "connector_fraction_at_256": worst_256,
@@ -525,6 +547,7 @@ def goals(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         else worst_256 <= GOALS["connector_fraction_at_256"],
         "quiet_step_s": worst_quiet,
         "quiet_step_met": None if worst_quiet is None else worst_quiet <= GOALS["quiet_step_s"],
+        "quiet_step_null_s": worst_quiet_null,
         "growth_exponent": exponent,
         "growth_met": None if exponent is None else exponent <= GOALS["growth_exponent"],
     }
@@ -701,7 +724,8 @@ def run_grid(args: argparse.Namespace) -> dict[str, Any]:
             per_block, whole = run["per_block_us"], run["run_per_block_us"]
             print(
                 f"{case.name()}: kvtier {run['kvtier_s']['all']['median'] * 1e6:.0f} us/step, "
-                f"added {run['added_fraction']:+.1%}; vLLM offloading "
+                f"added {run['added_fraction']:+.1%}; do-nothing connector "
+                f"{run['null']['total_s']['all']['median'] * 1e6:.0f} us/step; vLLM offloading "
                 f"{run['vllm_offload']['total_s']['median'] * 1e6:.0f} us/step; per block "
                 f"kvtier {_us(per_block['kvtier'])}, vLLM {_us(per_block['vllm_offload'])}; "
                 f"over the run kvtier {_run_us(whole['kvtier'])}, "

@@ -35,7 +35,7 @@ def test_the_quick_step_cost_run_times_all_four_engines_and_documents_its_fields
             assert arm["all"]["n"] == 8 and arm["all"]["median"] > 0
             low, high = arm["all"]["ci95"]
             assert low <= arm["all"]["median"] <= high
-        for calls in (row["calls"], row["vllm_offload"]["calls"]):
+        for calls in (row["calls"], row["vllm_offload"]["calls"], row["null"]["calls"]):
             for name in (
                 "build_connector_meta",
                 "update_connector_output",
@@ -45,6 +45,8 @@ def test_the_quick_step_cost_run_times_all_four_engines_and_documents_its_fields
         assert row["connector_s"]["all"]["median"] > 0
         assert row["worker_s"]["all"]["median"] > 0
         assert row["vllm_offload"]["worker_s"]["median"] > 0
+        assert row["null"]["connector_s"]["all"]["median"] > 0
+        assert row["null"]["worker_s"]["all"]["median"] > 0
         assert len(row["per_step"]["changed"]) == 8
         # every arrival stores its new blocks through both connectors, so each moves blocks
         for arm in ("kvtier", "vllm_offload"):
