@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -257,8 +258,9 @@ def counters(server: Server) -> dict[str, float]:
     return values
 
 
-def bench_serve(server: Server, dataset: str, load: Load) -> dict[str, Any]:
-    """One run of vLLM's benchmark client against ``server``; its result dictionary."""
+def bench_serve(server: Server, dataset: str, load: Load) -> tuple[dict[str, Any], list[str]]:
+    """One run of vLLM's benchmark client against ``server``: its result dictionary, and the
+    prompts it sent, in the order of the result's per-request lists."""
     from vllm.benchmarks import serve as bench
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -294,9 +296,49 @@ def bench_serve(server: Server, dataset: str, load: Load) -> dict[str, Any]:
             *dataset_args(dataset, load),
         ]
     )
-    with contextlib.redirect_stdout(sys.stderr):
-        result: dict[str, Any] = bench.main(args)
-    return result
+    prompts: list[str] = []
+    sample = bench.get_samples
+
+    def sample_and_keep(*sample_args: Any) -> Any:
+        samples = sample(*sample_args)
+        prompts.extend(request.prompt for request in samples)
+        return samples
+
+    bench.get_samples = sample_and_keep  # only to see the prompts; the client runs as it is
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            result: dict[str, Any] = bench.main(args)
+    finally:
+        bench.get_samples = sample
+    return result, prompts
+
+
+PREFIX_CHARACTERS = 64
+"""Characters at the start of a prompt that tell its prefix: the text of its first tokens,
+random in every prefix of both datasets and the same in every prompt that shares one."""
+
+
+def repeat_ttfts(
+    prompts: Sequence[str], ttfts: Sequence[float], errors: Sequence[str]
+) -> dict[str, Any]:
+    """TTFT apart for the prompts whose prefix an earlier prompt of the run used (the only
+    ones a prefix cache can serve: ``repeat``) and for the others (``first_use``), in ms:
+    ``count``, ``mean``, ``median`` over the requests that succeeded."""
+    seen: set[str] = set()
+    split: dict[str, list[float]] = {"repeat": [], "first_use": []}
+    for prompt, ttft, error in zip(prompts, ttfts, errors, strict=True):
+        prefix = prompt[:PREFIX_CHARACTERS]
+        if not error:
+            split["repeat" if prefix in seen else "first_use"].append(ttft * 1000)
+        seen.add(prefix)
+    return {
+        name: {
+            "count": len(values),
+            "mean": statistics.fmean(values) if values else None,
+            "median": statistics.median(values) if values else None,
+        }
+        for name, values in split.items()
+    }
 
 
 RUN_FIELDS = (
@@ -313,9 +355,13 @@ RUN_FIELDS = (
 def measure(server: Server, dataset: str, load: Load) -> dict[str, Any]:
     """The client's figures for one run, the counters it moved and its greedy texts."""
     before = counters(server)
-    result = bench_serve(server, dataset, load)
+    result, prompts = bench_serve(server, dataset, load)
     after = counters(server)
     run = {field: result[field] for field in RUN_FIELDS}
+    split = repeat_ttfts(prompts, result["ttfts"], result["errors"])
+    run["repeat_mean_ttft_ms"] = split["repeat"]["mean"]
+    run["repeat_median_ttft_ms"] = split["repeat"]["median"]
+    run["ttft_by_prefix_use"] = split
     run["failed"] = load.num_prompts - result["completed"]
     run["counters"] = {name: after[name] - before.get(name, 0.0) for name in after}
     run["generated_texts"] = result["generated_texts"]
@@ -325,13 +371,25 @@ def measure(server: Server, dataset: str, load: Load) -> dict[str, Any]:
 def ratios(
     runs: dict[str, list[dict[str, Any]]], field: str, arm: str, base: str
 ) -> dict[str, Any]:
-    """``arm`` / ``base`` of ``field``, per pair, with their median and a 95% interval."""
-    per_pair = [a[field] / b[field] for a, b in zip(runs[arm], runs[base], strict=True)]
+    """``arm`` / ``base`` of ``field``, per pair, with their median and a 95% interval (pairs
+    in which either is ``None``, such as runs without a repeated prefix, left out)."""
+    per_pair = [
+        a[field] / b[field]
+        for a, b in zip(runs[arm], runs[base], strict=True)
+        if a[field] is not None and b[field] is not None
+    ]
     interval = median_ci(per_pair)
     return {"pairs": per_pair, "median": interval["median"], "ci95": interval["ci95"]}
 
 
-RATIO_FIELDS = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "output_throughput")
+RATIO_FIELDS = (
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "repeat_mean_ttft_ms",
+    "repeat_median_ttft_ms",
+    "output_throughput",
+)
 
 HIT_COUNTERS = {
     "device_hit_tokens": "prefix_cache_hits_total",

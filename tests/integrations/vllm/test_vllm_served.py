@@ -185,6 +185,10 @@ def test_the_short_serving_benchmark_completes_every_prompt_with_the_same_greedy
         for arm in serve_bench.ARMS:
             (run,) = dataset["arms"][arm]
             assert (run["completed"], run["failed"]) == (4, 0), (name, arm, run)
+            # one prefix in both datasets: the first prompt uses it first, the others repeat it
+            by_use = run["ttft_by_prefix_use"]
+            assert (by_use["first_use"]["count"], by_use["repeat"]["count"]) == (1, 3), by_use
+            assert run["repeat_mean_ttft_ms"] == by_use["repeat"]["mean"] > 0
         assert dataset["same_greedy_text"] == {"kvtier": True}, name
         (ratio,) = dataset["over_vanilla"]["kvtier"]["output_throughput"]["pairs"]
         assert ratio > 0
