@@ -13,7 +13,8 @@ prefetch policy (``disk-wait_complete``, ``redis-off``, ...); ``--max-num-seqs``
 prefixes, each shared by several prompts; more prefixes than the device cache holds, so
 repeats come back from kvtier) and ``shared-prefix`` (random prompts behind one shared prefix,
 which stays in vLLM's own cache: what kvtier costs when it has nothing to add). The JSON report
-holds per arm and dataset the client's TTFT mean/median/p99 and throughput, where the hits came
+holds per arm and dataset the client's TTFT mean/median/p99 and throughput, the TTFT of the
+prompts that repeat an earlier prompt's prefix apart from the first uses, where the hits came
 from (vLLM's cache, the host tier, a lower tier, a prefetch) from the servers' metrics, each
 arm's ratios to vanilla (and, for the lower-tier arms, to the ``kvtier`` arm's host-tier hits)
 with a 95% interval over the pairs; greedy texts of every arm are compared with vanilla's.
