@@ -358,7 +358,8 @@ class OffloadManager:
             return None  # most steps
         ledger = self.ledger
         changes = self.counters.take_changes(
-            (ledger.num_planned, len(ledger.quarantine)), self.stats
+            (ledger.num_planned, len(ledger.quarantine)),
+            lambda: self.counters.gauges(self.setup.index.stats(), ledger.quarantined_slots),
         )
         self.quiet = self.idle
         return changes

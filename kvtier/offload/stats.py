@@ -531,8 +531,12 @@ class Counters:
         self.changes = 0
         """Grows whenever a counter may have changed: a record built at the same value
         holds the same counters."""
-        self._taken = OffloadStats()
         self._taken_mark: tuple[object, ...] = ()
+        self._taken_values = dict(self.values)
+        self._taken_gauges: dict[str, int] = {}
+        self._taken_tiers: dict[str, dict[str, int]] = {}
+        self._taken_tier_gauges: dict[str, dict[str, int]] = {}
+        self._taken_failures: Mapping[FailureCause, int] = {}
 
     @property
     def idle(self) -> bool:
@@ -578,30 +582,62 @@ class Counters:
         self.observed = False
         return observations
 
+    @staticmethod
+    def gauges(index_stats: IndexStats, quarantined_slots: int) -> dict[str, int]:
+        """The :data:`OFFLOAD_COUNTERS` gauges: the host tier's usage as ``index_stats``
+        counts it."""
+        return {
+            "capacity_blocks": index_stats.num_slots,
+            "used_blocks": index_stats.readable + index_stats.writing,
+            "quarantined_blocks": quarantined_slots,
+        }
+
     def record(self, index_stats: IndexStats, quarantined_slots: int) -> OffloadStats:
         """The cumulative record, with the host tier's usage as ``index_stats`` counts it."""
         return OffloadStats(
-            capacity_blocks=index_stats.num_slots,
-            used_blocks=index_stats.readable + index_stats.writing,
-            quarantined_blocks=quarantined_slots,
             failures=self.failures.counts,
             tiers={name: dict(counts) for name, counts in self.tiers.items()},
             tier_gauges={name: dict(gauges) for name, gauges in self.tier_gauges.items()},
+            **self.gauges(index_stats, quarantined_slots),
             **self.values,
         )
 
     def take_changes(
-        self, state: tuple[object, ...], record: Callable[[], OffloadStats]
+        self, state: tuple[object, ...], gauges: Callable[[], dict[str, int]]
     ) -> OffloadStats | None:
-        """What changed since the last call (``None`` if nothing did), from ``record()``.
+        """What changed since the last call (``None`` if nothing did): the record's
+        ``since()`` the last one's, with the gauges as ``gauges()`` gives them now.
 
         ``state`` is all else whose change may change a record (batches planned, the
-        quarantine); while it and the counters stay the same, no record is built.
+        quarantine); while it and the counters stay the same, nothing is compared. The
+        counters are compared with the last call's copy of them, so a step that changed
+        a few builds one record of what they gained, not two whole records.
         """
         mark = (self.changes, self.failures.total, *state)
         if mark == self._taken_mark:
             return None  # most steps
         self._taken_mark = mark
-        now = record()
-        last, self._taken = self._taken, now
-        return None if now == last else now.since(last)
+        values, last = self.values, self._taken_values
+        grown = {name: value - last[name] for name, value in values.items() if value != last[name]}
+        now = gauges()
+        taken_tiers = self._taken_tiers
+        tiers = {
+            name: gained
+            for name, counts in self.tiers.items()
+            if (gained := _grown(counts, taken_tiers.get(name, {})))
+        }
+        failures = self.failures.counts
+        failed = _grown(failures, self._taken_failures)
+        tier_gauges = self.tier_gauges
+        if not (grown or tiers or failed) and (
+            now == self._taken_gauges and tier_gauges == self._taken_tier_gauges
+        ):
+            return None
+        self._taken_values = dict(values)
+        self._taken_gauges = now
+        self._taken_tiers = {name: dict(counts) for name, counts in self.tiers.items()}
+        self._taken_tier_gauges = {name: dict(row) for name, row in tier_gauges.items()}
+        self._taken_failures = failures
+        return OffloadStats(
+            tiers=tiers, tier_gauges=self._taken_tier_gauges, failures=failed, **now, **grown
+        )
