@@ -617,8 +617,8 @@ class Counters:
         if mark == self._taken_mark:
             return None  # most steps
         self._taken_mark = mark
-        values, last = self.values, self._taken_values
-        grown = {name: value - last[name] for name, value in values.items() if value != last[name]}
+        values = self.values
+        grown = _grown(values, self._taken_values)
         now = gauges()
         taken_tiers = self._taken_tiers
         tiers = {
