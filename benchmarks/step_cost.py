@@ -406,10 +406,7 @@ def case_report(
         return [sum(record["calls"].values()) for record in engine.records]
 
     def total_s_of(engine: Engine) -> list[float]:
-        return [
-            c + record["worker_s"]
-            for c, record in zip(connector_s_of(engine), engine.records, strict=True)
-        ]
+        return [sum(record["calls"].values()) + record["worker_s"] for record in engine.records]
 
     connector_s, kvtier_s = connector_s_of(kvtier), total_s_of(kvtier)
     offload_connector_s, offload_s = connector_s_of(offload), total_s_of(offload)
